@@ -1,0 +1,63 @@
+"""Export a sits_lora adapter as a plain PEFT LoRA checkpoint (``peft_type: LORA``).
+
+Serving engines and stock PEFT know only LORA checkpoints. A sits_lora adapter keeps PEFT LoRA's
+parameter names and tensor layout, so the export is the same tensors under a LoraConfig without
+the sits_lora fields; stock PEFT loads it, without sits_lora imported, and gives the same outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from peft import LoraConfig, PeftModel
+from peft.utils import get_peft_model_state_dict
+from safetensors.torch import save_file
+
+from .config import SitsLoraConfig
+
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+
+
+def _sits_only_fields() -> set[str]:
+    return {f.name for f in dataclasses.fields(SitsLoraConfig)} - {f.name for f in dataclasses.fields(LoraConfig)}
+
+
+def to_plain_lora_config(config: SitsLoraConfig) -> LoraConfig:
+    """The LoraConfig that describes the same adapter for stock PEFT."""
+    if not isinstance(config, SitsLoraConfig):
+        raise TypeError(f"expected a SitsLoraConfig, got {type(config).__name__}")
+    kwargs = {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(LoraConfig)
+        if f.init and f.name not in ("peft_type", "runtime_config")
+    }
+    return LoraConfig(**kwargs)
+
+
+def export_peft_lora(model: PeftModel, path: str | os.PathLike, adapter_name: str = "default") -> str:
+    """Write ``adapter_name`` of ``model`` to ``path`` as a plain PEFT LoRA checkpoint; return the path.
+
+    The folder gets adapter_config.json (``peft_type: LORA``) and adapter_model.safetensors, and
+    loads with ``PeftModel.from_pretrained(base, path)`` in stock PEFT.
+    """
+    if not isinstance(model, PeftModel):
+        raise TypeError(
+            f"export_peft_lora expects the PeftModel returned by get_peft_model / PeftModel.from_pretrained, "
+            f"got {type(model).__name__}."
+        )
+    if adapter_name not in model.peft_config:
+        raise ValueError(
+            f"export_peft_lora: adapter_name={adapter_name!r} does not exist; the model has "
+            f"{sorted(model.peft_config)}."
+        )
+    config = model.peft_config[adapter_name]
+    plain = to_plain_lora_config(config)
+    plain.inference_mode = True
+    os.makedirs(path, exist_ok=True)
+    state_dict = get_peft_model_state_dict(model, adapter_name=adapter_name)
+    save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()},
+              os.path.join(path, ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
+    plain.save_pretrained(str(path))
+    return str(path)

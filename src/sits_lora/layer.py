@@ -1,0 +1,77 @@
+"""SitsLoraLinear: PEFT's LoRA ``Linear`` whose common path runs through sits_lora.ops.
+
+Parameter names, merge / unmerge, ``get_delta_weight``, mixed-batch ``adapter_names``, several
+adapters, DoRA and the other LoRA variants are PEFT's, inherited unchanged. Only the plain training
+and inference path (one active vanilla adapter over an ``nn.Linear``) is replaced by one call to
+``sits_lora.ops.lora_linear``, which computes the base GEMM and the LoRA branch together; every
+other case falls through to PEFT's own forward, so behaviour stays PEFT's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from peft.tuners.lora.layer import Linear as LoraLinear
+from torch import nn
+
+from . import ops
+
+
+class SitsLoraLinear(LoraLinear):
+    # Per-adapter state that PEFT's delete_adapter / set_adapter must carry along.
+    other_param_names = LoraLinear.other_param_names + ("sits_kernel",)
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config, r: int = 0, lora_alpha: int = 1, **kwargs):
+        self.sits_kernel: dict[str, str] = {}
+        super().__init__(base_layer, adapter_name, config=config, r=r, lora_alpha=lora_alpha, **kwargs)
+
+    def update_layer(self, adapter_name: str, r: int, lora_alpha: int, config, **kwargs) -> None:
+        target_name = kwargs.get("target_name") or "<this layer>"
+        smaller = min(self.in_features, self.out_features)
+        if r > smaller:
+            raise ValueError(
+                f"SitsLoraConfig.r={r} is larger than the smaller dimension ({smaller}) of layer "
+                f"'{target_name}' (in_features={self.in_features}, out_features={self.out_features}); "
+                f"a LoRA rank can be at most {smaller} there. Lower r, or set "
+                f"rank_pattern={{'{target_name.rsplit('.', 1)[-1]}': {smaller}}} for this layer."
+            )
+        super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
+        self.sits_kernel[adapter_name] = getattr(config, "kernel", "auto")
+
+    def _fused_adapter(self, args: tuple, kwargs: dict) -> str | None:
+        """The single active adapter the fused path can run, or None to use PEFT's forward."""
+        if self.disable_adapters or self.merged or args or kwargs.get("adapter_names") is not None:
+            return None
+        if any(v is not None for v in kwargs.values()):
+            return None
+        active = [a for a in self.active_adapters if a in self.lora_A]
+        if len(active) != 1:
+            return None
+        adapter = active[0]
+        base = self.base_layer
+        if (
+            adapter in self.lora_variant
+            or self.lora_bias[adapter]
+            or self.fan_in_fan_out
+            or type(base) is not nn.Linear
+            or base._forward_hooks
+            or base._forward_pre_hooks
+        ):
+            return None
+        return adapter
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        adapter = self._fused_adapter(args, kwargs)
+        if adapter is None:
+            return super().forward(x, *args, **kwargs)
+        base = self.base_layer
+        lora_A = self.lora_A[adapter].weight
+        kernel = ops.resolve_kernel(self.sits_kernel[adapter], x.device)
+        x_lora = self.lora_dropout[adapter](x)
+        return ops.lora_linear(
+            x, x_lora, base.weight, base.bias, lora_A, self.lora_B[adapter].weight, self.scaling[adapter], kernel
+        )
+
+    def __repr__(self) -> str:
+        return "sits_lora." + super().__repr__().removeprefix("lora.")

