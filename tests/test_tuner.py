@@ -43,9 +43,9 @@ def _run(model, inputs):
     return out.logits if hasattr(out, "logits") else out
 
 
-def _pair(factory, kwargs, dtype=torch.float32):
+def _pair(factory, kwargs, dtype=torch.float32, kernel="auto"):
     """(sits model, PEFT LoRA model) on identical base and adapter weights."""
-    sits = get_peft_model(factory(dtype=dtype), SitsLoraConfig(**kwargs))
+    sits = get_peft_model(factory(dtype=dtype), SitsLoraConfig(kernel=kernel, **kwargs))
     peft = get_peft_model(factory(dtype=dtype), LoraConfig(**kwargs))
     randomize_lora_weights(sits)
     peft.load_state_dict(sits.state_dict())
@@ -64,9 +64,10 @@ def test_injection_matches_peft(name, factory, kwargs):
     assert sits_trainable == peft_trainable
 
 
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
 @pytest.mark.parametrize("name,factory,kwargs", TEST_CASES, ids=CASE_IDS)
-def test_forward_and_every_gradient_equal_peft(name, factory, kwargs):
-    sits, peft = _pair(factory, kwargs)
+def test_forward_and_every_gradient_equal_peft(name, factory, kwargs, kernel):
+    sits, peft = _pair(factory, kwargs, kernel=kernel)
     sits.train()
     peft.train()
     inputs = _inputs(factory)
@@ -74,7 +75,7 @@ def test_forward_and_every_gradient_equal_peft(name, factory, kwargs):
     out_s = _run(sits, inputs)
     torch.manual_seed(11)
     out_p = _run(peft, inputs)
-    torch.testing.assert_close(out_s, out_p, rtol=1e-5, atol=1e-6)
+    assert rel_err(out_s, out_p) < 1e-6
     grad_out = torch.randn_like(out_s)
     out_s.backward(grad_out)
     out_p.backward(grad_out)

@@ -66,11 +66,14 @@ class SitsLoraLinear(LoraLinear):
         if adapter is None:
             return super().forward(x, *args, **kwargs)
         base = self.base_layer
-        lora_A = self.lora_A[adapter].weight
-        kernel = ops.resolve_kernel(self.sits_kernel[adapter], x.device)
-        x_lora = self.lora_dropout[adapter](x)
+        kernel = ops.resolve_kernel(self.sits_kernel[adapter], x)
+        if kernel == "triton" and (base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad)):
+            kernel = "torch"  # the fused kernels assume a frozen base (no dW / db); the reference computes them
+        dropout = self.lora_dropout[adapter]
+        x_lora = dropout(x) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else x
         return ops.lora_linear(
-            x, x_lora, base.weight, base.bias, lora_A, self.lora_B[adapter].weight, self.scaling[adapter], kernel
+            x, x_lora, base.weight, base.bias, self.lora_A[adapter].weight, self.lora_B[adapter].weight,
+            self.scaling[adapter], kernel,
         )
 
     def __repr__(self) -> str:

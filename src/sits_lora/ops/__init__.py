@@ -1,46 +1,230 @@
 """Kernels for the LoRA linear layer, and the choice between them.
 
-This package imports torch and triton only. ``reference`` is the plain PyTorch oracle and the
-CPU path; the Triton kernels live beside it.
+This package imports torch and triton only. ``reference`` is the plain PyTorch oracle and the CPU
+path; ``fused`` holds the Triton kernels. Here they become one torch custom op,
+``sits_lora::lora_linear`` (forward) with ``sits_lora::lora_linear_backward``, registered with
+``torch.library`` so that ``torch.compile`` sees one opaque node per layer instead of breaking the
+graph.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
+from torch import Tensor
 
 from .reference import lora_linear_reference, lora_linear_torch
 
-__all__ = ["lora_linear", "lora_linear_reference", "resolve_kernel", "KernelUnavailableError"]
+__all__ = [
+    "KernelUnavailableError",
+    "lora_linear",
+    "lora_linear_reference",
+    "resolve_kernel",
+    "set_gemm_backend",
+]
+
+KERNELS = ("auto", "triton", "torch")
 
 
 class KernelUnavailableError(RuntimeError):
     """The requested kernel cannot run on this machine."""
 
 
-def _triton_interpreter_on() -> bool:
+def triton_interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def resolve_kernel(requested: str, device: torch.device) -> str:
-    """Map SitsLoraConfig.kernel to the implementation that runs on ``device``.
+def resolve_kernel(requested: str, x: Tensor) -> str:
+    """The implementation SitsLoraConfig.kernel=requested runs for input x: "triton" or "torch".
 
-    "auto" is the fastest one available ("torch" today); "torch" always works; "triton" needs a
-    CUDA device, or the Triton interpreter (TRITON_INTERPRET=1) on the CPU.
+    "auto": Triton on CUDA for bf16 / fp16, the reference otherwise (fp32 on a GPU keeps exact
+    fp32 products; the reference is cuBLAS there). "triton": CUDA, or the CPU only under the Triton
+    interpreter (TRITON_INTERPRET=1, for tests). "torch": the reference, anywhere.
     """
-    if requested in ("auto", "torch"):
+    if requested == "torch":
         return "torch"
+    if requested == "auto":
+        return "triton" if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) else "torch"
     if requested == "triton":
+        if x.is_cuda or triton_interpreter_on():
+            return "triton"
         raise KernelUnavailableError(
-            "SitsLoraConfig.kernel='triton' is not available in this version of sits_lora; "
-            "use kernel='auto' or kernel='torch'."
+            f"SitsLoraConfig.kernel='triton' needs a CUDA GPU, but the input is on {x.device}. Use "
+            "kernel='auto' (Triton on GPU, the PyTorch reference on CPU) or kernel='torch'; to run the "
+            "Triton kernels on the CPU for testing, set TRITON_INTERPRET=1 before importing sits_lora."
         )
-    raise ValueError(f"SitsLoraConfig.kernel={requested!r} is invalid: allowed values are 'auto', 'triton', 'torch'.")
+    raise ValueError(f"SitsLoraConfig.kernel={requested!r} is invalid: allowed values are {', '.join(map(repr, KERNELS))}.")
 
 
-def lora_linear(x, x_lora, weight, bias, lora_A, lora_B, scaling: float, kernel: str = "torch"):
-    """y = x Wᵀ + b + s·(x_lora Aᵀ) Bᵀ with the chosen kernel (see ``reference`` for notation)."""
+# Which GEMM carries the base product: "cublas" (addmm epilogue) or "triton" (our GEMM with a fused
+# low-rank epilogue). Chosen per GPU by measurement; see bench/NOTES.md.
+_GEMM_BACKEND = os.environ.get("SITS_LORA_GEMM", "cublas")
+
+
+def set_gemm_backend(name: str) -> None:
+    """Select the GEMM behind the Triton path: "cublas" or "triton"."""
+    from .fused import GEMM_BACKENDS
+
+    if name not in GEMM_BACKENDS:
+        raise ValueError(f"gemm backend {name!r} is invalid: allowed values are {', '.join(map(repr, GEMM_BACKENDS))}")
+    global _GEMM_BACKEND
+    _GEMM_BACKEND = name
+
+
+def gemm_backend() -> str:
+    return _GEMM_BACKEND
+
+
+# ----------------------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("sits_lora::lora_linear", mutates_args=())
+def _lora_linear_op(
+    x: Tensor, x_lora: Optional[Tensor], weight: Tensor, bias: Optional[Tensor],
+    lora_A: Tensor, lora_B: Tensor, scaling: float, gemm: str,
+) -> tuple[Tensor, Tensor]:
+    from .fused import lora_linear_forward
+
+    K = x.shape[-1]
+    y, h = lora_linear_forward(
+        x.reshape(-1, K), None if x_lora is None else x_lora.reshape(-1, K),
+        weight, bias, lora_A, lora_B, scaling, gemm,
+    )
+    return y.view(*x.shape[:-1], weight.shape[0]), h
+
+
+@_lora_linear_op.register_fake
+def _(x, x_lora, weight, bias, lora_A, lora_B, scaling, gemm):
+    tokens = x.numel() // x.shape[-1]
+    return x.new_empty(*x.shape[:-1], weight.shape[0]), x.new_empty(tokens, lora_A.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("sits_lora::lora_linear_backward", mutates_args=())
+def _lora_linear_backward_op(
+    grad_out: Tensor, x: Optional[Tensor], x_lora: Optional[Tensor], weight: Tensor,
+    lora_A: Tensor, lora_B: Tensor, h: Tensor, scaling: float, gemm: str, need_dx: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dx_lora, dA, dB); an output that was not asked for is an empty tensor."""
+    from .fused import lora_linear_backward
+
+    N = grad_out.shape[-1]
+    K = weight.shape[1]
+    lead = grad_out.shape[:-1]
+    dx, dx_lora, dA, dB = lora_linear_backward(
+        grad_out.reshape(-1, N), None if x is None else x.reshape(-1, K),
+        None if x_lora is None else x_lora.reshape(-1, K),
+        weight, lora_A, lora_B, h, scaling, gemm, need_dx,
+    )
+    return (
+        grad_out.new_empty(0) if dx is None else dx.view(*lead, K),
+        grad_out.new_empty(0) if dx_lora is None else dx_lora.view(*lead, K),
+        dA.to(lora_A.dtype),
+        dB.to(lora_B.dtype),
+    )
+
+
+@_lora_linear_backward_op.register_fake
+def _(grad_out, x, x_lora, weight, lora_A, lora_B, h, scaling, gemm, need_dx):
+    lead = grad_out.shape[:-1]
+    K = weight.shape[1]
+    return (
+        grad_out.new_empty(*lead, K) if need_dx else grad_out.new_empty(0),
+        grad_out.new_empty(*lead, K) if x_lora is not None else grad_out.new_empty(0),
+        lora_A.new_empty(lora_A.shape),
+        lora_B.new_empty(lora_B.shape),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, x_lora, weight, bias, lora_A, lora_B, scaling, gemm = inputs
+    _, h = output
+    # Saved: the LoRA input once (x, or x_lora under dropout), the weights (no copies) and h (T x r).
+    ctx.save_for_backward(x if x_lora is None else None, x_lora, weight, lora_A, lora_B, h)
+    ctx.scaling = scaling
+    ctx.gemm = gemm
+
+
+def _backward(ctx, grad_y, grad_h):
+    x, x_lora, weight, lora_A, lora_B, h = ctx.saved_tensors
+    need_dx = ctx.needs_input_grad[0]
+    dx, dx_lora, dA, dB = _lora_linear_backward_op(
+        grad_y.contiguous(), x, x_lora, weight, lora_A, lora_B, h, ctx.scaling, ctx.gemm, need_dx
+    )
+    return (
+        dx if need_dx else None,
+        dx_lora if x_lora is not None else None,
+        None, None,
+        dA if ctx.needs_input_grad[4] else None,
+        dB if ctx.needs_input_grad[5] else None,
+        None, None,
+    )
+
+
+_lora_linear_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class LoraLinearFunction(torch.autograd.Function):
+    """The same forward and backward as the custom op, without the op dispatcher in between.
+
+    Eager mode calls this: torch.library's Python dispatch costs tens of microseconds per call,
+    which is not hidden behind a layer's GPU time when the layer is small. Under torch.compile the
+    custom op is used instead (dynamo needs an op it can put in the graph).
+    """
+
+    @staticmethod
+    def forward(ctx, x, x_lora, weight, bias, lora_A, lora_B, scaling, gemm):
+        from .fused import lora_linear_forward
+
+        K = x.shape[-1]
+        y, h = lora_linear_forward(
+            x.reshape(-1, K), None if x_lora is None else x_lora.reshape(-1, K),
+            weight, bias, lora_A, lora_B, scaling, gemm,
+        )
+        _setup_context(ctx, (x, x_lora, weight, bias, lora_A, lora_B, scaling, gemm), (None, h))
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        from .fused import lora_linear_backward
+
+        x, x_lora, weight, lora_A, lora_B, h = ctx.saved_tensors
+        need_dx = ctx.needs_input_grad[0]
+        N, K = weight.shape
+        lead = grad_y.shape[:-1]
+        dx, dx_lora, dA, dB = lora_linear_backward(
+            grad_y.reshape(-1, N), None if x is None else x.reshape(-1, K),
+            None if x_lora is None else x_lora.reshape(-1, K),
+            weight, lora_A, lora_B, h, ctx.scaling, ctx.gemm, need_dx,
+        )
+        return (
+            dx.view(*lead, K) if need_dx else None,
+            dx_lora.view(*lead, K) if dx_lora is not None else None,
+            None, None,
+            dA.to(lora_A.dtype) if ctx.needs_input_grad[4] else None,
+            dB.to(lora_B.dtype) if ctx.needs_input_grad[5] else None,
+            None, None,
+        )
+
+
+def lora_linear_triton(x, x_lora, weight, bias, lora_A, lora_B, scaling: float, gemm: Optional[str] = None) -> Tensor:
+    """The fused Triton path. x_lora None: the LoRA input is x (no dropout)."""
+    gemm = gemm or _GEMM_BACKEND
+    if torch.compiler.is_compiling():
+        y, _ = _lora_linear_op(x, x_lora, weight, bias, lora_A, lora_B, float(scaling), gemm)
+        return y
+    return LoraLinearFunction.apply(x, x_lora, weight, bias, lora_A, lora_B, float(scaling), gemm)
+
+
+def lora_linear(x, x_lora, weight, bias, lora_A, lora_B, scaling: float, kernel: str = "torch") -> Tensor:
+    """y = x Wᵀ + b + s·(x_lora Aᵀ) Bᵀ with the resolved kernel ("torch" or "triton").
+
+    Pass ``x_lora=x`` (the same tensor) when there is no dropout; the Triton path then fuses the
+    LoRA gradient into dx and keeps one saved activation.
+    """
     if kernel == "torch":
         return lora_linear_torch(x, x_lora, weight, bias, lora_A, lora_B, scaling)
+    if kernel == "triton":
+        return lora_linear_triton(x, None if x_lora is x else x_lora, weight, bias, lora_A, lora_B, scaling)
     raise KernelUnavailableError(f"unknown kernel {kernel!r}")

@@ -78,38 +78,48 @@ def lora_linear_backward_reference(
 class LoraLinearReferenceFunction(torch.autograd.Function):
     """The reference as an autograd Function with the explicit backward above.
 
-    Saves x_lora (for dA), h (for dB) and the weights; x itself only when W is trainable. When
-    x_lora is x (no dropout) autograd stores one tensor, not two.
+    ``x_lora`` None means the LoRA input is x itself (no dropout): one activation is saved and dx
+    carries both gradients. Saves the LoRA input (for dA), h (for dB) and the weights; x itself
+    again only when W is trainable.
     """
 
     @staticmethod
     def forward(ctx, x, x_lora, weight, bias, lora_A, lora_B, scaling):
+        lora_in = x if x_lora is None else x_lora
         x2 = x.reshape(-1, x.shape[-1])                                       # (T, d_in)
-        xl = x_lora.reshape(-1, x_lora.shape[-1]).to(lora_A.dtype)            # (T, d_in)
+        xl = lora_in.reshape(-1, lora_in.shape[-1]).to(lora_A.dtype)          # (T, d_in)
         base = F.linear(x2, weight, bias)                                     # (T, d_out)
         h = xl @ lora_A.t()                                                   # (T, r)
         out = (base + (h @ lora_B.t()) * scaling).to(base.dtype)
         ctx.scaling = scaling
         ctx.has_bias = bias is not None
-        ctx.x_lora_dtype = x_lora.dtype
-        ctx.save_for_backward(x if weight.requires_grad else None, x_lora, weight, lora_A, lora_B, h)
+        ctx.separate_lora_input = x_lora is not None
+        ctx.lora_in_dtype = lora_in.dtype
+        keep_x = weight.requires_grad and x_lora is not None
+        ctx.save_for_backward(x if keep_x else None, lora_in, weight, lora_A, lora_B, h)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, x_lora, weight, lora_A, lora_B, h = ctx.saved_tensors
+        x, lora_in, weight, lora_A, lora_B, h = ctx.saved_tensors
+        if x is None and not ctx.separate_lora_input:
+            x = lora_in
         s = ctx.scaling
+        lead = grad_out.shape[:-1]
         dy = grad_out.reshape(-1, grad_out.shape[-1])                # (T, d_out)
         dy_l = dy.to(lora_A.dtype)
         need_x, need_xl, need_w, need_b, need_a, need_bb, _ = ctx.needs_input_grad
+        need_lora_in = need_xl if ctx.separate_lora_input else need_x
         dx = dx_lora = dW = db = dA = dB = None
-        g = dy_l @ lora_B if (need_xl or need_a) else None            # (T, r)
+        g = dy_l @ lora_B if (need_lora_in or need_a) else None      # (T, r)
+        if need_lora_in:
+            dx_lora = ((s * g) @ lora_A).to(ctx.lora_in_dtype).reshape(*lead, lora_A.shape[1])
         if need_x:
-            dx = (dy @ weight).reshape(*grad_out.shape[:-1], weight.shape[1])
-        if need_xl:
-            dx_lora = ((s * g) @ lora_A).to(ctx.x_lora_dtype).reshape(*grad_out.shape[:-1], lora_A.shape[1])
+            dx = (dy @ weight).reshape(*lead, weight.shape[1])
+            if not ctx.separate_lora_input:
+                dx, dx_lora = dx + dx_lora, None
         if need_a:
-            xl = x_lora.reshape(-1, x_lora.shape[-1]).to(lora_A.dtype)
+            xl = lora_in.reshape(-1, lora_in.shape[-1]).to(lora_A.dtype)
             dA = (s * g).t() @ xl
         if need_bb:
             dB = (s * dy_l).t() @ h
@@ -121,5 +131,5 @@ class LoraLinearReferenceFunction(torch.autograd.Function):
 
 
 def lora_linear_torch(x, x_lora, weight, bias, lora_A, lora_B, scaling):
-    """The "torch" kernel: the reference Function."""
-    return LoraLinearReferenceFunction.apply(x, x_lora, weight, bias, lora_A, lora_B, scaling)
+    """The "torch" kernel: the reference Function. Pass x_lora=x (or None) when there is no dropout."""
+    return LoraLinearReferenceFunction.apply(x, None if x_lora is x else x_lora, weight, bias, lora_A, lora_B, scaling)

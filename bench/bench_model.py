@@ -1,0 +1,205 @@
+"""A whole training step on Llama-3 shapes: the frozen floor, PEFT and sits_lora, eager and compiled.
+
+    python bench/bench_model.py --model 1b          # GPU: Llama-3.2-1B shape, bs 4 x seq 2048, bf16
+    python bench/bench_model.py --model 8b
+    python bench/bench_model.py --model tiny --smoke  # CPU: checks the script in seconds
+
+Random bf16 weights, sdpa attention, LoRA r = 16, alpha 32, dropout 0 on q, k, v, o, gate, up,
+down; AdamW (fused) on the adapter. "frozen" = every weight frozen, the input embeddings require
+grad: the floor any LoRA step must pay. "The floor" is the faster of frozen eager and frozen
+compiled, measured in the same run. Each arm runs in its own process (clean memory statistics, no
+monkey-patching leaking between arms); the parent writes JSON, CSV and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from harness import print_table, write_results  # noqa: E402
+
+MODELS = {
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False, rope_theta=10000.0),
+}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ARMS = ["frozen", "frozen+compile", "peft", "peft+compile", "sits", "sits+compile"]
+OPTIONAL_ARMS = ["peft+liger", "sits+liger", "sits+gc", "peft+gc"]
+
+
+def build(model_name: str, arm: str, device: str, dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(MODELS[model_name])
+    rope_theta = cfg.pop("rope_theta")
+    config = LlamaConfig(**cfg, max_position_embeddings=8192, attn_implementation="sdpa")
+    config.rope_parameters = {"rope_type": "default", "rope_theta": rope_theta}
+    if "liger" in arm:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    model.config.use_cache = False
+    if "gc" in arm.split("+"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if arm.startswith("frozen"):
+        model.requires_grad_(False)
+        model.enable_input_require_grads()
+        return model, []
+    if arm.startswith("peft"):
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS))
+    else:
+        from peft import get_peft_model
+
+        from sits_lora import SitsLoraConfig
+
+        model = get_peft_model(model, SitsLoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS))
+    if "gc" in arm.split("+"):
+        model.enable_input_require_grads()
+    params = [p for p in model.parameters() if p.requires_grad]
+    with torch.no_grad():  # B = 0 at init; training has B != 0, and so does the benchmark
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    return model, params
+
+
+def worker(args) -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    batch, seq = (args.batch, args.seq) if not args.smoke else (2, 32)
+    model, params = build(args.model, args.arm, device, dtype)
+    model.train()
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda") if params else None
+    step_model = torch.compile(model) if "compile" in args.arm else model
+    gen = torch.Generator(device=device).manual_seed(1)
+    vocab = MODELS[args.model]["vocab_size"]
+    ids = torch.randint(0, vocab, (batch, seq), device=device, generator=gen)
+
+    def step():
+        loss = step_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    t0 = time.perf_counter()
+    for _ in range(args.warmup):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    warmup_s = time.perf_counter() - t0
+    times = []
+    for _ in range(args.steps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            loss = step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+        else:
+            t = time.perf_counter()
+            loss = step()
+            times.append(time.perf_counter() - t)
+    times.sort()
+    step_s = times[len(times) // 2]
+    row = {
+        "model": args.model, "arm": args.arm, "batch": batch, "seq": seq,
+        "step_s": step_s, "tokens_per_s": batch * seq / step_s,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        "warmup_s": warmup_s, "loss": float(loss), "trainable_params": sum(p.numel() for p in params),
+    }
+    print("RESULT " + json.dumps(row), flush=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="1b")
+    parser.add_argument("--arms", nargs="+", default=ARMS, help=f"from {ARMS + OPTIONAL_ARMS}")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--arm", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    rows = []
+    for arm in args.arms:
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--arm", arm, "--model", args.model,
+               "--batch", str(args.batch), "--seq", str(args.seq), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+        if args.smoke:
+            cmd.append("--smoke")
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            print(f"[{arm}] failed: {reason}", flush=True)
+            rows.append({"model": args.model, "arm": arm, "error": reason[-300:]})
+            continue
+        row = json.loads(lines[-1][len("RESULT "):])
+        row["wall_s"] = time.perf_counter() - t
+        rows.append(row)
+        print(f"[{arm}] {row['tokens_per_s']:,.0f} tokens/s, step {row['step_s'] * 1000:.1f} ms, "
+              f"peak {row['peak_gib'] or 0:.1f} GiB, wall {row['wall_s']:.0f} s", flush=True)
+    ok = [r for r in rows if "step_s" in r]
+    floors = [r["step_s"] for r in ok if r["arm"] in ("frozen", "frozen+compile")]
+    floor = min(floors) if floors else None
+    floor_mem = min((r["peak_gib"] for r in ok if r["arm"] in ("frozen", "frozen+compile") and r["peak_gib"]), default=None)
+    for r in ok:
+        r["vs_floor"] = r["step_s"] / floor if floor else None
+        r["peak_minus_floor_gib"] = r["peak_gib"] - floor_mem if (floor_mem and r["peak_gib"]) else None
+    name = f"model_{args.model}" + ("_smoke" if args.smoke else "")
+    paths = write_results(name, rows, args.out, {"command": "python bench/bench_model.py " + " ".join(argv or sys.argv[1:])})
+    print_table(ok, ["model", "arm", "tokens_per_s", "step_s", "vs_floor", "peak_gib", "peak_minus_floor_gib", "warmup_s"])
+    if ok:
+        _plot(ok, os.path.join(args.out, name + ".png"))
+    print("wrote", *paths)
+    return 0
+
+
+def _plot(rows, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.6))
+    names = [r["arm"] for r in rows]
+    ax1.barh(names, [r["tokens_per_s"] for r in rows], color=["#888" if n.startswith("frozen") else "#4a7" if n.startswith("sits") else "#c66" for n in names])
+    ax1.set_xlabel("tokens / s (higher is better)")
+    ax1.invert_yaxis()
+    ax2.barh(names, [r["peak_gib"] or 0 for r in rows], color="#67a")
+    ax2.set_xlabel("peak memory, GiB")
+    ax2.invert_yaxis()
+    fig.suptitle(f"Llama-3 {rows[0]['model']} shape, bs {rows[0]['batch']} x {rows[0]['seq']}, LoRA r16 on 7 projections")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

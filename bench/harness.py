@@ -1,0 +1,113 @@
+"""The one benchmark harness every script in bench/ uses.
+
+Timing: ``triton.testing.do_bench`` medians (CUDA events, warm-up first, many repeats), for
+forward, backward and full (forward + backward); peak memory from the CUDA allocator. Results:
+rows of dicts written as JSON and CSV with the GPU name, versions and git revision, so a number in
+the README can always be traced to a file and the command that made it.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import os
+import platform
+import subprocess
+from typing import Callable, Iterable, Optional
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+
+def environment() -> dict:
+    """GPU, versions and git revision: stamped on every result file."""
+    import peft
+    import transformers
+    import triton
+
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                                    capture_output=True, text=True).stdout.strip())
+    except OSError:
+        rev, dirty = "unknown", False
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "python": platform.python_version(),
+        "git_revision": rev + ("-dirty" if dirty else ""),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def median_ms(fn: Callable[[], object], warmup_ms: int = 100, rep_ms: int = 400) -> float:
+    """Median time of fn() in milliseconds (CUDA events via do_bench; a host timer on the CPU)."""
+    if torch.cuda.is_available():
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    import statistics
+    import time
+
+    fn()
+    times = []
+    deadline = time.perf_counter() + rep_ms / 1000
+    while time.perf_counter() < deadline or len(times) < 3:
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1000)
+    return statistics.median(times)
+
+
+def peak_memory_gib(fn: Callable[[], object]) -> Optional[float]:
+    """Peak allocated memory during fn(), in GiB above what was allocated before (None on the CPU)."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def write_results(name: str, rows: list[dict], out_dir: str, extra: Optional[dict] = None) -> tuple[str, str]:
+    """Write rows to <out_dir>/<name>.json (with the environment) and <name>.csv; return the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    env = environment()
+    json_path = os.path.join(out_dir, f"{name}.json")
+    with open(json_path, "w") as f:
+        json.dump({"environment": env, **(extra or {}), "rows": rows}, f, indent=2)
+    csv_path = os.path.join(out_dir, f"{name}.csv")
+    keys: list[str] = []
+    for row in rows:
+        keys.extend(k for k in row if k not in keys)
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys + ["gpu", "torch", "triton", "git_revision"])
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({**row, **{k: env[k] for k in ("gpu", "torch", "triton", "git_revision")}})
+    return json_path, csv_path
+
+
+def print_table(rows: Iterable[dict], columns: list[str]) -> None:
+    rows = list(rows)
+    cells = [[_fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:,.0f}"
+    return "" if v is None else str(v)

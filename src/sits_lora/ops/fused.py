@@ -1,0 +1,433 @@
+"""Triton kernels for the LoRA linear layer, and their launchers.
+
+Notation as in ``reference``: x (T, K) the input, W (N, K) the frozen weight, A (R, K), B (N, R),
+s the scaling, h = x Aᵀ (T, R), g = dy B (T, R). R is the LoRA rank (or the summed ranks of
+sibling layers that share x).
+
+Where the time goes. The base layer's two GEMMs (forward x Wᵀ, backward dy W) are compute-bound
+and are the floor. The LoRA arithmetic is 2·R·(K+N)/(K·N) of it (under 1 % at R=16, K=N=4096);
+what costs is every extra pass over x (T·K), dy and the output (T·N). The kernels here make the
+fewest passes we know how to make:
+
+    forward   shrink: one read of x -> h.  Then one of two GEMM paths:
+              "triton": a GEMM whose epilogue adds s·h Bᵀ (+ bias) to each output tile: no extra
+                        pass over the output at all.
+              "cublas": expand writes C = s·h Bᵀ + bias once, cuBLAS computes C += x Wᵀ in place
+                        (its epilogue reads C): one write and one read of the output.
+    backward  dy pass: one read of dy -> g and dB (partial sums per token block, no atomics, so
+                        results are deterministic).
+              dX:      "triton": GEMM dy W with epilogue s·g A.  "cublas": the x pass writes
+                        s·g A, cuBLAS adds dy W in place.
+              x pass:  one read of x -> dA (and, for "cublas" or with dropout, s·g A).
+
+Every kernel accumulates in fp32 and loads fp32 master adapter weights, casting them to the
+activation dtype for the tensor-core dot (bf16/fp16) or keeping fp32 ("ieee") for fp32 inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import tuning
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _block_r(r: int) -> int:
+    # tl.dot needs every dimension >= 16; ranks that are not powers of two are masked.
+    return max(16, triton.next_power_of_2(r))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 activations: exact fp32 products (the interpreter tests compare at 1e-5);
+    # bf16 / fp16: the inputs are cast to the activation dtype, precision flag unused.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _tl_dtype(dtype: torch.dtype):
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+# ----------------------------------------------------------------------------- shrink: h = x Aᵀ
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    x_ptr, a_ptr, h_ptr,
+    T, K, R,
+    stride_xt, stride_xk, stride_ar, stride_ak, stride_ht, stride_hr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        x = tl.load(x_ptr + offs_t[:, None] * stride_xt + k[None, :] * stride_xk,
+                    mask=(offs_t[:, None] < T) & (k[None, :] < K), other=0.0)             # (BT, BK)
+        a = tl.load(a_ptr + k[:, None] * stride_ak + offs_r[None, :] * stride_ar,
+                    mask=(k[:, None] < K) & (offs_r[None, :] < R), other=0.0)             # (BK, BR)
+        acc = tl.dot(x, a.to(x.dtype), acc, input_precision=DOT_PRECISION)
+    tl.store(h_ptr + offs_t[:, None] * stride_ht + offs_r[None, :] * stride_hr, acc,
+             mask=(offs_t[:, None] < T) & (offs_r[None, :] < R))
+
+
+def lora_shrink(x: torch.Tensor, lora_A: torch.Tensor, config: Optional[dict] = None) -> torch.Tensor:
+    """h = x Aᵀ in fp32. x (T, K) any strides, A (R, K)."""
+    T, K = x.shape
+    R = lora_A.shape[0]
+    h = torch.empty((T, R), device=x.device, dtype=torch.float32)
+    BLOCK_R = _block_r(R)
+    cfg = config or tuning.config_for("shrink", x.device, (K, BLOCK_R), x.dtype)
+    _lora_shrink_kernel[(triton.cdiv(T, cfg["BLOCK_T"]),)](
+        x, lora_A, h, T, K, R,
+        x.stride(0), x.stride(1), lora_A.stride(0), lora_A.stride(1), h.stride(0), h.stride(1),
+        BLOCK_R=BLOCK_R, DOT_PRECISION=_dot_precision(x.dtype), **cfg,
+    )
+    return h
+
+
+# ----------------------------------------------------------------------------- expand: C = s·h Bᵀ + bias
+
+
+@triton.jit
+def _lora_expand_kernel(
+    h_ptr, b_ptr, bias_ptr, c_ptr,
+    T, N, R, scale,
+    stride_ht, stride_hr, stride_bn, stride_br, stride_ct, stride_cn,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    h = tl.load(h_ptr + offs_t[:, None] * stride_ht + offs_r[None, :] * stride_hr,
+                mask=(offs_t[:, None] < T) & (offs_r[None, :] < R), other=0.0)            # (BT, BR) fp32
+    b = tl.load(b_ptr + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
+                mask=(offs_r[:, None] < R) & (offs_n[None, :] < N), other=0.0)            # (BR, BN)
+    acc = tl.dot(h, b.to(tl.float32), input_precision=DOT_PRECISION) * scale
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(c_ptr + offs_t[:, None] * stride_ct + offs_n[None, :] * stride_cn,
+             acc.to(c_ptr.dtype.element_ty), mask=(offs_t[:, None] < T) & (offs_n[None, :] < N))
+
+
+def lora_expand(h: torch.Tensor, lora_B: torch.Tensor, scale: float, bias: Optional[torch.Tensor],
+                out_dtype: torch.dtype, config: Optional[dict] = None) -> torch.Tensor:
+    """C = s·h Bᵀ + bias, in out_dtype. h (T, R) fp32, B (N, R)."""
+    T, R = h.shape
+    N = lora_B.shape[0]
+    c = torch.empty((T, N), device=h.device, dtype=out_dtype)
+    BLOCK_R = _block_r(R)
+    cfg = config or tuning.config_for("expand", h.device, (N, BLOCK_R), out_dtype)
+    grid = (triton.cdiv(T, cfg["BLOCK_T"]), triton.cdiv(N, cfg["BLOCK_N"]))
+    _lora_expand_kernel[grid](
+        h, lora_B, bias if bias is not None else h, c, T, N, R, scale,
+        h.stride(0), h.stride(1), lora_B.stride(0), lora_B.stride(1), c.stride(0), c.stride(1),
+        HAS_BIAS=bias is not None, BLOCK_R=BLOCK_R, DOT_PRECISION=_dot_precision(out_dtype), **cfg,
+    )
+    return c
+
+
+# ----------------------------------------------------------------------------- GEMM + low-rank epilogue
+
+
+@triton.jit
+def _lora_gemm_kernel(
+    a_ptr, b_ptr, out_ptr, l_ptr, r_ptr, bias_ptr,
+    M, N, K, R, scale,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on,
+    stride_lm, stride_lr, stride_rr, stride_rn,
+    HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """out = a b + s·L Rw + bias; a (M, K), b (K, N), L (M, R) fp32, Rw (R, N)."""
+    # 1. tile order grouped along M so that consecutive programs reuse b tiles in L2
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    group_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_m
+    pid_n = (pid % in_group) // group_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # 2. the base product
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :] * stride_ak,
+                    mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+                    mask=(k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    # 3. epilogue: the low-rank term and the bias, added while the tile is in registers
+    if HAS_LORA:
+        offs_r = tl.arange(0, BLOCK_R)
+        lo = tl.load(l_ptr + offs_m[:, None] * stride_lm + offs_r[None, :] * stride_lr,
+                     mask=(offs_m[:, None] < M) & (offs_r[None, :] < R), other=0.0)
+        ro = tl.load(r_ptr + offs_r[:, None] * stride_rr + offs_n[None, :] * stride_rn,
+                     mask=(offs_r[:, None] < R) & (offs_n[None, :] < N), other=0.0)
+        # accumulate into acc: a separate (BLOCK_M, BLOCK_N) product would double the registers
+        acc = tl.dot(lo.to(tl.float32) * scale, ro.to(tl.float32), acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+             acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def _gemm_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
+    if dtype == torch.float32:
+        return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=2)
+    # Hopper-sized tiles for bf16 / fp16; `sits-lora compile` can tune them per shape.
+    return dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def lora_gemm(a: torch.Tensor, b: torch.Tensor, lora_left: Optional[torch.Tensor], lora_right: Optional[torch.Tensor],
+              scale: float, bias: Optional[torch.Tensor], out_dtype: torch.dtype,
+              config: Optional[dict] = None) -> torch.Tensor:
+    """a (M, K) @ b (K, N) + s·L (M, R) @ Rw (R, N) + bias, any strides, out (M, N) contiguous."""
+    M, K = a.shape
+    N = b.shape[1]
+    out = torch.empty((M, N), device=a.device, dtype=out_dtype)
+    cfg = dict(config or _gemm_config(M, N, K, a.dtype))
+    has_lora = lora_left is not None
+    R = lora_left.shape[1] if has_lora else 0
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    dummy = a
+    _lora_gemm_kernel[grid](
+        a, b, out, lora_left if has_lora else dummy, lora_right if has_lora else dummy,
+        bias if bias is not None else dummy,
+        M, N, K, R, scale,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+        lora_left.stride(0) if has_lora else 0, lora_left.stride(1) if has_lora else 0,
+        lora_right.stride(0) if has_lora else 0, lora_right.stride(1) if has_lora else 0,
+        HAS_LORA=has_lora, HAS_BIAS=bias is not None, BLOCK_R=_block_r(max(R, 1)),
+        DOT_PRECISION=_dot_precision(a.dtype), **cfg,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------- backward: the dy pass
+
+
+@triton.jit
+def _lora_dy_pass_kernel(
+    dy_ptr, b_ptr, h_ptr, g_part_ptr, db_part_ptr,
+    T, N, R, N_PER_SPLIT, scale,
+    stride_dyt, stride_dyn, stride_bn, stride_br, stride_ht, stride_hr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One read of dy: g partials (per N split) and dB partials (per token block).
+
+    g_part[split, t, r]   = Σ_{n in split} dy[t, n] B[n, r]
+    db_part[tblock, n, r] = s · Σ_{t in tblock} dy[t, n] h[t, r]
+    """
+    pid_t = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_nb = tl.arange(0, BLOCK_N)
+    h = tl.load(h_ptr + offs_t[:, None] * stride_ht + offs_r[None, :] * stride_hr,
+                mask=(offs_t[:, None] < T) & (offs_r[None, :] < R), other=0.0) * scale    # (BT, BR) fp32
+    g = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+    n_start = pid_s * N_PER_SPLIT
+    n_stop = tl.minimum(n_start + N_PER_SPLIT, N)
+    for n0 in range(n_start, n_stop, BLOCK_N):
+        n = n0 + offs_nb
+        n_ok = n < n_stop
+        dy = tl.load(dy_ptr + offs_t[:, None] * stride_dyt + n[None, :] * stride_dyn,
+                     mask=(offs_t[:, None] < T) & n_ok[None, :], other=0.0)               # (BT, BN)
+        b = tl.load(b_ptr + n[:, None] * stride_bn + offs_r[None, :] * stride_br,
+                    mask=n_ok[:, None] & (offs_r[None, :] < R), other=0.0)                # (BN, BR)
+        g = tl.dot(dy, b.to(dy.dtype), g, input_precision=DOT_PRECISION)
+        db = tl.dot(tl.trans(dy), h.to(dy.dtype), input_precision=DOT_PRECISION)         # (BN, BR)
+        tl.store(db_part_ptr + pid_t * N * R + n[:, None] * R + offs_r[None, :], db,
+                 mask=n_ok[:, None] & (offs_r[None, :] < R))
+    tl.store(g_part_ptr + pid_s * T * R + offs_t[:, None] * R + offs_r[None, :], g,
+             mask=(offs_t[:, None] < T) & (offs_r[None, :] < R))
+
+
+def lora_dy_pass(dy: torch.Tensor, lora_B: torch.Tensor, h: torch.Tensor, scale: float, config: Optional[dict] = None):
+    """(g, dB) from one read of dy: g = dy B (T, R) fp32, dB = s·dyᵀ h (N, R) fp32."""
+    T, N = dy.shape
+    R = h.shape[1]
+    BLOCK_R = _block_r(R)
+    # dB partials cost (T / BLOCK_T)·N·R·4 bytes: a tall token block keeps them small against dy.
+    cfg = config or tuning.config_for("dy_pass", dy.device, (N, BLOCK_R), dy.dtype)
+    BLOCK_T, BLOCK_N = cfg["BLOCK_T"], cfg["BLOCK_N"]
+    t_blocks = triton.cdiv(T, BLOCK_T)
+    # Enough programs to keep every SM streaming dy: split N when there are few token blocks.
+    splits = max(1, min(triton.cdiv(N, BLOCK_N), triton.cdiv(264, t_blocks)))
+    n_per_split = triton.cdiv(triton.cdiv(N, splits), BLOCK_N) * BLOCK_N
+    splits = triton.cdiv(N, n_per_split)
+    g_part = torch.empty((splits, T, R), device=dy.device, dtype=torch.float32)
+    db_part = torch.empty((t_blocks, N, R), device=dy.device, dtype=torch.float32)
+    _lora_dy_pass_kernel[(t_blocks, splits)](
+        dy, lora_B, h, g_part, db_part, T, N, R, n_per_split, scale,
+        dy.stride(0), dy.stride(1), lora_B.stride(0), lora_B.stride(1), h.stride(0), h.stride(1),
+        BLOCK_R=BLOCK_R, DOT_PRECISION=_dot_precision(dy.dtype), **cfg,
+    )
+    g = g_part[0] if splits == 1 else g_part.sum(0)
+    return g, db_part[0] if t_blocks == 1 else db_part.sum(0)
+
+
+# ----------------------------------------------------------------------------- backward: the x pass
+
+
+@triton.jit
+def _lora_x_pass_kernel(
+    x_ptr, a_ptr, g_ptr, da_part_ptr, dx_ptr,
+    T, K, R, T_PER_SPLIT, scale,
+    stride_xt, stride_xk, stride_ar, stride_ak, stride_gt, stride_gr, stride_dxt, stride_dxk,
+    WRITE_DX: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One read of x: dA partials per token split, and optionally dx_lora = s·g A.
+
+    da_part[split, r, k] = s · Σ_{t in split} g[t, r] x[t, k]
+    """
+    pid_s = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_tb = tl.arange(0, BLOCK_T)
+    k_ok = offs_k < K
+    r_ok = offs_r < R
+    if WRITE_DX:
+        a = tl.load(a_ptr + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak,
+                    mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)        # (BR, BK)
+    da = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+    t_start = pid_s * T_PER_SPLIT
+    t_stop = tl.minimum(t_start + T_PER_SPLIT, T)
+    for t0 in range(t_start, t_stop, BLOCK_T):
+        offs_t = t0 + offs_tb
+        t_ok = offs_t < t_stop
+        x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xk,
+                    mask=t_ok[:, None] & k_ok[None, :], other=0.0)                        # (BT, BK)
+        g = tl.load(g_ptr + offs_t[:, None] * stride_gt + offs_r[None, :] * stride_gr,
+                    mask=t_ok[:, None] & r_ok[None, :], other=0.0)                        # (BT, BR) fp32
+        da = tl.dot(tl.trans(g.to(x.dtype)), x, da, input_precision=DOT_PRECISION)
+        if WRITE_DX:
+            dx = tl.dot(g, a, input_precision=DOT_PRECISION) * scale
+            tl.store(dx_ptr + offs_t[:, None] * stride_dxt + offs_k[None, :] * stride_dxk,
+                     dx.to(dx_ptr.dtype.element_ty), mask=t_ok[:, None] & k_ok[None, :])
+    tl.store(da_part_ptr + pid_s * R * K + offs_r[:, None] * K + offs_k[None, :], da * scale,
+             mask=r_ok[:, None] & k_ok[None, :])
+
+
+def lora_x_pass(x: torch.Tensor, lora_A: torch.Tensor, g: torch.Tensor, scale: float, write_dx: bool,
+                config: Optional[dict] = None):
+    """(dA, dx_lora or None): dA = s·gᵀ x (R, K) fp32; dx_lora = s·g A (T, K) in x's dtype."""
+    T, K = x.shape
+    R = g.shape[1]
+    BLOCK_R = _block_r(R)
+    cfg = config or tuning.config_for("x_pass", x.device, (K, BLOCK_R), x.dtype)
+    BLOCK_T, BLOCK_K = cfg["BLOCK_T"], cfg["BLOCK_K"]
+    k_blocks = triton.cdiv(K, BLOCK_K)
+    # About four programs per SM of an H100/H200 (132 SMs) in all, each summing its own token range:
+    # a few partial sums of dA instead of one per token block.
+    splits = max(1, min(triton.cdiv(T, BLOCK_T), triton.cdiv(528, k_blocks)))
+    t_per_split = triton.cdiv(triton.cdiv(T, splits), BLOCK_T) * BLOCK_T
+    splits = triton.cdiv(T, t_per_split)
+    da_part = torch.empty((splits, R, K), device=x.device, dtype=torch.float32)
+    dx = torch.empty((T, K), device=x.device, dtype=x.dtype) if write_dx else None
+    _lora_x_pass_kernel[(splits, k_blocks)](
+        x, lora_A, g, da_part, dx if write_dx else x, T, K, R, t_per_split, scale,
+        x.stride(0), x.stride(1), lora_A.stride(0), lora_A.stride(1), g.stride(0), g.stride(1),
+        dx.stride(0) if write_dx else 0, dx.stride(1) if write_dx else 0,
+        WRITE_DX=write_dx, BLOCK_R=BLOCK_R, DOT_PRECISION=_dot_precision(x.dtype), **cfg,
+    )
+    return (da_part[0] if splits == 1 else da_part.sum(0)), dx
+
+
+# ----------------------------------------------------------------------------- the layer, forward and backward
+
+GEMM_BACKENDS = ("cublas", "triton")
+
+
+def lora_linear_forward(x, x_lora, weight, bias, lora_A, lora_B, scale: float, gemm: str):
+    """(y, h) for 2-D x (T, K): y = x Wᵀ + b + s·(x_lora Aᵀ) Bᵀ, h = x_lora Aᵀ (fp32).
+
+    x_lora None means the LoRA input is x itself (no dropout).
+    """
+    h = lora_shrink(x if x_lora is None else x_lora, lora_A)
+    if gemm == "triton":
+        y = lora_gemm(x, weight.t(), h, lora_B.t(), scale, bias, x.dtype)
+    else:
+        y = lora_expand(h, lora_B, scale, bias, x.dtype)
+        y.addmm_(x, weight.t())          # cuBLAS with beta = 1: the epilogue reads C, no extra pass
+    return y, h
+
+
+def lora_linear_backward(dy, x, x_lora, weight, lora_A, lora_B, h, scale: float, gemm: str, need_dx: bool):
+    """(dx, dx_lora, dA, dB) for 2-D tensors; dx_lora is None unless x_lora is given, dx None unless needed."""
+    g, dB = lora_dy_pass(dy, lora_B, h, scale)
+    dx = dx_lora = None
+    if x_lora is not None:
+        # dropout: the LoRA gradient belongs to x_lora, autograd applies the mask and adds it to dx
+        dA, dx_lora = lora_x_pass(x_lora, lora_A, g, scale, write_dx=True)
+        if need_dx:
+            dx = lora_gemm(dy, weight, None, None, 0.0, None, dy.dtype) if gemm == "triton" else dy @ weight
+    elif gemm == "triton":
+        dA, _ = lora_x_pass(x, lora_A, g, scale, write_dx=False)
+        if need_dx:
+            dx = lora_gemm(dy, weight, g, lora_A, scale, None, dy.dtype)
+    else:
+        dA, dx = lora_x_pass(x, lora_A, g, scale, write_dx=need_dx)
+        if need_dx:
+            dx.addmm_(dy, weight)
+    return dx, dx_lora, dA, dB
+
+
+def tune_layer_kernels(K: int, N: int, R: int, dtype: torch.dtype, device, tokens: int = 8192, save: bool = True,
+                       skip: Optional[set] = None) -> dict:
+    """Measure every launch configuration of the four side kernels for one layer shape on this GPU.
+
+    Returns {kernel: {"best": config, "best_ms": ..., "default_ms": ...}}; the choices go to the
+    on-disk cache that training reads (sits_lora.ops.tuning). Keys in ``skip`` (kernel, dims) are
+    not measured again; measured ones are added to it.
+    """
+    T = tokens
+    x = torch.randn(T, K, device=device, dtype=dtype)
+    dy = torch.randn(T, N, device=device, dtype=dtype)
+    A = torch.randn(R, K, device=device) / K**0.5
+    B = torch.randn(N, R, device=device) / R**0.5
+    h = lora_shrink(x, A)
+    g, _ = lora_dy_pass(dy, B, h, 1.0)
+    block_r = _block_r(R)
+    runs = {
+        "shrink": ((K, block_r), lambda cfg: lora_shrink(x, A, config=cfg)),
+        "expand": ((N, block_r), lambda cfg: lora_expand(h, B, 1.0, None, dtype, config=cfg)),
+        "dy_pass": ((N, block_r), lambda cfg: lora_dy_pass(dy, B, h, 1.0, config=cfg)),
+        "x_pass": ((K, block_r), lambda cfg: lora_x_pass(x, A, g, 1.0, True, config=cfg)),
+    }
+    report = {}
+    for kernel, (dims, run) in runs.items():
+        if skip is not None:
+            if (kernel, dims) in skip:
+                continue
+            skip.add((kernel, dims))
+        best, timings = tuning.tune(kernel, torch.device(device), dims, dtype, run, save=save)
+        default = tuning.CONFIG_SPACE[kernel][0]
+        report[kernel] = {
+            "dims": list(dims),
+            "best": best,
+            "best_ms": min(ms for ms, _ in timings),
+            "default_ms": next((ms for ms, cfg in timings if cfg == default), None),
+            "configs_tried": len(timings),
+        }
+    return report

@@ -1,0 +1,127 @@
+"""Launch configurations of the Triton kernels: measured per GPU, cached on disk.
+
+Each memory-bound kernel (shrink, expand, dy pass, x pass) has a small space of block sizes,
+warps and pipeline stages. ``tune`` measures them for a layer shape on the current GPU and stores
+the fastest in a JSON cache keyed by GPU name, kernel, shape, dtype and the torch / triton versions,
+so training starts without tuning and a second tuning run reuses the cache. Without an entry the
+kernels use the defaults below (measured on an H200, bench/NOTES.md), and the interpreter uses
+small blocks that keep CPU tests fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Callable, Iterable, Optional
+
+import torch
+import triton
+
+# Candidate configurations. The first entry of each list is the default on a GPU.
+CONFIG_SPACE: dict[str, list[dict]] = {
+    "shrink": [
+        dict(BLOCK_T=64, BLOCK_K=128, num_warps=4, num_stages=4),
+        *[dict(BLOCK_T=bt, BLOCK_K=bk, num_warps=w, num_stages=s)
+          for bt in (32, 64, 128) for bk in (64, 128, 256) for w, s in ((4, 3), (8, 4))],
+    ],
+    "expand": [
+        dict(BLOCK_T=64, BLOCK_N=128, num_warps=4, num_stages=1),
+        *[dict(BLOCK_T=bt, BLOCK_N=bn, num_warps=4, num_stages=1) for bt in (32, 64, 128) for bn in (64, 128, 256)],
+    ],
+    "dy_pass": [
+        dict(BLOCK_T=256, BLOCK_N=32, num_warps=8, num_stages=3),
+        *[dict(BLOCK_T=bt, BLOCK_N=bn, num_warps=w, num_stages=3)
+          for bt in (64, 128, 256) for bn in (32, 64, 128) for w in (4, 8)],
+    ],
+    "x_pass": [
+        dict(BLOCK_T=64, BLOCK_K=128, num_warps=4, num_stages=3),
+        *[dict(BLOCK_T=bt, BLOCK_K=bk, num_warps=w, num_stages=3)
+          for bt in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8)],
+    ],
+}
+
+# Small blocks for the Triton interpreter and fp32 (tests): one config, no tuning.
+INTERPRETER_CONFIG = {
+    "shrink": dict(BLOCK_T=32, BLOCK_K=32, num_warps=4, num_stages=1),
+    "expand": dict(BLOCK_T=32, BLOCK_N=32, num_warps=4, num_stages=1),
+    "dy_pass": dict(BLOCK_T=32, BLOCK_N=32, num_warps=4, num_stages=1),
+    "x_pass": dict(BLOCK_T=32, BLOCK_K=32, num_warps=4, num_stages=1),
+}
+
+_lock = threading.Lock()
+_cache: Optional[dict] = None
+
+
+def cache_path() -> str:
+    root = os.environ.get("SITS_LORA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "sits_lora")
+    return os.environ.get("SITS_LORA_TUNING_CACHE") or os.path.join(root, "kernel_configs.json")
+
+
+def _packaged_path() -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned_configs.json")
+
+
+def _load() -> dict:
+    global _cache
+    with _lock:
+        if _cache is None:
+            merged: dict = {}
+            for path in (_packaged_path(), cache_path()):  # the user's own measurements win
+                if os.path.exists(path):
+                    try:
+                        with open(path) as f:
+                            merged.update(json.load(f))
+                    except (OSError, json.JSONDecodeError):
+                        pass  # a damaged cache must not stop training; defaults apply
+            _cache = merged
+        return _cache
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def config_key(kernel: str, device: torch.device, dims: tuple, dtype: torch.dtype) -> str:
+    dims_text = "x".join(str(d) for d in dims)
+    return f"{_device_name(device)}|{kernel}|{dims_text}|{str(dtype).removeprefix('torch.')}|torch{torch.__version__.split('+')[0]}|triton{triton.__version__}"
+
+
+def config_for(kernel: str, device: torch.device, dims: tuple, dtype: torch.dtype) -> dict:
+    """The launch configuration for ``kernel`` on ``device`` at ``dims`` (K, N, R-block...)."""
+    if device.type != "cuda" or dtype == torch.float32:
+        return INTERPRETER_CONFIG[kernel]
+    found = _load().get(config_key(kernel, device, dims, dtype))
+    return found if found is not None else CONFIG_SPACE[kernel][0]
+
+
+def tune(kernel: str, device: torch.device, dims: tuple, dtype: torch.dtype,
+         run: Callable[[dict], object], configs: Optional[Iterable[dict]] = None, save: bool = True) -> tuple[dict, list]:
+    """Time ``run(config)`` for every candidate; remember and return the fastest (and all timings)."""
+    import triton.testing
+
+    timings = []
+    for cfg in configs or CONFIG_SPACE[kernel]:
+        try:
+            ms = triton.testing.do_bench(lambda: run(cfg), warmup=25, rep=100, return_mode="median")
+        except Exception:  # a config the GPU cannot run (too much shared memory) is skipped
+            continue
+        timings.append((ms, cfg))
+    if not timings:
+        raise RuntimeError(f"no launch configuration of {kernel} ran on {_device_name(device)} at {dims}")
+    best = min(timings, key=lambda t: t[0])[1]
+    key = config_key(kernel, device, dims, dtype)
+    _load()[key] = best
+    if save:
+        save_cache()
+    return best, timings
+
+
+def save_cache() -> str:
+    path = cache_path()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(_load(), f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,122 @@
+"""The Triton LoRA kernels against the reference: outputs and every gradient, odd shapes.
+
+On the CPU these run under the Triton interpreter (fp32 exact, fp16 by relative error; bf16 is
+wrong in the interpreter, so bf16 is checked on the GPU, test_kernels_gpu.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sits_lora import ops
+from sits_lora.ops.fused import GEMM_BACKENDS, lora_dy_pass, lora_shrink, lora_x_pass
+from sits_lora.ops.reference import lora_linear_reference
+
+from conftest import rel_err
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+def _problem(T, K, N, r, dtype, lead=(), bias=True, noncontig=False, seed=0, adapter_dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    shape = (*lead, T, K)
+    if noncontig:
+        x = torch.randn(*lead, K, T, generator=g).transpose(-1, -2)
+    else:
+        x = torch.randn(*shape, generator=g)
+    W = torch.randn(N, K, generator=g) / K**0.5
+    b = torch.randn(N, generator=g) if bias else None
+    A = torch.randn(r, K, generator=g) / K**0.5
+    B = torch.randn(N, r, generator=g) / r**0.5
+    to = lambda t, dt: None if t is None else t.to(DEVICE, dt)  # noqa: E731
+    return to(x, dtype), to(W, dtype), to(b, dtype), to(A, adapter_dtype), to(B, adapter_dtype)
+
+
+def _grads(fn, x, W, b, A, B, s, mask=None):
+    x = x.detach().clone().requires_grad_(True)
+    A = A.detach().clone().requires_grad_(True)
+    B = B.detach().clone().requires_grad_(True)
+    x_lora = x * mask if mask is not None else x
+    y = fn(x, x_lora, W, b, A, B, s)
+    gen = torch.Generator().manual_seed(7)
+    dy = torch.randn(y.shape, generator=gen).to(y.device, y.dtype)
+    y.backward(dy)
+    return y, x.grad, A.grad, B.grad
+
+
+CASES = [
+    # T, K, N, r, lead, bias, noncontig
+    (37, 96, 80, 5, (), True, False),
+    (37, 96, 80, 16, (2,), False, False),
+    (19, 48, 40, 17, (2, 3), True, True),
+    (64, 64, 128, 64, (), True, False),
+]
+
+
+@pytest.mark.parametrize("gemm", GEMM_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("T,K,N,r,lead,bias,noncontig", CASES, ids=[f"T{c[0]}K{c[1]}N{c[2]}r{c[3]}" for c in CASES])
+def test_fused_matches_reference_every_gradient(gemm, dtype, T, K, N, r, lead, bias, noncontig):
+    x, W, b, A, B = _problem(T, K, N, r, dtype, lead, bias, noncontig)
+    s = 0.75
+    fused = lambda x, xl, W, b, A, B, s: ops.lora_linear_triton(x, None, W, b, A, B, s, gemm)  # noqa: E731
+    y, dx, dA, dB = _grads(fused, x, W, b, A, B, s)
+    # oracle: the same inputs in fp64
+    f64 = lambda t: None if t is None else t.double()  # noqa: E731
+    y_ref, dx_ref, dA_ref, dB_ref = _grads(lora_linear_reference, f64(x), f64(W), f64(b), f64(A), f64(B), s)
+    assert y.dtype == dtype and y.shape == (*lead, T, N)
+    assert dA.dtype == torch.float32 and dB.dtype == torch.float32
+    for name, got, want in (("y", y, y_ref), ("dx", dx, dx_ref), ("dA", dA, dA_ref), ("dB", dB, dB_ref)):
+        assert torch.isfinite(got).all(), name
+        assert rel_err(got, want) < TOL[dtype], (name, rel_err(got, want))
+
+
+@pytest.mark.parametrize("gemm", GEMM_BACKENDS)
+def test_dropout_input_gets_its_own_gradient(gemm):
+    x, W, b, A, B = _problem(29, 64, 48, 8, torch.float32, lead=(2,))
+    mask = (torch.rand(x.shape, generator=torch.Generator().manual_seed(3)) > 0.25).to(x) / 0.75
+    fused = lambda x, xl, W, b, A, B, s: ops.lora_linear_triton(x, xl, W, b, A, B, s, gemm)  # noqa: E731
+    got = _grads(fused, x, W, b, A, B, 2.0, mask)
+    want = _grads(lora_linear_reference, x.double(), W.double(), b.double(), A.double(), B.double(), 2.0, mask.double())
+    for g_, w_ in zip(got, want):
+        assert rel_err(g_, w_) < 1e-5
+
+
+def test_input_without_grad_skips_dx():
+    x, W, b, A, B = _problem(33, 64, 40, 4, torch.float32)
+    A.requires_grad_(True)
+    B.requires_grad_(True)
+    y = ops.lora_linear_triton(x, None, W, b, A, B, 1.0)
+    y.sum().backward()
+    assert A.grad is not None and B.grad is not None and x.grad is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_building_blocks_against_torch(dtype):
+    T, K, N, r = 45, 80, 72, 7
+    x, W, b, A, B = _problem(T, K, N, r, dtype)
+    h = lora_shrink(x, A)
+    assert rel_err(h, x.double() @ A.double().t()) < TOL[dtype]
+    dy = torch.randn(T, N).to(x.device, dtype)
+    g, dB = lora_dy_pass(dy, B, h, 0.5)
+    assert rel_err(g, dy.double() @ B.double()) < TOL[dtype]
+    assert rel_err(dB, 0.5 * dy.double().t() @ h.double()) < TOL[dtype]
+    dA, dx = lora_x_pass(x, A, g, 0.5, write_dx=True)
+    assert rel_err(dA, 0.5 * g.double().t() @ x.double()) < TOL[dtype]
+    assert rel_err(dx, 0.5 * g.double() @ A.double()) < TOL[dtype]
+
+
+def test_kernel_selection():
+    cpu = torch.zeros(2, 3)
+    assert ops.resolve_kernel("torch", cpu) == "torch"
+    assert ops.resolve_kernel("auto", cpu) == "torch"
+    with pytest.raises(ValueError, match="allowed values"):
+        ops.resolve_kernel("cuda", cpu)
+
+
+def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ops.KernelUnavailableError, match="kernel='triton' needs a CUDA GPU.*TRITON_INTERPRET=1"):
+        ops.resolve_kernel("triton", torch.zeros(2, 3))

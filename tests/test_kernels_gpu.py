@@ -1,0 +1,77 @@
+"""bf16 / fp16 numerics and whole-model equality on a CUDA GPU (skipped without one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from sits_lora import SitsLoraConfig, ops
+from sits_lora.ops.fused import GEMM_BACKENDS
+from sits_lora.ops.reference import lora_linear_reference
+
+from conftest import randomize_lora_weights, rel_err, tiny_llama
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [
+    # T, K, N, r: odd shapes, then production shapes
+    (37, 96, 80, 5),
+    (1000, 200, 328, 17),
+    (8192, 4096, 4096, 16),
+    (8192, 4096, 14336, 64),
+    (8192, 14336, 4096, 16),
+]
+
+
+def _run(fn, x, W, b, A, B, s, x_lora_mask=None):
+    x = x.detach().clone().requires_grad_(True)
+    A = A.detach().clone().requires_grad_(True)
+    B = B.detach().clone().requires_grad_(True)
+    xl = x * x_lora_mask if x_lora_mask is not None else x
+    y = fn(x, xl, W, b, A, B, s)
+    dy = torch.randn(y.shape, generator=torch.Generator(device=y.device).manual_seed(1), device=y.device).to(y.dtype)
+    y.backward(dy)
+    return [y, x.grad, A.grad, B.grad]
+
+
+@pytest.mark.parametrize("gemm", GEMM_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("T,K,N,r", SHAPES, ids=[f"T{t}_{k}x{n}_r{r}" for t, k, n, r in SHAPES])
+def test_fused_vs_fp64_reference(gemm, dtype, T, K, N, r):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T, K, device="cuda", generator=g).to(dtype)
+    W = (torch.randn(N, K, device="cuda", generator=g) / K**0.5).to(dtype)
+    b = torch.randn(N, device="cuda", generator=g).to(dtype)
+    A = torch.randn(r, K, device="cuda", generator=g) / K**0.5
+    B = torch.randn(N, r, device="cuda", generator=g) / r**0.5
+    got = _run(lambda x, xl, W, b, A, B, s: ops.lora_linear_triton(x, None, W, b, A, B, s, gemm), x, W, b, A, B, 2.0)
+    f64 = [t.double() for t in (x, W, b, A, B)]
+    want = _run(lora_linear_reference, *f64, 2.0)
+    for name, a, e in zip(("y", "dx", "dA", "dB"), got, want):
+        assert torch.isfinite(a).all(), name
+        assert rel_err(a, e) < 1e-2, (name, rel_err(a, e))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_tiny_llama_on_gpu_matches_peft(dtype):
+    kwargs = dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    sits = get_peft_model(tiny_llama(dtype=dtype).cuda(), SitsLoraConfig(**kwargs))
+    peft = get_peft_model(tiny_llama(dtype=dtype).cuda(), LoraConfig(**kwargs))
+    randomize_lora_weights(sits)
+    peft.load_state_dict(sits.state_dict())
+    ids = torch.randint(0, 97, (4, 33), device="cuda")
+    out_s = sits(input_ids=ids, labels=ids)
+    out_p = peft(input_ids=ids, labels=ids)
+    assert rel_err(out_s.logits, out_p.logits) < 2e-2
+    out_s.loss.backward()
+    out_p.loss.backward()
+    pp = dict(peft.named_parameters())
+    for n, p in sits.named_parameters():
+        if p.requires_grad:
+            assert rel_err(p.grad, pp[n].grad) < 5e-2, n
+
+
+def test_auto_selects_triton_on_gpu():
+    assert ops.resolve_kernel("auto", torch.zeros(2, 2, device="cuda", dtype=torch.bfloat16)) == "triton"
+    assert ops.resolve_kernel("auto", torch.zeros(2, 2, device="cuda")) == "torch"
