@@ -28,12 +28,15 @@ def environment() -> dict:
     import transformers
     import triton
 
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                    capture_output=True, text=True).stdout.strip())
-    except OSError:
-        rev, dirty = "unknown", False
+    # A copy of the tree without .git (the GPU machine gets one) names its revision in the environment.
+    rev, dirty = os.environ.get("SITS_LORA_GIT_REVISION", ""), False
+    if not rev:
+        try:
+            rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+            dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                                        capture_output=True, text=True).stdout.strip())
+        except OSError:
+            rev = "unknown"
     return {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "cpu": platform.processor() or platform.machine(),
