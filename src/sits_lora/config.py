@@ -27,6 +27,12 @@ def _require_choice(allowed: tuple[str, ...]) -> Callable[[Any], str | None]:
     return check
 
 
+def _require_bool(value: Any) -> str | None:
+    if not isinstance(value, bool):
+        return "it must be True or False"
+    return None
+
+
 def _require_positive_int(value: Any) -> str | None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         return "it must be a positive integer (the LoRA rank), e.g. r=16"
@@ -62,6 +68,7 @@ _VALIDATORS: dict[str, Callable[[Any], str | None]] = {
     "lora_dropout": _require_probability,
     "rank_pattern": _require_pattern_of_positive_ints,
     "kernel": _require_choice(KERNEL_CHOICES),
+    "fuse_siblings": _require_bool,
     "bias": _require_choice(("none", "all", "lora_only")),
 }
 
@@ -83,6 +90,16 @@ class SitsLoraConfig(LoraConfig):
                 "(sits_lora.ops.reference), on any device. 'triton': the fused Triton kernels (a CUDA GPU, "
                 "or the CPU under TRITON_INTERPRET=1 for testing). 'auto': the fastest one available on the "
                 "layer's device."
+            )
+        },
+    )
+    fuse_siblings: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "Run adapted layers of one parent that read the same input (q/k/v, gate/up) as one "
+                "operation on the Triton path: one pass over the input for all of them in forward and "
+                "backward, and one saved copy of it. Eager mode only; no effect on outputs."
             )
         },
     )

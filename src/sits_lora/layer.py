@@ -21,6 +21,8 @@ from . import ops
 class SitsLoraLinear(LoraLinear):
     # Per-adapter state that PEFT's delete_adapter / set_adapter must carry along.
     other_param_names = LoraLinear.other_param_names + ("sits_kernel",)
+    # Set by SitsLoraModel for layers that read the same input as others (sits_lora.siblings).
+    _sibling_group = None
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, config, r: int = 0, lora_alpha: int = 1, **kwargs):
         self.sits_kernel: dict[str, str] = {}
@@ -65,6 +67,10 @@ class SitsLoraLinear(LoraLinear):
         adapter = self._fused_adapter(args, kwargs)
         if adapter is None:
             return super().forward(x, *args, **kwargs)
+        if self._sibling_group is not None:
+            out = self._sibling_group.forward(self, x)
+            if out is not None:
+                return out
         base = self.base_layer
         kernel = ops.resolve_kernel(self.sits_kernel[adapter], x)
         if kernel == "triton" and (base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad)):

@@ -9,6 +9,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from .layer import SitsLoraLinear
+from .siblings import assign_sibling_groups
 
 
 def _module_names_matching(model: nn.Module, target: str) -> list[str]:
@@ -55,6 +56,8 @@ class SitsLoraModel(LoraModel):
     def inject_adapter(self, model: nn.Module, adapter_name: str, *args, **kwargs) -> None:
         check_target_modules_exist(model, self.peft_config[adapter_name])
         super().inject_adapter(model, adapter_name, *args, **kwargs)
+        fuse = all(getattr(c, "fuse_siblings", True) for c in self.peft_config.values())
+        assign_sibling_groups(model, SitsLoraLinear, enabled=fuse)
 
     @staticmethod
     def _create_new_module(lora_config, adapter_name, target, **kwargs):

@@ -208,6 +208,51 @@ class LoraLinearFunction(torch.autograd.Function):
         )
 
 
+class LoraSiblingsFunction(torch.autograd.Function):
+    """Several LoRA linears that read the same x (q/k/v, gate/up) as one autograd node.
+
+    Forward: one shrink pass over x for all of them. Backward: one x pass for every dA and one dx
+    that every sibling's dy W is added into, instead of one dx per sibling summed by autograd.
+    x is saved once. Inputs after x: n, then for each sibling (weight, bias, lora_A, lora_B), then
+    the n scalings and the GEMM backend.
+    """
+
+    @staticmethod
+    def forward(ctx, x, n, *args):
+        from .fused import lora_siblings_forward
+
+        tensors, scales, gemm = args[:4 * n], args[4 * n:5 * n], args[5 * n]
+        weights, biases, As, Bs = tensors[0::4], tensors[1::4], tensors[2::4], tensors[3::4]
+        K = x.shape[-1]
+        outputs, h = lora_siblings_forward(x.reshape(-1, K), weights, biases, As, Bs, scales, gemm)
+        ctx.save_for_backward(x, h, *weights, *As, *Bs)
+        ctx.n, ctx.scales, ctx.gemm = n, scales, gemm
+        return tuple(y.view(*x.shape[:-1], W.shape[0]) for y, W in zip(outputs, weights))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        from .fused import lora_siblings_backward
+
+        n = ctx.n
+        x, h, *rest = ctx.saved_tensors
+        weights, As, Bs = rest[:n], rest[n:2 * n], rest[2 * n:]
+        K = x.shape[-1]
+        flat = [None if g is None else g.reshape(-1, g.shape[-1]) for g in grads]
+        dx, dAs, dBs = lora_siblings_backward(flat, x.reshape(-1, K), weights, As, Bs, h, ctx.scales, ctx.gemm,
+                                              ctx.needs_input_grad[0])
+        per_sibling = []
+        for i in range(n):
+            per_sibling += [None, None, dAs[i].to(As[i].dtype), dBs[i].to(Bs[i].dtype)]
+        return (dx.view(x.shape) if dx is not None else None, None, *per_sibling, *([None] * n), None)
+
+
+def lora_siblings_triton(x, weights, biases, lora_As, lora_Bs, scalings, gemm: Optional[str] = None) -> tuple:
+    """Outputs of n LoRA linears that all read x, through one LoraSiblingsFunction (eager only)."""
+    n = len(weights)
+    tensors = [t for quad in zip(weights, biases, lora_As, lora_Bs) for t in quad]
+    return LoraSiblingsFunction.apply(x, n, *tensors, *[float(s) for s in scalings], gemm or _GEMM_BACKEND)
+
+
 def lora_linear_triton(x, x_lora, weight, bias, lora_A, lora_B, scaling: float, gemm: Optional[str] = None) -> Tensor:
     """The fused Triton path. x_lora None: the LoRA input is x (no dropout)."""
     gemm = gemm or _GEMM_BACKEND

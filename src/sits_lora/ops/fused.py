@@ -431,3 +431,63 @@ def tune_layer_kernels(K: int, N: int, R: int, dtype: torch.dtype, device, token
             "configs_tried": len(timings),
         }
     return report
+
+
+# ----------------------------------------------------------------------------- siblings: layers that read the same x
+
+
+def lora_siblings_forward(x, weights, biases, lora_As, lora_Bs, scales, gemm: str):
+    """Outputs of several LoRA linears on the same 2-D x, with one shrink pass for all of them.
+
+    Returns (outputs, h) with h = x [A_1; A_2; ...]ᵀ (T, ΣR) in fp32.
+    """
+    ranks = [a.shape[0] for a in lora_As]
+    h = lora_shrink(x, torch.cat(lora_As) if len(lora_As) > 1 else lora_As[0])
+    outputs = []
+    start = 0
+    for W, b, B, s, r in zip(weights, biases, lora_Bs, scales, ranks):
+        h_i = h[:, start:start + r]
+        start += r
+        if gemm == "triton":
+            outputs.append(lora_gemm(x, W.t(), h_i, B.t(), s, b, x.dtype))
+        else:
+            y = lora_expand(h_i, B, s, b, x.dtype)
+            y.addmm_(x, W.t())
+            outputs.append(y)
+    return outputs, h
+
+
+def lora_siblings_backward(grads, x, weights, lora_As, lora_Bs, h, scales, gemm: str, need_dx: bool):
+    """(dx, dAs, dBs) for siblings on one x: one read of x for every dA, one dx for all of them.
+
+    ``grads`` may hold None for an output that received no gradient.
+    """
+    ranks = [a.shape[0] for a in lora_As]
+    T = x.shape[0]
+    g_all = torch.zeros((T, sum(ranks)), device=x.device, dtype=torch.float32)
+    dBs = []
+    start = 0
+    for dy, B, s, r in zip(grads, lora_Bs, scales, ranks):
+        if dy is None:
+            dBs.append(torch.zeros_like(B, dtype=torch.float32))
+        else:
+            g, dB = lora_dy_pass(dy, B, h[:, start:start + r], s)
+            g_all[:, start:start + r] = g * s  # scaled here: the x pass below then runs with s = 1
+            dBs.append(dB)
+        start += r
+    A_all = torch.cat(lora_As) if len(lora_As) > 1 else lora_As[0]
+    live = [(dy, W) for dy, W in zip(grads, weights) if dy is not None]
+    if gemm == "triton":
+        dA_all, _ = lora_x_pass(x, A_all, g_all, 1.0, write_dx=False)
+        dx = None
+        if need_dx:
+            dx = lora_gemm(live[0][0], live[0][1], g_all, A_all, 1.0, None, x.dtype) if live else g_all.new_zeros(x.shape, dtype=x.dtype)
+            for dy, W in live[1:]:
+                dx.addmm_(dy, W)
+    else:
+        dA_all, dx = lora_x_pass(x, A_all, g_all, 1.0, write_dx=need_dx)
+        if need_dx:
+            for dy, W in live:
+                dx.addmm_(dy, W)   # every sibling's dy W lands in the one dx: no autograd sums of T x K
+    dAs = list(torch.split(dA_all, ranks, dim=0))
+    return dx, dAs, dBs

@@ -1,0 +1,106 @@
+"""Sibling fusion: adapted layers of one parent that read the same input run as one operation.
+
+q_proj / k_proj / v_proj read the same hidden states, and so do gate_proj / up_proj. The layers
+stay separate modules (PEFT's state dict, merge and save are untouched); they share a
+``SiblingGroup``. When the first of them is called with x, the group computes every sibling's
+output in one ``LoraSiblingsFunction`` (one shrink pass over x, one saved x, one backward pass over
+x for all dA, one dx) and hands the others their output when they are called with the same x.
+This is done from the layers, not by patching the parent module, so it works for any model whose
+parent calls its siblings on one tensor; when a sibling is called with another tensor (cross
+attention, say), the group notices and the layers run one by one from then on.
+
+Eager mode only: under torch.compile each layer is one custom op and Inductor schedules them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import ops
+
+SIBLING_NAME_SETS = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+    ("query", "key", "value"),
+    ("to_q", "to_k", "to_v"),
+    ("w1", "w3"),
+)
+
+
+class SiblingGroup:
+    """Layers of one parent module that read the same input."""
+
+    def __init__(self, layers: list) -> None:
+        self.layers = layers
+        self.enabled = True
+        self._pending_x: Optional[torch.Tensor] = None
+        self._pending_version = -1
+        self._pending: dict[int, torch.Tensor] = {}
+
+    def _clear(self) -> None:
+        self._pending_x, self._pending = None, {}
+
+    def forward(self, layer, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """layer's output through the group, or None when the layer must run on its own."""
+        if not self.enabled or torch.compiler.is_compiling():
+            return None
+        key = id(layer)
+        if self._pending:
+            if x is self._pending_x and x._version == self._pending_version and key in self._pending:
+                out = self._pending.pop(key)
+                if not self._pending:
+                    self._clear()
+                return out
+            if x is not self._pending_x:
+                # a sibling read another tensor: this parent does not feed its siblings one input
+                self.enabled = False
+                self._clear()
+                return None
+        plan = self._plan(x)
+        if plan is None:
+            return None
+        outputs = ops.lora_siblings_triton(x, *plan)
+        self._pending_x, self._pending_version = x, x._version
+        self._pending = {id(other): y for other, y in zip(self.layers, outputs) if other is not layer}
+        return outputs[self.layers.index(layer)]
+
+    def _plan(self, x: torch.Tensor):
+        """(weights, biases, As, Bs, scalings) when every sibling can take the fused path now."""
+        weights, biases, As, Bs, scalings = [], [], [], [], []
+        for layer in self.layers:
+            adapter = layer._fused_adapter((), {})
+            if adapter is None or ops.resolve_kernel(layer.sits_kernel[adapter], x) != "triton":
+                return None
+            base = layer.base_layer
+            dropout = layer.lora_dropout[adapter]
+            if base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
+                return None
+            if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0:
+                return None  # each sibling would need its own dropout mask of x
+            weights.append(base.weight)
+            biases.append(base.bias)
+            As.append(layer.lora_A[adapter].weight)
+            Bs.append(layer.lora_B[adapter].weight)
+            scalings.append(layer.scaling[adapter])
+        return weights, biases, As, Bs, scalings
+
+
+def assign_sibling_groups(model: nn.Module, layer_cls, enabled: bool = True) -> int:
+    """Give sibling layers of ``layer_cls`` a shared SiblingGroup; return the number of groups."""
+    groups = 0
+    for parent in model.modules():
+        children = dict(parent.named_children())
+        for names in SIBLING_NAME_SETS:
+            layers = [children[n] for n in names if isinstance(children.get(n), layer_cls)]
+            for layer in layers:
+                layer._sibling_group = None
+            if not enabled or len(layers) < 2 or len({layer.in_features for layer in layers}) != 1:
+                continue
+            group = SiblingGroup(layers)
+            for layer in layers:
+                layer._sibling_group = group
+            groups += 1
+    return groups
