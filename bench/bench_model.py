@@ -166,6 +166,12 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"[{arm}] {row['tokens_per_s']:,.0f} tokens/s, step {row['step_s'] * 1000:.1f} ms, "
               f"peak {row['peak_gib'] or 0:.1f} GiB, wall {row['wall_s']:.0f} s", flush=True)
+        _finish(rows, args, argv, final=False)  # a run cut short still leaves its finished arms on disk
+    _finish(rows, args, argv, final=True)
+    return 0
+
+
+def _finish(rows, args, argv, final: bool) -> None:
     ok = [r for r in rows if "step_s" in r]
     floors = [r["step_s"] for r in ok if r["arm"] in ("frozen", "frozen+compile")]
     floor = min(floors) if floors else None
@@ -175,11 +181,11 @@ def main(argv=None) -> int:
         r["peak_minus_floor_gib"] = r["peak_gib"] - floor_mem if (floor_mem and r["peak_gib"]) else None
     name = f"model_{args.model}" + ("_smoke" if args.smoke else "")
     paths = write_results(name, rows, args.out, {"command": "python bench/bench_model.py " + " ".join(argv or sys.argv[1:])})
-    print_table(ok, ["model", "arm", "tokens_per_s", "step_s", "vs_floor", "peak_gib", "peak_minus_floor_gib", "warmup_s"])
-    if ok:
-        _plot(ok, os.path.join(args.out, name + ".png"))
-    print("wrote", *paths)
-    return 0
+    if final:
+        print_table(ok, ["model", "arm", "tokens_per_s", "step_s", "vs_floor", "peak_gib", "peak_minus_floor_gib", "warmup_s"])
+        if ok:
+            _plot(ok, os.path.join(args.out, name + ".png"))
+        print("wrote", *paths)
 
 
 def _plot(rows, path) -> None:
