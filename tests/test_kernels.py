@@ -120,3 +120,27 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ops.KernelUnavailableError, match="kernel='triton' needs a CUDA GPU.*TRITON_INTERPRET=1"):
         ops.resolve_kernel("triton", torch.zeros(2, 3))
+
+
+def test_dropout_is_deterministic_under_a_seed_and_matches_peft():
+    from peft import LoraConfig, get_peft_model
+
+    from sits_lora import SitsLoraConfig
+
+    from conftest import randomize_lora_weights, tiny_mlp
+
+    kwargs = dict(r=4, lora_alpha=8, target_modules=["lin0", "lin1"], lora_dropout=0.3)
+    sits = get_peft_model(tiny_mlp(), SitsLoraConfig(kernel="triton", **kwargs)).train()
+    peft = get_peft_model(tiny_mlp(), LoraConfig(**kwargs)).train()
+    randomize_lora_weights(sits)
+    peft.load_state_dict(sits.state_dict())
+    x = torch.randn(3, 5, 24)
+    outs = []
+    for model in (sits, sits, peft):
+        torch.manual_seed(123)
+        outs.append(model(x))
+    torch.manual_seed(124)
+    other = sits(x)
+    assert torch.equal(outs[0], outs[1])                 # same seed, same mask, same output
+    assert rel_err(outs[0], outs[2]) < 1e-5              # the mask PEFT draws, too
+    assert rel_err(outs[0], other) > 1e-3                # another seed, another mask
