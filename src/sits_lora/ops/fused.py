@@ -48,8 +48,12 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _tl_dtype(dtype: torch.dtype):
-    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+def _split(length: int, block: int, other_programs: int, target_programs: int) -> tuple[int, int]:
+    """(splits, per_split): cut ``length`` into whole blocks so that splits x other_programs is
+    about ``target_programs`` (enough programs to keep every SM streaming), at least one split."""
+    splits = max(1, min(triton.cdiv(length, block), triton.cdiv(target_programs, other_programs)))
+    per_split = triton.cdiv(triton.cdiv(length, splits), block) * block
+    return triton.cdiv(length, per_split), per_split
 
 
 # ----------------------------------------------------------------------------- shrink: h = x Aᵀ
@@ -270,10 +274,8 @@ def lora_dy_pass(dy: torch.Tensor, lora_B: torch.Tensor, h: torch.Tensor, scale:
     cfg = config or tuning.config_for("dy_pass", dy.device, (N, BLOCK_R), dy.dtype)
     BLOCK_T, BLOCK_N = cfg["BLOCK_T"], cfg["BLOCK_N"]
     t_blocks = triton.cdiv(T, BLOCK_T)
-    # Enough programs to keep every SM streaming dy: split N when there are few token blocks.
-    splits = max(1, min(triton.cdiv(N, BLOCK_N), triton.cdiv(264, t_blocks)))
-    n_per_split = triton.cdiv(triton.cdiv(N, splits), BLOCK_N) * BLOCK_N
-    splits = triton.cdiv(N, n_per_split)
+    # About two programs per SM of an H100 / H200 (132 SMs): split N when there are few token blocks.
+    splits, n_per_split = _split(N, BLOCK_N, t_blocks, 264)
     g_part = torch.empty((splits, T, R), device=dy.device, dtype=torch.float32)
     db_part = torch.empty((t_blocks, N, R), device=dy.device, dtype=torch.float32)
     _lora_dy_pass_kernel[(t_blocks, splits)](
@@ -338,11 +340,9 @@ def lora_x_pass(x: torch.Tensor, lora_A: torch.Tensor, g: torch.Tensor, scale: f
     cfg = config or tuning.config_for("x_pass", x.device, (K, BLOCK_R), x.dtype)
     BLOCK_T, BLOCK_K = cfg["BLOCK_T"], cfg["BLOCK_K"]
     k_blocks = triton.cdiv(K, BLOCK_K)
-    # About four programs per SM of an H100/H200 (132 SMs) in all, each summing its own token range:
-    # a few partial sums of dA instead of one per token block.
-    splits = max(1, min(triton.cdiv(T, BLOCK_T), triton.cdiv(528, k_blocks)))
-    t_per_split = triton.cdiv(triton.cdiv(T, splits), BLOCK_T) * BLOCK_T
-    splits = triton.cdiv(T, t_per_split)
+    # About four programs per SM in all, each summing its own token range: a few partial sums of
+    # dA instead of one per token block.
+    splits, t_per_split = _split(T, BLOCK_T, k_blocks, 528)
     da_part = torch.empty((splits, R, K), device=x.device, dtype=torch.float32)
     dx = torch.empty((T, K), device=x.device, dtype=x.dtype) if write_dx else None
     _lora_x_pass_kernel[(splits, k_blocks)](
