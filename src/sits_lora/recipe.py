@@ -117,11 +117,12 @@ def _set_cpu_threads(requested: int) -> int:
 def run(recipe: TrainRecipe) -> dict:
     """Run the recipe; return (and write to output_dir/metrics.json) what it measured."""
     from peft import get_peft_model
-    from transformers import Trainer, TrainingArguments, default_data_collator, set_seed
+    from transformers import TrainingArguments, default_data_collator, set_seed
 
     from .config import SitsLoraConfig
     from .data import load_text_splits, pack_into_blocks
     from .loading import load_model_and_tokenizer
+    from .training import NativeLoraTrainer
 
     t_start = time.perf_counter()
     set_seed(recipe.seed)
@@ -164,7 +165,9 @@ def run(recipe: TrainRecipe) -> dict:
         dataloader_num_workers=0,
         use_cpu=not torch.cuda.is_available(),
     )
-    trainer = Trainer(model=model, args=args, train_dataset=train_blocks, data_collator=default_data_collator)
+    # NativeLoraTrainer: the guard rails (hardware report in output_dir/hardware_report.json, constraint
+    # warnings, NaN/Inf steps skipped and counted in the logs).
+    trainer = NativeLoraTrainer(model=model, args=args, train_dataset=train_blocks, data_collator=default_data_collator)
     t_train = time.perf_counter()
     train_output = trainer.train()
     train_seconds = time.perf_counter() - t_train
@@ -182,6 +185,7 @@ def run(recipe: TrainRecipe) -> dict:
         "heldout_tokens": len(heldout_blocks) * (recipe.seq_len - 1),
         "model": source.describe(),
         "adapter_dir": os.path.abspath(adapter_dir),
+        "hardware_report": os.path.abspath(os.path.join(recipe.output_dir, "hardware_report.json")),
         "recipe": dataclasses.asdict(recipe),
         "versions": _versions(),
     }

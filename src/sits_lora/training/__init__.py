@@ -1,0 +1,37 @@
+"""Training guard rails: hardware report and constraints, memory plan, NaN / Inf guards.
+
+``SitsHardwareCallback`` works with any transformers ``Trainer``; ``NativeLoraTrainer`` is a
+``Trainer`` that installs it and runs the gradient guard before gradient clipping. ``plan_memory``
+predicts the peak device memory of a LoRA training step.
+"""
+
+from __future__ import annotations
+
+from .callback import SitsHardwareCallback
+from .constraints import HardwareConstraintError
+from .guards import NonFiniteActivationError, NonFiniteGradientError
+from .hardware import HardwareReport, probe_hardware
+from .memory import MemoryPlan, PeakMemoryMeter, UnsupportedModelError, plan_memory
+
+__all__ = [
+    "HardwareConstraintError",
+    "HardwareReport",
+    "MemoryPlan",
+    "NativeLoraTrainer",
+    "NonFiniteActivationError",
+    "NonFiniteGradientError",
+    "PeakMemoryMeter",
+    "SitsHardwareCallback",
+    "UnsupportedModelError",
+    "plan_memory",
+    "probe_hardware",
+]
+
+
+def __getattr__(name: str):
+    # transformers.Trainer costs ~0.4 s to import; only users of NativeLoraTrainer pay it.
+    if name == "NativeLoraTrainer":
+        from .trainer import NativeLoraTrainer
+
+        return NativeLoraTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

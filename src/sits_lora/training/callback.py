@@ -1,0 +1,562 @@
+"""SitsHardwareCallback: hardware report and constraints before the first step, NaN / Inf guards at every step."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
+
+from .._env import environment
+from .constraints import (
+    ConstraintResult,
+    apply_policies,
+    check_int4,
+    check_memory,
+    check_pcie,
+    check_rank,
+    estimate_step_seconds,
+    pcie_bytes_per_step,
+    resolve_policies,
+    results_table,
+)
+from .guards import (
+    NAN_POLICIES,
+    ActivationWatch,
+    GradientGuard,
+    GuardOutcome,
+    NonFiniteActivationError,
+    NonFiniteGradientError,
+    activation_message,
+)
+from .hardware import HardwareReport, probe_hardware
+from .memory import GIB, MemoryPlan, UnsupportedModelError, _text_config, _unwrap, checkpointed_layers, plan_memory
+
+logger = logging.getLogger("sits_lora")
+
+REPORT_FILE = "hardware_report.json"
+StepHook = Callable[[int, bool], None]
+# The step after which the PCIe check is run again with the measured step time (the first steps
+# include compilation and allocator warm-up).
+_PCIE_RECHECK_STEP = 3
+
+
+def _positive_number(name: str, value, example: str, allow_none: bool = False):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value != value:
+        raise ValueError(f"SitsHardwareCallback({name}={value!r}) is invalid: it must be a positive number, "
+                         f"e.g. {name}={example}" + (", or None" if allow_none else "") + ".")
+
+
+class SitsHardwareCallback(TrainerCallback, ExportableState):
+    """Guard rails for a transformers ``Trainer``: hardware report and constraints, NaN / Inf guards.
+
+    At train begin it measures the device (cached per device, see :func:`probe_hardware`), prints a
+    short table, writes ``output_dir/hardware_report.json``, and checks four constraints computed from
+    the model and arguments being trained: ``memory`` (:func:`plan_memory` against free device
+    memory), ``rank`` (each adapted layer's rank against its roofline ceiling), ``pcie`` (host<->device
+    bytes per step against the step time) and ``int4`` (bitsandbytes 4-bit layers aligned and
+    block-shaped). At every optimizer step it checks the trainable gradients for NaN / Inf in one
+    fused reduction.
+
+    Args:
+        policy: "warn" (log violations and train), "strict" (raise :class:`HardwareConstraintError`
+            before the first step, listing the plan and what to change), "off" (skip the checks); or a
+            dict per constraint, e.g. ``{"memory": "strict", "rank": "warn"}`` (missing ones: "warn").
+        nan_policy: what a non-finite gradient does: "skip" drops that optimizer step (parameters and
+            optimizer state untouched; step counter, data and learning-rate schedule move on); "clamp"
+            acts only on the steps where the fused check found a NaN or Inf (on any rank): in that
+            step's gradients it sets NaN to 0 and bounds ±Inf and every value beyond
+            ``nan_clamp_value`` to ±``nan_clamp_value``, then the step runs; steps whose gradients are
+            all finite are left untouched, however large their values (``max_grad_norm`` is the tool
+            for those). ``clamped_values`` counts the values it changed. "raise" stops with
+            :class:`NonFiniteGradientError` naming the first bad parameter and the step; "off".
+        nan_clamp_value: the bound of "clamp" on its steps.
+        detect_nonfinite_activations: watch every module's forward output and name the first that is
+            not finite (one small reduction per module call: a debugging aid). Under "raise" it stops
+            with :class:`NonFiniteActivationError` at the end of that optimizer step's backward; the
+            flag travels in the gradient guard's one all-reduce, so under DDP every rank stops together.
+        max_consecutive_nonfinite: under "skip" / "clamp", raise once this many optimizer steps in a
+            row had non-finite gradients (the run has diverged); None never raises.
+        rank_share: the share of a layer's time its LoRA branch may take in the rank check.
+        memory_budget_gib: the memory the plan must fit in; default the device's free memory (plus
+            what this process's allocator already holds).
+        seq_len: tokens per sequence for the plans; default the longest of the first 64 training
+            examples' ``input_ids``.
+        report: print the tables and write ``hardware_report.json``.
+        hardware_cache_dir: where measurements are cached (default ``$SITS_LORA_CACHE/hardware``).
+
+    Only :class:`NativeLoraTrainer` runs the gradient guard before the Trainer computes the gradient
+    norm. A plain ``Trainer`` computes it (``clip_grad_norm_``, with max_norm=inf when
+    ``max_grad_norm=0``) before ``on_pre_optimizer_step``, the first callback event after backward,
+    and one NaN or Inf there makes every gradient NaN. So with a plain ``Trainer``: "skip" and
+    "off" behave exactly as under NativeLoraTrainer; "raise" stops at the right step but names the
+    first trainable parameter; "clamp" is refused (nothing would be left to clamp).
+
+    Per-step hooks (for state advanced once per optimizer step, such as FP8 scaling): a callable
+    ``hook(step: int, skipped: bool)`` given to :meth:`add_step_hook`, and any module of the model
+    with a method ``sits_after_optimizer_step(step, skipped)``, is called after every optimizer step;
+    ``step`` counts from 1 and ``skipped`` is True when the guard dropped that step.
+    """
+
+    def __init__(
+        self,
+        policy="warn",
+        nan_policy: str = "skip",
+        nan_clamp_value: float = 1.0,
+        detect_nonfinite_activations: bool = False,
+        max_consecutive_nonfinite: Optional[int] = 10,
+        rank_share: float = 0.10,
+        memory_budget_gib: Optional[float] = None,
+        seq_len: Optional[int] = None,
+        report: bool = True,
+        hardware_cache_dir: Optional[str] = None,
+    ):
+        self.policies = resolve_policies(policy)
+        if nan_policy not in NAN_POLICIES:
+            raise ValueError(f"SitsHardwareCallback(nan_policy={nan_policy!r}) is invalid: allowed values are "
+                             f"{', '.join(map(repr, NAN_POLICIES))}.")
+        _positive_number("nan_clamp_value", nan_clamp_value, "1.0")
+        if not isinstance(detect_nonfinite_activations, bool):
+            raise ValueError(f"SitsHardwareCallback(detect_nonfinite_activations={detect_nonfinite_activations!r}) is "
+                             f"invalid: it must be True or False.")
+        if max_consecutive_nonfinite is not None and (isinstance(max_consecutive_nonfinite, bool) or not isinstance(
+                max_consecutive_nonfinite, int) or max_consecutive_nonfinite <= 0):
+            raise ValueError(f"SitsHardwareCallback(max_consecutive_nonfinite={max_consecutive_nonfinite!r}) is invalid: "
+                             f"it must be a positive integer, e.g. 10, or None to never stop.")
+        if isinstance(rank_share, bool) or not isinstance(rank_share, (int, float)) or not 0 < rank_share < 1:
+            raise ValueError(f"SitsHardwareCallback(rank_share={rank_share!r}) is invalid: it must be a fraction in "
+                             f"(0, 1), e.g. rank_share=0.1 for 10 % of a layer's time.")
+        _positive_number("memory_budget_gib", memory_budget_gib, "70", allow_none=True)
+        if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0):
+            raise ValueError(f"SitsHardwareCallback(seq_len={seq_len!r}) is invalid: it must be a positive integer "
+                             f"(tokens per sequence), or None to read it from the dataset.")
+        self._init_args = {
+            "policy": policy, "nan_policy": nan_policy, "nan_clamp_value": float(nan_clamp_value),
+            "detect_nonfinite_activations": detect_nonfinite_activations,
+            "max_consecutive_nonfinite": max_consecutive_nonfinite, "rank_share": float(rank_share),
+            "memory_budget_gib": memory_budget_gib, "seq_len": seq_len, "report": bool(report),
+            "hardware_cache_dir": hardware_cache_dir,
+        }
+        self.nan_policy = nan_policy
+        self.nan_clamp_value = float(nan_clamp_value)
+        self.detect_nonfinite_activations = detect_nonfinite_activations
+        self.max_consecutive_nonfinite = max_consecutive_nonfinite
+        self.rank_share = float(rank_share)
+        self.memory_budget_gib = memory_budget_gib
+        self.seq_len = seq_len
+        self.report = bool(report)
+        self.hardware_cache_dir = hardware_cache_dir
+
+        self.nonfinite_steps = 0
+        self.clamped_values = 0
+        self.consecutive_nonfinite = 0
+        self.first_nonfinite_module: Optional[str] = None
+        self.hardware: Optional[HardwareReport] = None
+        self.memory_plan: Optional[MemoryPlan] = None
+        self.results: list[ConstraintResult] = []
+        self._guard = GradientGuard(nan_policy, self.nan_clamp_value)
+        self._watch: Optional[ActivationWatch] = None
+        self._pending_activation: Optional[str] = None
+        self._step_hooks: list[StepHook] = []
+        self._module_hooks: list[StepHook] = []
+        self._guarded_step: Optional[int] = None
+        self._last_outcome: Optional[GuardOutcome] = None
+        self._scaler_mode = False
+        self._guard_active = True
+        self._driven_by_native = False
+        self._step_started: Optional[float] = None
+        self._step_times: list[float] = []
+        self._pcie_parts: Optional[dict] = None
+
+    # ------------------------------------------------------------------ public helpers
+
+    def add_step_hook(self, hook: StepHook) -> None:
+        """Call ``hook(step, skipped)`` after every optimizer step (see the class docstring).
+
+        Hooks are not saved in checkpoints: with ``restore_callback_states_from_checkpoint=True`` the
+        Trainer rebuilds this callback from its arguments, without them. State that belongs to the
+        model (FP8 scales) should live in a module with ``sits_after_optimizer_step``, found anew at
+        every train begin.
+        """
+        if not callable(hook):
+            raise TypeError(f"add_step_hook expects a callable hook(step, skipped), got {type(hook).__name__}.")
+        self._step_hooks.append(hook)
+
+    def log_counts(self) -> dict:
+        """The guard's counters as they go into the Trainer logs."""
+        return {"nonfinite_steps": self.nonfinite_steps, "clamped_values": self.clamped_values}
+
+    def state(self) -> dict:
+        return {"args": dict(self._init_args),
+                "attributes": {"nonfinite_steps": self.nonfinite_steps, "clamped_values": self.clamped_values}}
+
+    # ------------------------------------------------------------------ train begin
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
+        if model is None:
+            return
+        self._restore_counts(state)
+        self._setup_guard(args, model, optimizer)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.hardware = probe_hardware(device, cache_dir=self.hardware_cache_dir)
+        if any(p != "off" for p in self.policies.values()):
+            self.results = self._check_constraints(args, model, train_dataloader)
+        if self.report:
+            self._report(args, state)
+        apply_policies(self.results, self.policies, self.memory_plan)
+
+    def _restore_counts(self, state) -> None:
+        saved = (state.stateful_callbacks or {}).get(type(self).__name__) if state.global_step > 0 else None
+        if isinstance(saved, list):
+            saved = saved[0] if saved else None
+        if isinstance(saved, dict):
+            attributes = saved.get("attributes", {})
+            self.nonfinite_steps = int(attributes.get("nonfinite_steps", self.nonfinite_steps))
+            self.clamped_values = int(attributes.get("clamped_values", self.clamped_values))
+
+    def _setup_guard(self, args, model, optimizer) -> None:
+        self._scaler_mode = getattr(optimizer, "scaler", None) is not None
+        if self._scaler_mode and self.nan_policy in ("clamp", "raise"):
+            raise ValueError(
+                f"SitsHardwareCallback(nan_policy={self.nan_policy!r}) cannot run under fp16 mixed precision: its "
+                f"GradScaler overflows on purpose and skips those steps itself. Use nan_policy='skip' (the scaler's "
+                f"skipped steps are counted in nonfinite_steps), or bf16=True instead of fp16=True."
+            )
+        self._guard_active = not getattr(args, "deepspeed", None) and not self._scaler_mode
+        if getattr(args, "deepspeed", None) and self.nan_policy != "off":
+            logger.warning("sits_lora: the NaN/Inf gradient guard is off under DeepSpeed, whose engine owns the "
+                           "gradients; DeepSpeed's own overflow checks apply.")
+        self._guard.bind(model)
+        self._module_hooks = [m.sits_after_optimizer_step for m in model.modules()
+                              if callable(getattr(m, "sits_after_optimizer_step", None))]
+        self._release_watch()  # a run that stopped with an error never reached on_train_end
+        self._pending_activation = None
+        if self.detect_nonfinite_activations:
+            self._watch = ActivationWatch()
+            self._watch.attach(model)
+
+    # ------------------------------------------------------------------ constraints
+
+    def _check_constraints(self, args, model, train_dataloader) -> list[ConstraintResult]:
+        seq_len = self.seq_len or _infer_seq_len(train_dataloader)
+        batch = int(args.per_device_train_batch_size)
+        accumulation = int(args.gradient_accumulation_steps)
+        tokens = batch * seq_len if seq_len else None
+        autocast = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else None)
+        optimizer = _optimizer_kind(str(getattr(args.optim, "value", args.optim)))
+        offload = bool((getattr(args, "activation_checkpointing_kwargs", None)
+                        or getattr(args, "gradient_checkpointing_kwargs", None) or {}).get("offload", False))
+        n_ckpt = checkpointed_layers(model)
+        plan_kwargs = dict(optimizer=optimizer, autocast_dtype=autocast, gradient_accumulation_steps=accumulation,
+                           activation_offload=offload)
+        results: list[ConstraintResult] = []
+        plan_error = ""
+        self.memory_plan = None
+        if seq_len:
+            try:
+                self.memory_plan = plan_memory(model, batch, seq_len, **plan_kwargs)
+            except UnsupportedModelError as error:
+                plan_error = str(error)
+            except Exception as error:  # a plan must never stop training by itself
+                plan_error = f"plan_memory failed: {type(error).__name__}: {error}"
+                logger.warning("sits_lora: %s; the memory check is skipped.", plan_error)
+        else:
+            plan_error = "sequence length unknown (pass SitsHardwareCallback(seq_len=...))"
+
+        if self.policies["memory"] != "off":
+            budget, source = self._memory_budget(model)
+            alternatives = {}
+            if self.memory_plan is not None and budget is not None and self.memory_plan.total > budget:
+                alternatives = memory_alternatives(model, batch, seq_len, self.memory_plan, budget, n_ckpt, plan_kwargs)
+            results.append(check_memory(self.memory_plan, budget, source, alternatives, plan_error))
+
+        act_bytes = 2 if autocast is not None else _weight_bytes(model)
+        if self.policies["rank"] != "off":
+            results.append(check_rank(model, self.hardware, tokens, act_bytes, self.rank_share))
+
+        if self.policies["pcie"] != "off":
+            offload_bytes = 0
+            if offload and seq_len:
+                config = _text_config(_unwrap(model))
+                offload_bytes = n_ckpt * tokens * int(config.hidden_size) * _weight_bytes(model)
+            self._pcie_parts = pcie_bytes_per_step(
+                model, batch_bytes=_batch_bytes(train_dataloader, batch), activation_offload_bytes=offload_bytes,
+                gradient_checkpointing=n_ckpt > 0, accumulation=accumulation)
+            step_seconds = None
+            if self.hardware.is_cuda and self.hardware.matmul_flops and tokens:
+                step_seconds = estimate_step_seconds(model, tokens, self.hardware.matmul_flops, accumulation, n_ckpt > 0)
+            results.append(check_pcie(self._pcie_parts, self.hardware, step_seconds, "roofline estimate"))
+
+        if self.policies["int4"] != "off":
+            results.append(check_int4(model))
+        return results
+
+    def _memory_budget(self, model) -> tuple[Optional[int], str]:
+        if self.memory_budget_gib is not None:
+            return int(self.memory_budget_gib * GIB), "memory_budget_gib"
+        if self.hardware.is_cuda:
+            device = torch.device(self.hardware.device)
+            free, _ = torch.cuda.mem_get_info(device)
+            return int(free + torch.cuda.memory_reserved(device)), f"free on {self.hardware.device}"
+        resident = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
+        return int(self.hardware.free_memory + resident), "available host memory"
+
+    def _report(self, args, state) -> None:
+        if state.is_local_process_zero:
+            lines = ["[sits_lora] hardware", self.hardware.table()]
+            if self.results:
+                lines += ["[sits_lora] constraints", results_table(self.results)]
+            if self.memory_plan is not None:
+                lines.append(self.memory_plan.table())
+            print("\n".join(lines), flush=True)
+        if state.is_world_process_zero and args.output_dir:
+            os.makedirs(args.output_dir, exist_ok=True)
+            payload = {
+                "hardware": self.hardware.to_dict(),
+                "constraints": [r.to_dict() for r in self.results],
+                "policies": self.policies,
+                "memory_plan": self.memory_plan.to_dict() if self.memory_plan is not None else None,
+                "nan_policy": self.nan_policy,
+                "training": {"per_device_train_batch_size": args.per_device_train_batch_size,
+                             "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                             "world_size": args.world_size, "bf16": args.bf16, "fp16": args.fp16},
+                "environment": environment(),
+            }
+            path = os.path.join(args.output_dir, REPORT_FILE)
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(payload, f, indent=2, default=str)
+            os.replace(tmp, path)
+
+    # ------------------------------------------------------------------ per step
+
+    def after_backward(self, model: nn.Module, state, args, sync: bool) -> None:
+        """Called by NativeLoraTrainer after each micro-batch's backward, before gradient clipping."""
+        self._driven_by_native = True
+        self._check_activations(state)
+        if sync:
+            self._guard_step(state)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._step_started = time.perf_counter()
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        if not self._driven_by_native:
+            self._check_activations(state)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self._guarded_step == state.global_step:
+            return  # NativeLoraTrainer already ran the guard, before clipping
+        if self.nan_policy == "clamp" and self._guard_active:
+            raise ValueError(
+                "SitsHardwareCallback(nan_policy='clamp') needs sits_lora.NativeLoraTrainer: a plain transformers.Trainer "
+                "computes the gradient norm (clip_grad_norm_, with max_norm=inf even when max_grad_norm=0) before any "
+                "callback runs, and one NaN or Inf there turns every gradient into NaN, leaving nothing to clamp. Use "
+                "NativeLoraTrainer (same arguments), or nan_policy='skip'."
+            )
+        self._check_activations(state)
+        self._guard_step(state)
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        step = state.global_step + 1
+        skipped = bool(self._last_outcome is not None and self._last_outcome.step == step and self._last_outcome.skipped)
+        if self._scaler_mode and getattr(optimizer, "step_was_skipped", False):
+            skipped = True
+            self.nonfinite_steps += 1
+        for hook in self._module_hooks + self._step_hooks:
+            hook(step, skipped)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._step_started is not None:
+            self._step_times.append(time.perf_counter() - self._step_started)
+        if (state.global_step == _PCIE_RECHECK_STEP and self._pcie_parts is not None and self.hardware is not None
+                and self.policies.get("pcie") != "off" and self._step_times):
+            measured = sorted(self._step_times[1:] or self._step_times)[0]
+            result = check_pcie(self._pcie_parts, self.hardware, measured, "measured")
+            if result.status == "violated":
+                logger.warning("sits_lora pcie constraint violated with the measured step time: %s", result.summary)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or "loss" not in logs or "nonfinite_steps" in logs:
+            return
+        counts = self.log_counts()
+        logs.update(counts)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(counts)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._release_watch()
+
+    # ------------------------------------------------------------------ guard internals
+
+    def _release_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.detach()
+            self._watch = None
+
+    def _check_activations(self, state) -> None:
+        """Read this micro-batch's activation flags (local); the decision waits for the step's guard reduction."""
+        if self._watch is None:
+            return
+        name = self._watch.first_nonfinite()
+        if name is None:
+            return
+        self.first_nonfinite_module = name
+        if self._pending_activation is None:
+            self._pending_activation = name
+        if self.nan_policy != "raise":
+            logger.warning("sits_lora: %s", activation_message(state.global_step + 1, name))
+
+    def _guard_step(self, state) -> None:
+        step = state.global_step + 1
+        self._guarded_step = state.global_step
+        activation, self._pending_activation = self._pending_activation, None
+        if not self._guard_active:
+            if self._watch is not None and self.nan_policy == "raise":
+                # DeepSpeed owns the gradients; the ranks still decide on the activation flag together.
+                self._run_guard(step, activation, names_and_params=[])
+            return
+        outcome = self._run_guard(step, activation)
+        self._last_outcome = outcome
+        if outcome.clamped_values:
+            self.clamped_values += outcome.clamped_values
+        if not outcome.nonfinite:
+            self.consecutive_nonfinite = 0
+            return
+        self.nonfinite_steps += 1
+        self.consecutive_nonfinite += 1
+        first = outcome.bad_parameters[0] if outcome.bad_parameters else "a parameter on another rank"
+        action = "step skipped" if outcome.skipped else f"{outcome.clamped_values} values clamped"
+        logger.warning("sits_lora: optimizer step %d: non-finite gradient in %s (%d parameter(s)); %s "
+                       "(nan_policy=%r, %d such steps so far).", step, first, len(outcome.bad_parameters), action,
+                       self.nan_policy, self.nonfinite_steps)
+        if self.max_consecutive_nonfinite is not None and self.consecutive_nonfinite >= self.max_consecutive_nonfinite:
+            self._release_watch()
+            raise NonFiniteGradientError(
+                f"optimizer step {step}: {self.consecutive_nonfinite} optimizer steps in a row had non-finite "
+                f"gradients (last: {first}); the run has diverged. Fix: lower learning_rate, set max_grad_norm, check "
+                f"the data, or resume from an earlier checkpoint. SitsHardwareCallback(max_consecutive_nonfinite=None) "
+                f"never stops."
+            )
+
+    def _run_guard(self, step: int, activation: Optional[str], names_and_params=None) -> GuardOutcome:
+        """The guard's one reduction; on an error the watch's hooks come off the model before it propagates."""
+        try:
+            return self._guard.check(step, names_and_params, activation=activation)
+        except NonFiniteActivationError:
+            self._release_watch()
+            raise
+        except NonFiniteGradientError as error:
+            self._release_watch()
+            if self._driven_by_native:
+                raise
+            raise NonFiniteGradientError(
+                f"{error} With a plain transformers.Trainer the gradient norm is computed before any callback, which "
+                f"spreads one NaN or Inf to every gradient: the parameter named is the first trainable one, not "
+                f"necessarily the one that went bad. sits_lora.NativeLoraTrainer checks before that and names it."
+            ) from None
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _optimizer_kind(name: str) -> str:
+    name = name.lower()
+    if "8bit" in name:
+        return "adamw_8bit"
+    if name.startswith("adafactor"):
+        return "adafactor"
+    if name.startswith("sgd"):
+        return "sgd"
+    if "lion" in name:
+        return "lion"
+    return "adamw"
+
+
+def _weight_bytes(model: nn.Module) -> int:
+    for p in model.parameters():
+        if p.is_floating_point() and not p.requires_grad:
+            return p.element_size()
+    return 2
+
+
+def _dataset_of(train_dataloader):
+    dataset = getattr(train_dataloader, "dataset", None)
+    if dataset is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+        return None
+    return dataset
+
+
+def _infer_seq_len(train_dataloader) -> Optional[int]:
+    """The longest ``input_ids`` among the first 64 examples (indexing only: the sampler's RNG is untouched)."""
+    dataset = _dataset_of(train_dataloader)
+    if dataset is None:
+        return None
+    longest = 0
+    try:
+        for i in range(min(64, len(dataset))):
+            example = dataset[i]
+            ids = example.get("input_ids") if isinstance(example, dict) else None
+            if ids is not None:
+                longest = max(longest, len(ids))
+    except (KeyError, TypeError, IndexError):
+        return None
+    return longest or None
+
+
+def _batch_bytes(train_dataloader, batch: int) -> int:
+    dataset = _dataset_of(train_dataloader)
+    if dataset is None or len(dataset) == 0:
+        return 0
+    example = dataset[0]
+    if not isinstance(example, dict):
+        return 0
+    total = 0
+    for value in example.values():
+        if isinstance(value, torch.Tensor):
+            total += value.numel() * max(value.element_size(), 8 if not value.is_floating_point() else 4)
+        elif isinstance(value, (list, tuple)):
+            total += len(value) * 8  # collated to int64
+    return total * batch
+
+
+def memory_alternatives(model, batch: int, seq_len: int, plan: MemoryPlan, budget: int, n_ckpt: int,
+                        plan_kwargs: dict) -> dict[str, MemoryPlan]:
+    """Plans of the changes that shrink an over-budget ``plan``, by label (what to set): gradient checkpointing
+    (when ``n_ckpt``, the checkpointed layers, is 0), the largest per-device batch that fits ``budget`` (with
+    the gradient accumulation that keeps the effective batch), and half the rank. ``plan_kwargs``: the
+    keyword arguments ``plan`` was made with."""
+    out: dict[str, MemoryPlan] = {}
+    if n_ckpt == 0:
+        out["gradient checkpointing (TrainingArguments(gradient_checkpointing=True))"] = plan_memory(
+            model, batch, seq_len, gradient_checkpointing=True, **plan_kwargs)
+    if batch > 1:
+        low, high = 1, batch - 1
+        best = None
+        while low <= high:
+            mid = (low + high) // 2
+            candidate = plan_memory(model, mid, seq_len, **plan_kwargs)
+            if candidate.total <= budget:
+                best, low = (mid, candidate), mid + 1
+            else:
+                high = mid - 1
+        b, candidate = best or (1, plan_memory(model, 1, seq_len, **plan_kwargs))
+        out[f"per_device_train_batch_size={b} (with gradient_accumulation_steps x{-(-batch // b)} for the same "
+            f"effective batch)"] = candidate
+    ranks = [r for m in model.modules() for r in getattr(m, "r", {}).values()] if hasattr(model, "modules") else []
+    if ranks and max(ranks) > 1:
+        r = max(ranks)
+        ratio = (r // 2) / r
+        shrink = (1 - ratio) * (plan.adapter_weights + plan.optimizer_states
+                                + (plan.adapter_grads if plan.grads_at_peak else 0))
+        alt = MemoryPlan(**{**plan.__dict__, "total": int(plan.total - shrink), "notes": list(plan.notes)})
+        out[f"r={r // 2} (adapters, their gradients and optimizer states halve)"] = alt
+    return out

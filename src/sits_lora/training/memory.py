@@ -1,0 +1,590 @@
+"""Memory plan of a LoRA training step: what the device holds at the peak, by part.
+
+The cost model (every number is bytes; T = batch_size x seq_len tokens, h hidden size, I MLP
+size, V vocabulary, H / KV query / key-value heads of size d, a the activation element size):
+
+- frozen weights, adapters: the parameters as they are (tied weights once).
+- optimizer states: AdamW keeps 2 tensors per trainable parameter (8-bit AdamW 2 bytes, SGD none).
+- adapter gradients: made during backward, after the peak, and set to None by ``zero_grad``; they
+  are at the peak only with gradient accumulation (they live through the next forward).
+- activations, per decoder layer, what autograd saves for backward:
+    every RMSNorm upcasts its input to fp32 and saves it (4·T·h);
+    attention (sdpa / flash) saves q, k, v (k, v at KV heads: transformers passes enable_gqa to
+    sdpa when there is no padding mask) and its output (a·T·H·d), plus the fp32 log-sum-exp;
+    eager attention saves q and K/V repeated to H heads and the T x S probabilities twice (fp32 and a);
+    the gated MLP saves the gate output, its activation and the up output (3·a·T·I);
+    each adapted layer saves what a probe of that very layer shows (below); layers that read the
+    same tensor (q / k / v, gate / up) share one saved input, and o_proj's input is the attention
+    output sdpa already saved.
+  A checkpointed layer keeps only its input (a·T·h); during backward one layer is recomputed at a
+  time.
+- logits and loss: transformers upcasts the logits to fp32 for the cross-entropy; at the start of
+  backward the saved log-softmax, its incoming gradient and the gradient it produces are three
+  fp32 T x V buffers (12·T·V), on top of every saved activation: that is the peak.
+
+Adapted layers are probed, not assumed: one forward of each distinct layer on 16 and 32 tokens
+under ``torch.autograd.graph.saved_tensors_hooks`` records what it saves for backward (its own
+input, which siblings share, or new tensors such as PEFT's fp32 copy of the input, the T x r
+shrink output, a dropout mask), on the layer's device and under the training autocast. So the plan
+follows whatever kernel the layer runs (PEFT's, sits_lora's reference or Triton).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+GIB = 2**30
+
+OPTIMIZERS = ("adamw", "adamw_8bit", "adafactor", "sgd", "sgd_momentum", "lion", "none")
+# Optimizer state bytes per byte of trainable parameter (8-bit Adam: two 1-byte states per fp32
+# (4-byte) parameter).
+_STATE_PER_PARAM_BYTE = {"adamw": 2.0, "adamw_8bit": 0.5, "sgd": 0.0, "sgd_momentum": 1.0, "lion": 1.0, "none": 0.0}
+
+_ATTN_IN = ("q_proj", "k_proj", "v_proj")
+_MLP_IN = ("gate_proj", "up_proj")
+
+
+class UnsupportedModelError(ValueError):
+    """plan_memory has no activation model for this architecture."""
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes the device holds at the peak of a training step, by part (see the module docstring)."""
+
+    batch_size: int
+    seq_len: int
+    frozen_weights: int
+    adapter_weights: int
+    adapter_grads: int
+    optimizer_states: int
+    activations: int
+    logits_and_loss: int
+    total: int
+    optimizer: str
+    gradient_checkpointing: str
+    activation_dtype: str
+    layers: int
+    activations_per_layer: int
+    grads_at_peak: bool
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["total_gib"] = self.total / GIB
+        return d
+
+    def gib(self, part: str) -> float:
+        return getattr(self, part) / GIB
+
+    def table(self) -> str:
+        """An aligned table of the parts and the total, in GiB."""
+        grads_note = "" if self.grads_at_peak else "  (not at the peak: made during backward)"
+        rows = [
+            ("frozen weights", self.frozen_weights, ""),
+            ("adapters", self.adapter_weights, ""),
+            ("adapter gradients", self.adapter_grads, grads_note),
+            ("optimizer states", self.optimizer_states, f"  ({self.optimizer})"),
+            ("activations", self.activations,
+             f"  ({self.layers} layers, {format_bytes(self.activations_per_layer)} each without checkpointing; "
+             f"checkpointing: {self.gradient_checkpointing})"),
+            ("logits and loss", self.logits_and_loss, "  (fp32 cross-entropy buffers)"),
+            ("total at peak", self.total, ""),
+        ]
+        head = (f"  memory plan: batch {self.batch_size} x seq {self.seq_len} = {self.batch_size * self.seq_len} "
+                f"tokens, activations in {self.activation_dtype}")
+        width = max(len(r[0]) for r in rows)
+        return "\n".join([head] + [f"  {name:<{width}}  {format_bytes(value):>10}{note}" for name, value, note in rows])
+
+
+def format_bytes(n: float) -> str:
+    """GiB above 1 GiB, MiB below (the tiny test models plan a few MiB)."""
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / 2**20:.2f} MiB"
+
+
+# ----------------------------------------------------------------------------- model structure
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model under PEFT / DDP / compile wrappers."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        for attr in ("module", "_orig_mod"):
+            inner = getattr(model, attr, None)
+            if isinstance(inner, nn.Module):
+                model = inner
+                break
+        else:
+            base = getattr(model, "base_model", None)  # PeftModel -> its tuner (which has peft_config) -> .model
+            inner = getattr(base, "model", None)
+            if isinstance(inner, nn.Module) and hasattr(base, "peft_config") and base is not model:
+                model = inner
+    return model
+
+
+def decoder_layers(model: nn.Module) -> tuple[str, list[nn.Module]]:
+    """(path, blocks) of the longest ModuleList of same-class modules: the decoder layers."""
+    best: tuple[str, list[nn.Module]] = ("", [])
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > len(best[1]):
+            classes = {type(m) for m in module}
+            if len(classes) == 1:
+                best = (name, list(module))
+    return best
+
+
+def _base(module: nn.Module) -> nn.Module:
+    get = getattr(module, "get_base_layer", None)
+    return get() if callable(get) else module
+
+
+def _linear_dims(module: nn.Module) -> tuple[int, int]:
+    base = _base(module)
+    if hasattr(base, "in_features"):
+        return int(base.in_features), int(base.out_features)
+    weight = base.weight
+    return int(weight.shape[1]), int(weight.shape[0])
+
+
+def _is_adapted(module: nn.Module) -> bool:
+    """A PEFT tuner layer (it has a base layer) with trainable parameters."""
+    return callable(getattr(module, "get_base_layer", None)) and any(p.requires_grad for p in module.parameters())
+
+
+def _text_config(model: nn.Module):
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    return config
+
+
+def checkpointed_layers(model: nn.Module) -> int:
+    """How many decoder blocks of ``model`` run under gradient checkpointing now."""
+    _, blocks = decoder_layers(_unwrap(model))
+    return sum(1 for b in blocks if getattr(b, "gradient_checkpointing", False) is True)
+
+
+# ----------------------------------------------------------------------------- probing adapted layers
+
+
+@dataclass
+class LayerSaves:
+    """What one adapted layer saves for backward: its input or not, plus a + b·T other bytes."""
+
+    saves_input: bool
+    const_bytes: float
+    bytes_per_token: float
+    probed: bool = True
+
+
+def _autocast_available(device_type: str) -> bool:
+    check = getattr(torch.amp, "is_autocast_available", None)
+    return bool(check(device_type)) if check is not None else device_type in ("cpu", "cuda")
+
+
+def _sibling_layers(module: nn.Module) -> list[nn.Module]:
+    """The layers that run together with ``module`` (sits_lora's sibling fusion), or just ``module``."""
+    group = getattr(module, "_sibling_group", None)
+    layers = list(getattr(group, "layers", None) or [])
+    return layers if module in layers else [module]
+
+
+def _snapshot(obj) -> dict:
+    return {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(obj).items()}
+
+
+def _probe_layer(module: nn.Module, input_dtype: torch.dtype, autocast_dtype: Optional[torch.dtype]) -> LayerSaves:
+    """What ``module`` saves for backward, per layer; sibling layers (q / k / v under sits_lora's sibling
+    fusion) are called together on one input, as the model calls them, and share the result equally.
+
+    ``input_dtype`` is the dtype the layer receives in the model: the residual stream's, which is the
+    weights' even under autocast (RMSNorm hands back its input dtype). With fp32 weights under bf16
+    autocast the layer gets fp32, so sits_lora runs its reference path and each of q / k / v makes its
+    own bf16 copy of the input; a probe fed bf16 would show neither."""
+    layers = _sibling_layers(module)
+    group = getattr(module, "_sibling_group", None) if len(layers) > 1 else None
+    group_state = _snapshot(group) if group is not None else None  # the probe must leave the group as it was
+    d_in, _ = _linear_dims(module)
+    try:
+        device = next(p.device for p in module.parameters())
+    except StopIteration:
+        device = torch.device("cpu")
+    # Storages are compared by identity (_cdata), which also works for meta tensors (no data pointer).
+    param_ptrs = {p.untyped_storage()._cdata for layer in layers for p in layer.parameters()}
+    results = []
+    was_training = [layer.training for layer in layers]
+    for layer in layers:
+        layer.train()
+    try:
+        fork_devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=fork_devices):
+            for tokens in (16, 32):
+                x = torch.randn(1, tokens, d_in, device=device, dtype=input_dtype, requires_grad=True)
+                x_ptr = x.untyped_storage()._cdata
+                saved: dict[int, int] = {}
+                saves_input = False
+
+                def pack(t, saved=saved):
+                    nonlocal saves_input
+                    st = t.untyped_storage()
+                    ptr = st._cdata
+                    if ptr == x_ptr:
+                        saves_input = True
+                    elif ptr not in param_ptrs and st.nbytes():
+                        saved[ptr] = st.nbytes()
+                    return t
+
+                autocast = (torch.autocast(device.type, dtype=autocast_dtype)
+                            if autocast_dtype is not None and _autocast_available(device.type)
+                            else contextlib.nullcontext())
+                # A probe is not training: what a layer warns about then (a dynamic-rank layer with no rank
+                # budget attached yet, at train begin) would mislead; the real forward warns if it applies.
+                with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    outs = [layer(x) for layer in layers]
+                del outs
+                results.append((tokens, saves_input, float(sum(saved.values())) / len(layers)))
+    finally:
+        for layer, mode in zip(layers, was_training):
+            layer.train(mode)
+        if group is not None:
+            vars(group).clear()
+            vars(group).update(group_state)
+    (t1, in1, b1), (t2, in2, b2) = results
+    per_token = max((b2 - b1) / (t2 - t1), 0.0)
+    return LayerSaves(saves_input=in1 or in2, const_bytes=max(b1 - per_token * t1, 0.0), bytes_per_token=per_token)
+
+
+def _layer_key(module: nn.Module) -> tuple:
+    siblings = _sibling_layers(module)
+    if len(siblings) > 1:
+        return ("siblings",) + tuple(_single_layer_key(layer) for layer in siblings)
+    return _single_layer_key(module)
+
+
+def _single_layer_key(module: nn.Module) -> tuple:
+    d_in, d_out = _linear_dims(module)
+    trainable = tuple((tuple(p.shape), p.dtype) for p in module.parameters() if p.requires_grad)
+    dropout = tuple(sorted((k, getattr(v, "p", 0.0)) for k, v in getattr(module, "lora_dropout", {}).items()))
+    kernel = tuple(sorted(getattr(module, "sits_kernel", {}).items()))
+    return (type(module), d_in, d_out, trainable, dropout, kernel, _base(module).weight.dtype)
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def _optimizer_bytes(optimizer: str, trainable: list[nn.Parameter]) -> int:
+    if optimizer == "adafactor":
+        # Factored second moment: a row and a column vector per matrix, a full one for vectors.
+        total = 0
+        for p in trainable:
+            total += (p.shape[0] + p.shape[1]) * 4 if p.dim() == 2 else p.numel() * 4
+        return total
+    factor = _STATE_PER_PARAM_BYTE[optimizer]
+    if optimizer == "adamw_8bit":
+        return int(sum(p.numel() * 2 for p in trainable))
+    return int(sum(p.numel() * p.element_size() for p in trainable) * factor)
+
+
+def _check_args(batch_size, seq_len, optimizer, gradient_accumulation_steps):
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len),
+                        ("gradient_accumulation_steps", gradient_accumulation_steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"plan_memory: {name}={value!r} is invalid: it must be a positive integer.")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"plan_memory: optimizer={optimizer!r} is invalid: allowed values are "
+                         f"{', '.join(map(repr, OPTIMIZERS))}.")
+
+
+def plan_memory(
+    model: nn.Module,
+    batch_size: int,
+    seq_len: int,
+    *,
+    gradient_checkpointing: Optional[bool] = None,
+    optimizer: str = "adamw",
+    autocast_dtype: Optional[torch.dtype] = None,
+    gradient_accumulation_steps: int = 1,
+    padded: bool = False,
+    activation_offload: bool = False,
+) -> MemoryPlan:
+    """Predict the peak device memory of one LoRA training step of ``model`` (see the module docstring).
+
+    Args:
+        model: a transformers decoder model, plain or wrapped by PEFT / sits_lora, on its training device.
+        batch_size, seq_len: sequences per micro-batch and tokens per sequence.
+        gradient_checkpointing: None reads it from the model (``model.gradient_checkpointing_enable()``,
+            or the Trainer's ``gradient_checkpointing=True``, sets it on the decoder layers); True / False
+            override it for every layer.
+        optimizer: one of "adamw", "adamw_8bit", "adafactor", "sgd", "sgd_momentum", "lion", "none".
+        autocast_dtype: the dtype of mixed-precision autocast (``TrainingArguments(bf16=True)`` runs the
+            forward under bf16 autocast), None without autocast.
+        gradient_accumulation_steps: above 1 the gradients live through the next forward, so they count.
+        padded: batches carry a padding mask; sdpa then repeats K/V to every query head.
+        activation_offload: checkpointed layer inputs live in host memory (transformers'
+            ``activation_checkpointing_kwargs={"offload": True}``).
+
+    Raises:
+        UnsupportedModelError: the model has no decoder blocks with self_attn.{q,k,v,o}_proj and
+            mlp.{gate,up,down}_proj (Llama, Mistral, Qwen2 / 3 and similar have them).
+    """
+    _check_args(batch_size, seq_len, optimizer, gradient_accumulation_steps)
+    inner = _unwrap(model)
+    config = _text_config(inner)
+    _, blocks = decoder_layers(inner)
+    if not blocks or config is None:
+        raise UnsupportedModelError(
+            f"plan_memory: {type(inner).__name__} has no list of decoder layers and config; it models transformers "
+            f"decoder models (Llama, Mistral, Qwen2 and similar)."
+        )
+    first = blocks[0]
+    attn = getattr(first, "self_attn", None)
+    mlp = getattr(first, "mlp", None)
+    missing = [f"self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj") if not hasattr(attn, n)]
+    missing += [f"mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj") if not hasattr(mlp, n)]
+    if missing:
+        raise UnsupportedModelError(
+            f"plan_memory: the decoder layers of {type(inner).__name__} ({type(first).__name__}) have no "
+            f"{', '.join(missing)}; it models layers with self_attn.{{q,k,v,o}}_proj and mlp.{{gate,up,down}}_proj "
+            f"(Llama, Mistral, Qwen2 and similar)."
+        )
+
+    notes: list[str] = []
+    T, B, S = batch_size * seq_len, batch_size, seq_len
+    h = int(config.hidden_size)
+    H = int(config.num_attention_heads)
+    KV = int(getattr(config, "num_key_value_heads", None) or H)
+    d = int(getattr(config, "head_dim", None) or h // H)
+    V = int(config.vocab_size)
+    I = _linear_dims(mlp.down_proj)[0]
+    attn_impl = str(getattr(config, "_attn_implementation", None) or "eager")
+
+    # Parameters, tied ones once.
+    seen: set[int] = set()
+    frozen = adapters = 0
+    trainable: list[nn.Parameter] = []
+    for p in list(inner.parameters()) + list(inner.buffers()):
+        ptr = p.untyped_storage()._cdata
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        size = p.numel() * p.element_size()
+        quant_state = getattr(p, "quant_state", None)
+        absmax = getattr(quant_state, "absmax", None)
+        if isinstance(absmax, torch.Tensor):
+            size += absmax.numel() * absmax.element_size()
+        if isinstance(p, nn.Parameter) and p.requires_grad:
+            adapters += size
+            trainable.append(p)
+        else:
+            frozen += size
+    grads = sum(p.numel() * p.element_size() for p in trainable)
+    devices = {p.device for p in inner.parameters() if p.device.type != "meta"}
+    if len(devices) > 1:
+        notes.append(f"the parameters span {len(devices)} devices ({', '.join(sorted(map(str, devices)))}): the plan "
+                     f"is their sum, not the peak of one device")
+    opt_bytes = _optimizer_bytes(optimizer, trainable)
+
+    weight_dtype = _base(attn.q_proj).weight.dtype
+    if not weight_dtype.is_floating_point:  # a quantized base: activations in the compute dtype
+        weight_dtype = getattr(_base(attn.q_proj), "compute_dtype", None) or torch.bfloat16
+    act_dtype = autocast_dtype or weight_dtype
+    a = torch.finfo(act_dtype).bits // 8
+    resid = torch.finfo(weight_dtype).bits // 8 if weight_dtype.is_floating_point else a
+
+    # Probes of the adapted layers, one per distinct kind.
+    probes: dict[tuple, LayerSaves] = {}
+    probe_device = next((p.device for p in inner.parameters()), torch.device("cpu"))
+    if autocast_dtype is not None and not _autocast_available(probe_device.type):
+        notes.append(f"autocast does not exist on {probe_device.type}: the adapted layers were probed without it "
+                     f"(PEFT's layers then save an fp32 copy of their input, more than under bf16 autocast)")
+
+    def saves_of(module: nn.Module) -> LayerSaves:
+        key = _layer_key(module)
+        if key not in probes:
+            try:
+                probes[key] = _probe_layer(module, weight_dtype, autocast_dtype)
+            except Exception as error:  # a layer that cannot run alone (offloaded, meta): assume the common case
+                r = max((p.shape[0] for n, p in module.named_parameters() if "lora_A" in n), default=16)
+                probes[key] = LayerSaves(True, 0.0, 4.0 * r, probed=False)
+                notes.append(f"{type(module).__name__} {_linear_dims(module)} could not be probed "
+                             f"({type(error).__name__}); assumed it saves its input and a T x r fp32 tensor")
+        return probes[key]
+
+    def adapted_extra(block: nn.Module) -> float:
+        """Bytes the adapted layers of one block save beyond what the frozen block saves."""
+        extra = 0.0
+        shared_slots = set()
+        for name, module in block.named_modules():
+            if not _is_adapted(module):
+                continue
+            saves = saves_of(module)
+            extra += saves.const_bytes + saves.bytes_per_token * T
+            if not saves.saves_input:
+                continue
+            leaf = name.rsplit(".", 1)[-1]
+            d_in = _linear_dims(module)[0]
+            if leaf in _ATTN_IN:
+                shared_slots.add(("attn_in", a * T * d_in))
+            elif leaf in _MLP_IN:
+                shared_slots.add(("mlp_in", a * T * d_in))
+            elif leaf == "o_proj":
+                if attn_impl == "eager":  # eager makes a new contiguous copy; sdpa / flash already saved it
+                    shared_slots.add(("attn_out", a * T * d_in))
+            elif leaf == "down_proj":
+                shared_slots.add(("mlp_act", a * T * d_in))
+            else:
+                shared_slots.add((name, a * T * d_in))
+        return extra + sum(size for _, size in shared_slots)
+
+    # The frozen block.
+    norms = 0.0
+    for name, module in first.named_modules():
+        weight = getattr(module, "weight", None)
+        if "norm" not in type(module).__name__.lower() or not isinstance(weight, torch.Tensor):
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        if weight.numel() == d and leaf.startswith("k"):
+            norms += 4 * T * KV * d
+        elif weight.numel() == d:
+            norms += 4 * T * H * d
+        else:
+            norms += 4 * T * weight.numel()
+    kv_heads_saved = H if (padded or attn_impl == "eager") else KV
+    if attn_impl == "eager":
+        attention = a * T * H * d * 3 + B * H * S * S * (4 + a)
+    else:
+        if attn_impl not in ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"):
+            notes.append(f"attention implementation {attn_impl!r} modelled like sdpa (q, k, v, output, log-sum-exp)")
+        attention = a * T * H * d * 2 + 2 * a * T * kv_heads_saved * d + 4 * B * H * S
+    mlp_saved = 3 * a * T * I
+    frozen_block = norms + attention + mlp_saved
+    if attn_impl == "eager":
+        notes.append("eager attention keeps the T x S probabilities (fp32 and a copy) in every layer; sdpa does not")
+
+    per_block_full = [frozen_block + adapted_extra(b) for b in blocks]
+    if gradient_checkpointing is None:
+        checkpointed = [getattr(b, "gradient_checkpointing", False) is True for b in blocks]
+    else:
+        checkpointed = [bool(gradient_checkpointing)] * len(blocks)
+    kept_input = 0 if activation_offload else resid * T * h
+    saved_blocks = sum(kept_input if ck else full for ck, full in zip(checkpointed, per_block_full))
+    n_ckpt = sum(checkpointed)
+    gc_label = "off" if n_ckpt == 0 else ("every layer" if n_ckpt == len(blocks) else f"{n_ckpt} of {len(blocks)} layers")
+    if activation_offload and n_ckpt:
+        gc_label += ", inputs offloaded to host"
+
+    # Outside the blocks: the final norm's fp32 input, RoPE tables, adapted layers outside the blocks.
+    outside = 4.0 * T * h + 2 * 4 * S * d
+    block_ids = {id(m) for b in blocks for m in b.modules()}
+    for name, module in inner.named_modules():
+        if id(module) in block_ids or not _is_adapted(module):
+            continue
+        if isinstance(_base(module), nn.Linear):
+            saves = saves_of(module)
+            extra = saves.const_bytes + saves.bytes_per_token * T
+            extra += a * T * _linear_dims(module)[0] if saves.saves_input else 0
+            outside += extra
+    activations = saved_blocks + outside
+
+    loss = 12.0 * T * V
+    # One layer's backward holds about four T x I tensors of gradients at once (of the MLP output,
+    # the activation, the up projection, and the down projection's input): fitted to the peaks a
+    # tensor tracker measured on the CPU. Under checkpointing the layer's recomputed saves add to it.
+    transient = 4 * a * T * I
+    recompute = max(per_block_full) + transient if n_ckpt else transient
+    grads_at_peak = gradient_accumulation_steps > 1
+    peak_dynamic = max(activations + loss, activations + recompute) + (grads if grads_at_peak else 0)
+    if not grads_at_peak and grads > activations + loss:
+        peak_dynamic = grads + max(per_block_full)
+        grads_at_peak = True
+    total = frozen + adapters + opt_bytes + peak_dynamic
+
+    return MemoryPlan(
+        batch_size=batch_size, seq_len=seq_len,
+        frozen_weights=int(frozen), adapter_weights=int(adapters), adapter_grads=int(grads),
+        optimizer_states=int(opt_bytes), activations=int(activations + max(recompute - loss, 0)),
+        logits_and_loss=int(loss), total=int(total), optimizer=optimizer, gradient_checkpointing=gc_label,
+        activation_dtype=str(act_dtype).removeprefix("torch."), layers=len(blocks),
+        activations_per_layer=int(max(per_block_full)), grads_at_peak=grads_at_peak, notes=notes,
+    )
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+class PeakMemoryMeter:
+    """Measure the peak memory of the code inside ``with PeakMemoryMeter(device) as meter:``.
+
+    On CUDA: ``torch.cuda.max_memory_allocated`` after a reset, so ``meter.peak`` counts every
+    tensor alive at the peak, the model included. On the CPU (for tests): a dispatch mode counts
+    the storage bytes of every tensor the code creates, plus those passed to :meth:`track` (the
+    model's parameters, say), freed when their storage dies.
+    """
+
+    def __init__(self, device="cpu"):
+        self.device = torch.device(device)
+        self.peak = 0
+        self._mode = None
+
+    def __enter__(self) -> "PeakMemoryMeter":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._mode = _HostTensorTracker()
+            self._mode.__enter__()
+        return self
+
+    def track(self, *tensors: torch.Tensor) -> None:
+        if self._mode is not None:
+            for t in tensors:
+                self._mode.add(t)
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self._mode.__exit__(*exc)
+            self.peak = self._mode.peak
+
+
+class _HostTensorTracker(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def add(self, t) -> None:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        key, size = storage.data_ptr(), storage.nbytes()
+        if size == 0 or key in self.live:
+            return
+        self.live[key] = size
+        self.current += size
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        size = self.live.pop(key, None)
+        if size is not None:
+            self.current -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_flatten(out)[0]:
+            self.add(t)
+        return out
