@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Optional
 
 from peft import LoraConfig, PeftModel
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import save_file
 
 from .config import SitsLoraConfig
+from .dynamic_rank.truncate import check_truncation_rank, static_config, truncated_lora_state_dict
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
@@ -36,11 +38,16 @@ def to_plain_lora_config(config: SitsLoraConfig) -> LoraConfig:
     return LoraConfig(**kwargs)
 
 
-def export_peft_lora(model: PeftModel, path: str | os.PathLike, adapter_name: str = "default") -> str:
+def export_peft_lora(model: PeftModel, path: str | os.PathLike, adapter_name: str = "default",
+                     rank: Optional[int] = None) -> str:
     """Write ``adapter_name`` of ``model`` to ``path`` as a plain PEFT LoRA checkpoint; return the path.
 
     The folder gets adapter_config.json (``peft_type: LORA``) and adapter_model.safetensors, and
     loads with ``PeftModel.from_pretrained(base, path)`` in stock PEFT.
+
+    ``rank=k`` (a dynamic-rank adapter, whose rank dimensions are nested) exports its static rank-k
+    truncation: the first k dimensions at the same scaling, without routers or probes; the model
+    itself is not changed. A routed adapter has no static equivalent at full rank, so it needs ``rank``.
     """
     if not isinstance(model, PeftModel):
         raise TypeError(
@@ -53,10 +60,21 @@ def export_peft_lora(model: PeftModel, path: str | os.PathLike, adapter_name: st
             f"{sorted(model.peft_config)}."
         )
     config = model.peft_config[adapter_name]
+    if rank is None and getattr(config, "use_dynamic_rank", False) and config.rank_scheduler != "static":
+        raise ValueError(
+            f"export_peft_lora: adapter {adapter_name!r} routes each token to its own rank (rank_scheduler="
+            f"{config.rank_scheduler!r}); a plain LoRA checkpoint has one rank. Pass rank=k to export its static "
+            f"rank-k truncation, e.g. rank={int(config.target_mean_rank or config.r)}."
+        )
+    state_dict = get_peft_model_state_dict(model, adapter_name=adapter_name)
+    if rank is not None or getattr(config, "use_dynamic_rank", False):
+        k = config.r if rank is None else rank
+        check_truncation_rank(k, config, adapter_name, "export_peft_lora")
+        state_dict = truncated_lora_state_dict(state_dict, k)
+        config = static_config(config, k)
     plain = to_plain_lora_config(config)
     plain.inference_mode = True
     os.makedirs(path, exist_ok=True)
-    state_dict = get_peft_model_state_dict(model, adapter_name=adapter_name)
     save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()},
               os.path.join(path, ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
     plain.save_pretrained(str(path))

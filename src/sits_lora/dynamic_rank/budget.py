@@ -1,0 +1,236 @@
+"""The rank budget: the mean active rank over non-padding tokens, held at target by dual ascent.
+
+Lagrangian: task loss + λ·(mean active rank / r). The routers see the λ term through their
+gradient (``router.add_budget_gradient``); after each optimizer step the multiplier follows
+    λ ← max(0, λ + η·(mean active rank − target_mean_rank) / r)
+measured on the routers' decisions (their argmax: what inference does) since the previous step; in
+training the layers compute with buckets sampled around those decisions. A fixed penalty
+drifts as the task gradient changes during training; the multiplier rises until the constraint
+holds and falls back when it is slack. One λ for the whole model (the budget is a global mean, so
+rank can move between layers); each layer's term is its own mean, so λ does not scale with the
+number of layers. With gradient accumulation, Trainer divides the task loss by the number of
+micro-batches but not the λ term: λ settles at a proportionally smaller value, same constraint.
+
+Padding: a forward pre-hook on the model reads ``attention_mask`` and the layers skip tokens where
+it is 0, in the statistics and in the λ term. Tokens with label -100 count (they are not padding).
+
+What counts: each training forward of the model once (autograd on, inside the model's forward).
+Evaluation and no_grad forwards do not count (``RankBudget.measuring()`` turns them on), nor layers called on
+their own (the memory plan's probes), nor gradient-checkpoint recomputation in backward, which
+would count the tokens twice (see ``DynamicRankLinear._token_accounting``).
+
+Data parallel: every rank routes its own tokens, so :meth:`RankBudget.read_stats` sums the counts of
+all ranks (one all_reduce) before λ moves, and λ stays the same on every rank. Every rank must call
+``step`` / ``read_stats`` together, as DynamicRankCallback does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from .._dynamic_rank_checks import ROUTED_SCHEDULERS
+
+
+@dataclass(frozen=True)
+class _TokenScope:
+    """A forward whose tokens count in the rank statistics; ``mask`` (B, S) bool, or None: every token is valid."""
+
+    mask: Optional[Tensor]
+
+
+_SCOPE: contextvars.ContextVar[Optional[_TokenScope]] = contextvars.ContextVar("sits_lora_token_scope", default=None)
+_MEASURING: contextvars.ContextVar[bool] = contextvars.ContextVar("sits_lora_rank_measuring", default=False)
+
+
+@contextlib.contextmanager
+def valid_tokens(attention_mask: Optional[Tensor]):
+    """Within the block, dynamic-rank layers count their training tokens in the rank statistics (as inside
+    the forward of a model with a RankBudget) and, when their input has the mask's leading shape, skip
+    the masked tokens. For loops that call parts of a model themselves."""
+    token = _SCOPE.set(_TokenScope(None if attention_mask is None else attention_mask.bool()))
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+def in_token_scope() -> bool:
+    """True inside the forward of a model with a RankBudget, or inside ``valid_tokens``."""
+    return _SCOPE.get() is not None
+
+
+def measuring_active() -> bool:
+    """True inside ``RankBudget.measuring()``."""
+    return _MEASURING.get()
+
+
+def current_valid_tokens(leading_shape: torch.Size) -> Optional[Tensor]:
+    """(T,) bool for the current forward, or None when no mask applies to an input of this shape.
+
+    A mask of another shape (e.g. (B, past + 1) during cached generation) does not describe the
+    tokens of this input; then every token counts.
+    """
+    scope = _SCOPE.get()
+    if scope is None or scope.mask is None or tuple(scope.mask.shape) != tuple(leading_shape):
+        return None
+    return scope.mask.reshape(-1)
+
+
+def _all_reduce_counts(counts: Tensor) -> Tensor:
+    """Sum of ``counts`` over the ranks of the default process group (unchanged without one)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return counts
+    if "nccl" not in str(dist.get_backend()):  # NCCL reduces device tensors; gloo wants host tensors
+        counts = counts.cpu()
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    return counts
+
+
+def dynamic_rank_layers(model: nn.Module, adapter_name: Optional[str] = None) -> list[tuple[str, nn.Module]]:
+    """(name, layer) of every DynamicRankLinear holding a dynamic-rank adapter (``adapter_name`` if given)."""
+    from .layer import DynamicRankLinear
+
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, DynamicRankLinear):
+            names = [adapter_name] if adapter_name is not None else list(module.rank_spec)
+            if any(module.rank_spec.get(a) is not None for a in names):
+                found.append((name, module))
+    return found
+
+
+def _single_dynamic_adapter(model: nn.Module, adapter_name: Optional[str]) -> str:
+    names = set()
+    for _, layer in dynamic_rank_layers(model):
+        names.update(a for a, spec in layer.rank_spec.items() if spec is not None)
+    if adapter_name is not None:
+        if adapter_name not in names:
+            raise ValueError(f"adapter_name={adapter_name!r} is not a dynamic-rank adapter of this model; "
+                             f"dynamic-rank adapters: {sorted(names)}")
+        return adapter_name
+    if not names:
+        raise ValueError("the model has no dynamic-rank adapter: build it with SitsLoraConfig(use_dynamic_rank=True, ...)")
+    if len(names) > 1:
+        raise ValueError(f"the model has several dynamic-rank adapters {sorted(names)}; pass adapter_name")
+    return names.pop()
+
+
+class RankBudget:
+    """Holds the mean active rank of one dynamic-rank adapter at its target; reads the rank statistics.
+
+    ``RankBudget(model)`` attaches to every dynamic-rank layer; call :meth:`step` after each
+    optimizer step (``DynamicRankCallback`` does it for a Trainer). Without a budget, a routed
+    adapter trains with λ = 0 and warns that nothing holds its mean rank.
+    """
+
+    def __init__(self, model: nn.Module, adapter_name: Optional[str] = None, step_size: Optional[float] = None,
+                 target_mean_rank: Optional[float] = None):
+        self.adapter_name = _single_dynamic_adapter(model, adapter_name)
+        self.layers = dynamic_rank_layers(model, self.adapter_name)
+        spec = self.layers[0][1].rank_spec[self.adapter_name]
+        self.scheduler = spec.scheduler
+        self.buckets = list(spec.buckets)
+        self.r = spec.buckets[-1]
+        self.target = float(target_mean_rank if target_mean_rank is not None else (spec.target_mean_rank or self.r))
+        self.step_size = float(step_size if step_size is not None else spec.budget_step_size)
+        self.lam = 0.0
+        self.steps = 0
+        for _, layer in self.layers:
+            layer.rank_lambda[self.adapter_name] = 0.0
+            layer.rank_budget_attached = True
+            layer.rank_counts(self.adapter_name, reset=True)  # forwards before the budget existed are not its steps
+        self._hooks = [
+            model.register_forward_pre_hook(self._enter, with_kwargs=True),
+            model.register_forward_hook(self._exit, always_call=True),
+        ]
+        self._tokens: list = []
+
+    @property
+    def routed(self) -> bool:
+        return self.scheduler in ROUTED_SCHEDULERS
+
+    def _enter(self, module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if mask is not None and (not isinstance(mask, Tensor) or mask.dim() != 2):
+            mask = None  # a 4-D additive mask or a custom object: cannot tell padding apart, count every token
+        self._tokens.append(_SCOPE.set(_TokenScope(None if mask is None else mask.bool())))
+
+    def _exit(self, module, args, output):
+        if self._tokens:
+            _SCOPE.reset(self._tokens.pop())
+
+    @contextlib.contextmanager
+    def measuring(self):
+        """Within the block, evaluation and no_grad forwards count in the statistics too, so that
+        :meth:`read_stats` reports the ranks inference uses. Call ``read_stats(reset=True)`` before the
+        block and read the statistics after it, before the next :meth:`step`, which would otherwise move λ
+        with them."""
+        token = _MEASURING.set(True)
+        try:
+            yield self
+        finally:
+            _MEASURING.reset(token)
+
+    def read_stats(self, reset: bool = True) -> dict:
+        """Rank statistics over the valid tokens seen since the last reset, all layers together.
+
+        ``mean_active_rank`` / ``histogram``: the routing rule inference applies (the router's
+        argmax), which the budget holds at the target. ``mean_computed_rank``: what the layers computed
+        with; in training, routers sample around their decision, so it can differ. Under
+        torch.distributed the counts of every rank are summed, so every rank must call this together.
+        """
+        counts = [layer.rank_counts(self.adapter_name, reset=reset) for _, layer in self.layers]
+        device = counts[0].device
+        stacked = torch.stack([c.to(device) for c in counts])                      # (L, 2, K) int64, on the device
+        per_layer = _all_reduce_counts(stacked).double().cpu()                     # one host read
+        decided, used = per_layer[:, 0], per_layer[:, 1]                           # (L, K) each
+        total = decided.sum(0)                                                     # (K,)
+        n = float(total.sum())
+        b = torch.tensor(self.buckets, dtype=torch.float64)
+        nan = float("nan")
+        layer_means = ((decided * b).sum(1) / decided.sum(1).clamp_min(1)).tolist()
+        return {
+            "mean_active_rank": float((total * b).sum() / n) if n > 0 else nan,
+            "mean_computed_rank": float((used.sum(0) * b).sum() / n) if n > 0 else nan,
+            "histogram": {int(bk): (float(c) / n if n > 0 else 0.0) for bk, c in zip(self.buckets, total)},
+            "token_layer_pairs": int(n),
+            "layer_mean_rank": {name: m for (name, _), m in zip(self.layers, layer_means)},
+        }
+
+    def step(self) -> dict:
+        """Update λ from the statistics since the last step (routed schedulers); return them with λ."""
+        stats = self.read_stats(reset=True)
+        if self.routed and stats["token_layer_pairs"] > 0:
+            self.lam = max(0.0, self.lam + self.step_size * (stats["mean_active_rank"] - self.target) / self.r)
+            for _, layer in self.layers:
+                layer.rank_lambda[self.adapter_name] = self.lam
+        self.steps += 1
+        stats.update({"lambda": self.lam, "target_mean_rank": self.target, "step": self.steps})
+        return stats
+
+    def state_dict(self) -> dict:
+        """λ and the step count (what a resumed run needs), with the settings they were reached under."""
+        return {"lam": self.lam, "steps": self.steps, "adapter_name": self.adapter_name,
+                "target_mean_rank": self.target, "step_size": self.step_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore λ and the step count; the target and step size stay those this budget was built with."""
+        self.lam, self.steps = float(state["lam"]), int(state["steps"])
+        for _, layer in self.layers:
+            layer.rank_lambda[self.adapter_name] = self.lam
+
+    def close(self) -> None:
+        """Detach from the model (the layers keep their last λ)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        for _, layer in self.layers:
+            layer.rank_budget_attached = False

@@ -1,0 +1,82 @@
+"""The dynamic-rank evaluation (bench/dynamic_rank_harness.py): its settings, and the bench script end to end on a
+tiny random model."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT
+
+sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
+from dynamic_rank_harness import ARMS, ByteTokenizer, EvalSettings, pack_blocks, settings_for, summarize  # noqa: E402
+
+
+@pytest.mark.slow
+def test_bench_script_runs_every_arm_and_writes_json_csv_png(tmp_path):
+    proc = subprocess.run(
+        # every arm runs in the notebook test (notebooks/dynamic_rank.ipynb, tiny preset); here the command line
+        [sys.executable, os.path.join(REPO_ROOT, "bench", "dynamic_rank_eval.py"), "--size", "tiny", "--steps", "2",
+         "--arms", "nested-r64,entropy-gated,random", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache")],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        # a copy of the tree without .git (the GPU machine's) names its revision so; the results must carry it
+        env={**os.environ, "SITS_LORA_GIT_REVISION": "abc1234-test"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "dynamic_rank_eval.json").read_text())
+    arms = {row["arm"] for row in results["rows"]}
+    assert arms == {"full-ft", "entropy-gated", "random"} | {f"nested-r64@{k}" for k in (16, 32, 48, 64)}
+    assert all(row["seeds"] == 2 for row in results["rows"])
+    env = results["environment"]
+    assert env["git_revision"] == "abc1234-test" and env["cpu"] and env["torch"] and env["transformers"] and env["peft"]
+    routed = [r for r in results["runs"] if r["arm"] in ("entropy-gated", "random")]
+    assert all(0 <= r["active_rank"] <= 64 and abs(sum(r["test_histogram"].values()) - 1) < 1e-9 for r in routed)
+    assert all(r["kl_vs_full_ft"] >= 0 for r in results["runs"])
+    counts = results["router"]["parameter_counts"]["entropy-gated"]
+    assert counts["router"] > 0 and counts["entropy_probe"] > 0 and counts["layers"] == 7
+    assert results["router"]["sampler_cache_hits"] == [False, True]  # the second seed reads the entropy cache
+    with open(tmp_path / "dynamic_rank_eval.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(results["rows"]) and {r["git_revision"] for r in rows} == {"abc1234-test"}
+    assert (tmp_path / "dynamic_rank_eval.png").stat().st_size > 10_000
+    assert (tmp_path / "dynamic_rank_eval_runs.csv").exists()
+
+
+def test_presets_and_bad_settings():
+    budget = settings_for("budget")
+    assert len(budget.seeds) >= 3 and budget.arms == ARMS and budget.steps * budget.batch_size * budget.seq_len == 327_680
+    assert settings_for("tiny", steps=3).steps == 3
+    with pytest.raises(ValueError, match="size='huge' is invalid: allowed values are 'tiny', 'smoke', 'budget'"):
+        settings_for("huge")
+    with pytest.raises(ValueError, match="EvalSettings.arms has unknown arms \\['moe'\\]"):
+        EvalSettings(arms=("static-r16", "moe"))
+    with pytest.raises(ValueError, match="'random' uses the histogram of 'entropy-gated'"):
+        EvalSettings(arms=("random",))
+    with pytest.raises(ValueError, match="EvalSettings.steps=0 is invalid"):
+        EvalSettings(steps=0)
+    with pytest.raises(ValueError, match="mean_rank=24 must be one of nested_buckets"):
+        EvalSettings(mean_rank=24)
+
+
+def test_blocks_are_packed_like_the_data_module():
+    from datasets import Dataset
+
+    from sits_lora.data import pack_into_blocks
+
+    texts = ["def f(x):\n    return x", "A longer paragraph of text, " * 5, "tail"]
+    expected = pack_into_blocks(Dataset.from_dict({"text": texts}), ByteTokenizer(), 16, max_blocks=5)["input_ids"]
+    assert pack_blocks(texts, ByteTokenizer(), 16, 5).tolist() == expected
+
+
+def test_summary_is_mean_and_sample_std_over_seeds():
+    runs = [{"arm": "a", "lr": 1e-3, "test_loss": v, "test_ppl": 1.0, "kl_vs_full_ft": 0.1, "active_rank": 16.0}
+            for v in (1.0, 2.0, 3.0)]
+    row = summarize(runs + [{"arm": "b", "lr": 1e-3, "test_loss": 5.0, "test_ppl": 1.0, "kl_vs_full_ft": None,
+                             "active_rank": None}])
+    assert row[0]["test_loss_mean"] == 2.0 and row[0]["test_loss_std"] == 1.0 and row[0]["seeds"] == 3
+    assert row[1]["test_loss_std"] is None and row[1]["kl_vs_full_ft_mean"] is None  # one seed: no spread
