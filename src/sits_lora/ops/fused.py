@@ -42,6 +42,11 @@ def _block_r(r: int) -> int:
     return max(16, triton.next_power_of_2(r))
 
 
+def block_rank(r: int) -> int:
+    """The rank block the kernels run rank ``r`` at (the R in the tuning cache's dims): ``_block_r``, public."""
+    return _block_r(r)
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 activations: exact fp32 products (the interpreter tests compare at 1e-5);
     # bf16 / fp16: the inputs are cast to the activation dtype, precision flag unused.

@@ -2,8 +2,9 @@
 
 Each memory-bound kernel (shrink, expand, dy pass, x pass) has a small space of block sizes,
 warps and pipeline stages. ``tune`` measures them for a layer shape on the current GPU and stores
-the fastest in a JSON cache keyed by GPU name, kernel, shape, dtype and the torch / triton versions,
-so training starts without tuning and a second tuning run reuses the cache. The package ships the
+the fastest in a JSON cache keyed by GPU name, kernel, shape and dtype (not the torch / triton
+versions: see config_key), so training starts without tuning and a second tuning run reuses the
+cache. The package ships the
 choices measured on an H200 (tuned_configs.json, from bench/tune_kernels.py); without an entry the
 kernels use the first configuration of each space below, and the interpreter uses small blocks that
 keep CPU tests fast.
