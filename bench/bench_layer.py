@@ -2,6 +2,7 @@
 
     python bench/bench_layer.py                   # on the GPU: the four shapes x r in {16, 64}, T = 8192, bf16
     python bench/bench_layer.py --smoke           # seconds on a CPU: tiny shapes, checks the script runs
+    python bench/bench_layer.py --arms frozen sits:cublas sits:fp8 --ranks 16   # the fp8 base (issue 6)
 
 "frozen" is the floor: the base nn.Linear with a frozen weight and an input that requires grad
 (forward GEMM + dX GEMM). Every LoRA layer does at least this work. Each arm is timed in the same
@@ -45,6 +46,10 @@ def build(arm: str, d_in: int, d_out: int, r: int, dtype, device):
         return base
     if arm == "peft":
         model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=["proj"]))
+    elif arm == "sits:fp8":
+        # fp8 frozen base, "hybrid" recipe; emulated on a CPU so that --smoke runs anywhere
+        model = get_peft_model(base, sits_lora.SitsLoraConfig(r=r, lora_alpha=2 * r, target_modules=["proj"],
+                                                              fp8="hybrid", fp8_emulate=device == "cpu"))
     else:
         gemm = arm.split(":", 1)[1]
         ops.set_gemm_backend(gemm)
@@ -53,6 +58,12 @@ def build(arm: str, d_in: int, d_out: int, r: int, dtype, device):
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.02)
+    if arm == "sits:fp8":
+        # one step records amaxes and advances the scales: the timed calls run delayed scaling (steady state)
+        from sits_lora.fp8 import update_scaling
+
+        model(torch.randn(64, d_in, device=device, dtype=dtype, requires_grad=True)).sum().backward()
+        update_scaling(model)
     return model
 
 

@@ -36,7 +36,7 @@ MODELS = {
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ARMS = ["frozen", "frozen+compile", "peft", "peft+compile", "sits", "sits+compile"]
-OPTIONAL_ARMS = ["peft+liger", "sits+liger", "sits+gc", "peft+gc"]
+OPTIONAL_ARMS = ["peft+liger", "sits+liger", "sits+gc", "peft+gc", "sits+fp8", "sits+fp8+compile"]
 
 
 def build(model_name: str, arm: str, device: str, dtype):
@@ -69,7 +69,11 @@ def build(model_name: str, arm: str, device: str, dtype):
 
         from sits_lora import SitsLoraConfig
 
-        model = get_peft_model(model, SitsLoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS))
+        fp8 = {}
+        if "fp8" in arm.split("+"):  # fp8 frozen base, "hybrid" recipe (issue 6); emulated on a CPU for --smoke
+            fp8 = dict(fp8="hybrid", fp8_emulate=device == "cpu")
+        model = get_peft_model(model, SitsLoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS,
+                                                     **fp8))
     if "gc" in arm.split("+"):
         model.enable_input_require_grads()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -92,12 +96,18 @@ def worker(args) -> None:
     vocab = MODELS[args.model]["vocab_size"]
     ids = torch.randint(0, vocab, (batch, seq), device=device, generator=gen)
 
+    fp8 = "fp8" in args.arm.split("+")
+    if fp8:
+        from sits_lora.fp8 import update_scaling
+
     def step():
         loss = step_model(input_ids=ids, labels=ids).loss
         loss.backward()
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        if fp8:
+            update_scaling(model)  # what SitsHardwareCallback does after each optimizer step
         return loss
 
     t0 = time.perf_counter()
@@ -128,6 +138,11 @@ def worker(args) -> None:
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
         "warmup_s": warmup_s, "loss": float(loss), "trainable_params": sum(p.numel() for p in params),
     }
+    if fp8:
+        from sits_lora.fp8 import fp8_scaling_state, frozen_weight_memory
+
+        row["frozen_weight_ratio"] = frozen_weight_memory(model)["ratio"]
+        row.update(fp8_scaling_state(model).log_counts())
     print("RESULT " + json.dumps(row), flush=True)
 
 

@@ -1,0 +1,291 @@
+"""The fp8 frozen base inside a sits_lora model: quantize once at injection, run, merge, report.
+
+``quantize_base_layers`` (called by SitsLoraModel after each injection) swaps the ``nn.Linear``
+base of every adapted SitsLoraLinear for an :class:`Fp8BaseLinear`, builds one
+:class:`Fp8ScalingState` for all of them and gives each layer an :class:`Fp8Binding`;
+``SitsLoraLinear.forward`` hands a bound layer to :meth:`Fp8Binding.forward`.
+``restore_bf16_base_layers`` undoes the swap before a merge or an unload.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from peft.tuners.lora.layer import Linear as LoraLinear
+from torch import nn
+
+from ..ops import fp8 as fp8_ops
+from ._checks import SHARED_FIELDS
+from .scaling import Fp8ScalingState
+from .weight import Fp8BaseLinear
+
+STATE_ATTRIBUTE = "sits_fp8"   # the state's name on SitsLoraModel: model.base_model.sits_fp8
+MIN_CAPABILITY = (8, 9)        # fp8 tensor cores and torch._scaled_mm: Ada (8.9), Hopper (9.0) and newer
+
+
+class Fp8UnsupportedError(RuntimeError):
+    """fp8 was asked for on hardware without fp8 GEMMs (and without fp8_emulate=True)."""
+
+
+def _unsupported(detail: str) -> Fp8UnsupportedError:
+    return Fp8UnsupportedError(
+        f"SitsLoraConfig.fp8 needs an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell: fp8 "
+        f"tensor cores and torch._scaled_mm); {detail}. Set fp8_emulate=True to run the same numerics in plain "
+        f"PyTorch (slow; meant for tests), or fp8='off'."
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def check_fp8_hardware(device: torch.device, emulate: bool) -> None:
+    """At injection: a GPU that can run fp8 must exist (the model may still be on the CPU)."""
+    if emulate:
+        return
+    if not torch.cuda.is_available():
+        raise _unsupported("this machine has no CUDA GPU")
+    index = device.index if device.type == "cuda" and device.index is not None else torch.cuda.current_device()
+    cc = _capability(index)
+    if cc < MIN_CAPABILITY:
+        raise _unsupported(f"cuda:{index} ({torch.cuda.get_device_name(index)}) has compute capability "
+                           f"{cc[0]}.{cc[1]}")
+
+
+def check_fp8_device(x: torch.Tensor, emulate: bool) -> None:
+    """At each call: the input must be on a GPU that runs fp8 GEMMs, unless emulated."""
+    if emulate:
+        return
+    if not x.is_cuda:
+        raise _unsupported(f"the input is on {x.device}; move the model to the GPU (model.to('cuda'))")
+    cc = _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    if cc < MIN_CAPABILITY:
+        raise _unsupported(f"{x.device} has compute capability {cc[0]}.{cc[1]}")
+
+
+@dataclass(eq=False)
+class Fp8Binding:
+    """A SitsLoraLinear's place in the model's Fp8ScalingState (a plain object, not a submodule)."""
+
+    state: Fp8ScalingState
+    index: int
+
+    def forward(self, layer, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        adapter = _single_plain_adapter(layer, args, kwargs)
+        if adapter is None:
+            # PEFT's own forward; its base_layer(x) is Fp8BaseLinear's fp8 GEMM with current scaling
+            return LoraLinear.forward(layer, x, *args, **kwargs)
+        base = layer.base_layer
+        check_fp8_device(x, self.state.emulate)
+        if not self.state.emulate and x.dtype != torch.bfloat16 and base.fp8_weight_scale == "row":
+            raise ValueError(f"SitsLoraConfig.fp8_weight_scale='row' runs the row-wise torch._scaled_mm, which writes "
+                             f"bf16 only; the input is {x.dtype}. Load the model in bf16 or use "
+                             f"fp8_weight_scale='tensor'.")
+        dropout = layer.lora_dropout[adapter]
+        x_lora = dropout(x) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else None
+        scales = self.state.scales_for(self.index, layer.training)
+        return fp8_ops.fp8_lora_linear(x, x_lora, layer.lora_A[adapter].weight, layer.lora_B[adapter].weight,
+                                       base.weight, base.weight_scale_inv, base.bias, layer.scaling[adapter], scales)
+
+
+def _single_plain_adapter(layer, args: tuple, kwargs: dict):
+    """SitsLoraLinear._fused_adapter's rule, for an Fp8BaseLinear base."""
+    if layer.disable_adapters or layer.merged or args or kwargs.get("adapter_names") is not None:
+        return None
+    if any(v is not None for v in kwargs.values()):
+        return None
+    active = [a for a in layer.active_adapters if a in layer.lora_A]
+    if len(active) != 1:
+        return None
+    adapter = active[0]
+    base = layer.base_layer
+    if (adapter in layer.lora_variant or layer.lora_bias[adapter] or layer.fan_in_fan_out
+            or base._forward_hooks or base._forward_pre_hooks):
+        return None
+    return adapter
+
+
+def _fp8_settings(config) -> dict:
+    return {name: getattr(config, name, None) for name in SHARED_FIELDS}
+
+
+def _check_targets(config, adapter_name: str, targets: list) -> None:
+    """targets: (name, base module) pairs; each must be an nn.Linear with dims that are multiples of 16."""
+    wrong = [f"{key} ({type(m).__name__})" for key, m in targets if type(m) not in (nn.Linear, Fp8BaseLinear)]
+    if wrong:
+        raise ValueError(
+            f"SitsLoraConfig.fp8={config.fp8!r} quantizes torch.nn.Linear base layers only; adapter {adapter_name!r} "
+            f"targets {', '.join(wrong[:6])}{' ...' if len(wrong) > 6 else ''}. Leave these out of target_modules "
+            f"(or add them to exclude_modules), or set fp8='off'."
+        )
+    odd = [f"{key} ({m.in_features} x {m.out_features})" for key, m in targets
+           if m.in_features % 16 or m.out_features % 16]
+    if odd:
+        raise ValueError(
+            f"SitsLoraConfig.fp8={config.fp8!r} needs in_features and out_features that are multiples of 16 "
+            f"(torch._scaled_mm), but adapter {adapter_name!r} targets {', '.join(odd[:6])}"
+            f"{' ...' if len(odd) > 6 else ''}. Add these to exclude_modules, or set fp8='off'."
+        )
+
+
+def check_before_injection(tuner, model: nn.Module, adapter_name: str) -> None:
+    """Refuse an fp8 setting that cannot work before PEFT touches the model (nothing lost on bad input)."""
+    import copy
+
+    from peft.tuners.tuners_utils import BaseTunerLayer, _maybe_include_all_linear_layers, check_target_module_exists
+
+    config = tuner.peft_config[adapter_name]
+    settings = _fp8_settings(config)
+    for name, other_config in tuner.peft_config.items():
+        other = _fp8_settings(other_config)
+        if name != adapter_name and other != settings:
+            differ = ", ".join(f"{k}: {other[k]!r} vs {settings[k]!r}" for k in SHARED_FIELDS if other[k] != settings[k])
+            raise ValueError(
+                f"SitsLoraConfig of adapter {adapter_name!r} and of adapter {name!r} disagree on the fp8 base "
+                f"({differ}); the adapters of one model share one base, quantized or not. Give both the same fp8 "
+                f"settings, or load the model again for the other setting."
+            )
+    if config.fp8 == "off":
+        return
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    check_fp8_hardware(device, config.fp8_emulate)
+    resolved = _maybe_include_all_linear_layers(copy.copy(config), model)
+    targets = []
+    for key, module in model.named_modules():
+        if key and check_target_module_exists(resolved, key):
+            targets.append((key, module.get_base_layer() if isinstance(module, BaseTunerLayer) else module))
+    _check_targets(config, adapter_name, targets)
+
+
+def quantize_base_layers(tuner, adapter_name: str, layer_cls) -> int:
+    """After injecting ``adapter_name``: quantize the bases its fp8 config asks for; return how many.
+
+    ``tuner`` is the SitsLoraModel, ``layer_cls`` SitsLoraLinear. All adapters of one model share
+    the fp8 base (:func:`check_before_injection` made sure their fp8 settings agree).
+    """
+    config = tuner.peft_config[adapter_name]
+    if config.fp8 == "off":
+        return 0
+    layers = [(key, m) for key, m in tuner.model.named_modules() if hasattr(m, "lora_A") and adapter_name in m.lora_A]
+    not_ours = [f"{key} ({type(m).__name__})" for key, m in layers if type(m) is not layer_cls]
+    if not_ours:
+        raise ValueError(
+            f"SitsLoraConfig.fp8={config.fp8!r}: adapter {adapter_name!r} put PEFT layers that sits_lora does not run "
+            f"on {', '.join(not_ours[:6])}; fp8 needs torch.nn.Linear targets. Leave these out of target_modules.")
+    _check_targets(config, adapter_name, [(key, m.base_layer) for key, m in layers])
+    grad_dtype = fp8_ops.E5M2 if config.fp8 == "hybrid" else fp8_ops.E4M3
+    quantized = 0
+    for _, layer in layers:
+        if type(layer.base_layer) is nn.Linear:
+            layer.base_layer = Fp8BaseLinear.from_linear(
+                layer.base_layer, config.fp8_weight_scale, config.fp8_keep_bf16_weight, grad_dtype,
+                config.fp8_margin, config.fp8_emulate)
+            quantized += 1
+    _bind(tuner, layer_cls, config)
+    return quantized
+
+
+def _bind(tuner, layer_cls, config) -> None:
+    """One Fp8ScalingState for every fp8 layer of the model (rebuilt, keeping known layers' rows)."""
+    layers = [(key, m) for key, m in tuner.model.named_modules()
+              if isinstance(m, layer_cls) and isinstance(m.base_layer, Fp8BaseLinear)]
+    old = getattr(tuner, STATE_ATTRIBUTE, None)
+    if not layers:
+        for _, m in tuner.model.named_modules():
+            if isinstance(m, layer_cls):
+                m._fp8 = None
+        if old is not None:
+            delattr(tuner, STATE_ATTRIBUTE)
+        return
+    device = layers[0][1].base_layer.weight.device
+    state = Fp8ScalingState([key for key, _ in layers], config.fp8, config.fp8_amax_history_len,
+                            config.fp8_amax_compute_algo, config.fp8_margin, config.fp8_emulate, device)
+    if old is not None:
+        state.copy_rows_from(old)
+    setattr(tuner, STATE_ATTRIBUTE, state)
+    for index, (_, layer) in enumerate(layers):
+        layer._fp8 = Fp8Binding(state, index)
+
+
+def restore_bf16_base_layers(tuner, layer_cls) -> int:
+    """Give every fp8 base back as a bf16 ``nn.Linear`` (before merge / unload); return how many.
+
+    With fp8_keep_bf16_weight=True the original weight comes back exactly; otherwise the weight
+    is the dequantized e4m3 one (codes times scale: about 3 significant bits per value).
+    """
+    restored = 0
+    for _, layer in tuner.model.named_modules():
+        if isinstance(layer, layer_cls) and isinstance(layer.base_layer, Fp8BaseLinear):
+            layer.base_layer = layer.base_layer.to_linear()
+            layer._fp8 = None
+            restored += 1
+    if restored:
+        config = next(iter(tuner.peft_config.values()))
+        _bind(tuner, layer_cls, config)
+    return restored
+
+
+def without_fp8(config):
+    """A copy of a SitsLoraConfig with fp8 off and the fp8 fields at their defaults.
+
+    An fp8-trained adapter is an ordinary LoRA adapter (bf16 / fp32 A and B): pass
+    ``config=without_fp8(SitsLoraConfig.from_pretrained(path))`` to ``PeftModel.from_pretrained`` to
+    load it onto a bf16 base (on any machine), or export it with ``sits_lora.export_peft_lora``.
+    """
+    import dataclasses
+
+    from ._checks import FP8_DEFAULTS
+
+    return dataclasses.replace(config, fp8="off", **FP8_DEFAULTS)
+
+
+def _find_states(model: nn.Module) -> list[Fp8ScalingState]:
+    return [m for m in model.modules() if isinstance(m, Fp8ScalingState)]
+
+
+def fp8_scaling_state(model: nn.Module) -> Fp8ScalingState:
+    """The Fp8ScalingState of a PeftModel with an fp8 adapter."""
+    states = _find_states(model)
+    if not states:
+        raise ValueError("this model has no fp8 base layers: create the adapter with SitsLoraConfig(fp8='hybrid', ...).")
+    return states[0]
+
+
+def update_scaling(model: nn.Module) -> None:
+    """Advance the fp8 scales once; call after each ``optimizer.step()`` in a hand-written loop.
+
+    ``sits_lora.SitsHardwareCallback`` does this by itself in a transformers Trainer. Without any
+    call the casts keep using each tensor's own amax (current scaling: correct, one more read of
+    each activation and gradient).
+    """
+    for state in _find_states(model):
+        state.update()
+
+
+def frozen_weight_memory(model: nn.Module) -> dict:
+    """Bytes of the frozen base weights of adapted layers, as stored now and as bf16 would store them.
+
+    Counts each adapted layer's base weight (fp8: codes, scale and any kept bf16 copy; otherwise
+    the weight as stored), not biases, embeddings or unadapted layers. ``ratio`` = stored / bf16.
+    """
+    stored = bf16 = layers = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        base = getattr(module, "base_layer", None)
+        if not hasattr(module, "lora_A") or not isinstance(base, nn.Linear) or id(base) in seen:
+            continue
+        seen.add(id(base))
+        layers += 1
+        numel = base.weight.numel()
+        bf16 += 2 * numel
+        if isinstance(base, Fp8BaseLinear):
+            stored += numel * base.weight.element_size() + base.weight_scale_inv.numel() * 4
+            if base.weight_bf16 is not None:
+                stored += base.weight_bf16.numel() * base.weight_bf16.element_size()
+        else:
+            stored += numel * base.weight.element_size()
+    return {"layers": layers, "stored_bytes": stored, "bf16_bytes": bf16, "ratio": stored / bf16 if bf16 else None}

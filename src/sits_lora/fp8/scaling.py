@@ -1,0 +1,154 @@
+"""Delayed scaling state of every fp8 layer of a model, advanced in one batched update per optimizer step."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..ops import fp8 as fp8_ops
+
+logger = logging.getLogger("sits_lora")
+
+SLOTS = ("input", "grad")   # slot 0: the layer input x (forward); slot 1: the output gradient dy (backward)
+
+
+class Fp8ScalingState(nn.Module):
+    """amax histories and scales of L fp8 layers, stacked: one update for all of them, no host sync.
+
+    Buffers (fp32 unless noted), slot 0 = the layer input x, slot 1 = the output gradient dy:
+        amax_history  (H, L, 2)  ring buffer of per-step amax, H = fp8_amax_history_len
+        amax          (L, 2)     this step's running amax: the cast kernels atomically max into it
+        scale         (L, 2)     the scale the casts use:  q = fp8(x · scale)
+        scale_inv     (L, 2)     1 / scale, the dequantization factor torch._scaled_mm takes
+        saturated_steps, nonfinite_steps  (L, 2) int64: per slot, optimizer steps whose amax was
+                                 beyond the representable range at the scale in use / NaN or Inf
+
+    :meth:`update` (Transformer Engine's DelayedScaling): the step's amax enters the history,
+    amax_use = max over the history ("max") or this step's ("most_recent"),
+    scale = (fp8_max / amax_use) / 2**margin, kept where amax_use is 0. A NaN / Inf amax enters the
+    history as 2 · fp8_max / scale, so the next scale is at most half the one in use (the back-off),
+    and it ages out of the history like any other entry. Until the first update every cast uses
+    its tensor's own amax (current scaling): no step runs on the default scale of 1.
+
+    The state is not saved with the adapter: a run resumed from a checkpoint starts its history
+    again with one step of current scaling.
+    """
+
+    def __init__(self, names: list[str], recipe: str, history_len: int, algo: str, margin: int, emulate: bool,
+                 device: Optional[torch.device] = None):
+        super().__init__()
+        L = len(names)
+        self.names = list(names)
+        self.recipe, self.history_len, self.algo, self.margin, self.emulate = recipe, history_len, algo, margin, emulate
+        self.grad_dtype = fp8_ops.E5M2 if recipe == "hybrid" else fp8_ops.E4M3
+        f32 = dict(device=device, dtype=torch.float32)
+        self.register_buffer("amax_history", torch.zeros(history_len, L, 2, **f32), persistent=False)
+        self.register_buffer("amax", torch.zeros(L, 2, **f32), persistent=False)
+        self.register_buffer("scale", torch.ones(L, 2, **f32), persistent=False)
+        self.register_buffer("scale_inv", torch.ones(L, 2, **f32), persistent=False)
+        self.register_buffer("fp8_max", torch.tensor([fp8_ops.FP8_MAX[fp8_ops.E4M3], fp8_ops.FP8_MAX[self.grad_dtype]],
+                                                     **f32), persistent=False)
+        self.register_buffer("saturated_steps", torch.zeros(L, 2, device=device, dtype=torch.int64), persistent=False)
+        self.register_buffer("nonfinite_steps", torch.zeros(L, 2, device=device, dtype=torch.int64), persistent=False)
+        self.steps = 0
+        # a bool, not steps > 0: torch.compile guards on it and compiles the delayed graph once
+        self.delayed = False
+        self._position = 0
+        self._logged = torch.zeros(2, dtype=torch.int64)
+        self._pending: Optional[tuple[torch.Tensor, object]] = None
+
+    def copy_rows_from(self, other: "Fp8ScalingState") -> None:
+        """Take over the history, scales and counts of layers ``other`` also has (matched by name)."""
+        rows = [(i, other.names.index(n)) for i, n in enumerate(self.names) if n in other.names]
+        if not rows or other.history_len != self.history_len:
+            return
+        mine = torch.tensor([i for i, _ in rows], device=self.scale.device)
+        theirs = torch.tensor([j for _, j in rows], device=other.scale.device)
+        with torch.no_grad():
+            for name in ("amax", "scale", "scale_inv", "saturated_steps", "nonfinite_steps"):
+                getattr(self, name)[mine] = getattr(other, name)[theirs].to(self.scale.device)
+            self.amax_history[:, mine] = other.amax_history[:, theirs].to(self.scale.device)
+        self.steps, self._position, self.delayed = other.steps, other._position, other.delayed
+
+    def scales_for(self, index: int, training: bool) -> dict:
+        """The ``scales`` argument of :func:`sits_lora.ops.fp8.fp8_lora_linear` for layer ``index``.
+
+        Training after the first update: the state's delayed scales, recording amax. Eval: each
+        tensor's own amax (current scaling), recording nothing.
+        """
+        return {
+            "delayed": training and self.delayed,
+            "scale": self.scale[index],
+            "scale_inv": self.scale_inv[index],
+            "amax": self.amax[index] if training else None,
+            "margin": self.margin,
+            "grad_dtype": self.grad_dtype,
+            "emulate": self.emulate,
+        }
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """Advance every layer's history and scales once: a dozen tensor ops for the whole model."""
+        new = self.amax                                                        # (L, 2)
+        finite = torch.isfinite(new)
+        if self.steps > 0:
+            saturated = finite & (new * self.scale > self.fp8_max)
+        else:
+            saturated = torch.zeros_like(finite)  # the first step used each tensor's own amax
+        entry = torch.where(finite, new, 2 * self.fp8_max / self.scale)
+        self.amax_history[self._position] = entry
+        self._position = (self._position + 1) % self.history_len
+        amax_use = entry if self.algo == "most_recent" else self.amax_history.amax(dim=0)
+        scale = fp8_ops.scale_from_amax(amax_use, self.fp8_max, self.margin, self.scale)
+        self.scale.copy_(scale)
+        self.scale_inv.copy_(scale.reciprocal())
+        self.saturated_steps += saturated
+        self.nonfinite_steps += ~finite
+        self.amax.zero_()
+        self.steps += 1
+        self.delayed = True
+        self._report_without_sync()
+
+    def sits_after_optimizer_step(self, step: int, skipped: bool) -> None:
+        """The per-step hook of :class:`sits_lora.SitsHardwareCallback` (found on the model by name).
+
+        A skipped step advances the state too: its NaN / Inf amax is what backs the scale off.
+        """
+        self.update()
+
+    def log_counts(self) -> dict:
+        """Totals over all layers (host values: one device sync), for logs."""
+        return {"fp8_saturated": int(self.saturated_steps.sum()), "fp8_nonfinite": int(self.nonfinite_steps.sum())}
+
+    def _report_without_sync(self) -> None:
+        # The totals reach the host by an asynchronous copy; the previous step's copy, finished by
+        # now, is read and logged when it grew. Logging lags one step and never stalls the GPU.
+        if self._pending is not None:
+            host, event = self._pending
+            if event is None or event.query():
+                self._pending = None
+                if bool((host > self._logged).any()):
+                    saturated, nonfinite = (int(v) for v in host - self._logged)
+                    # a NaN / Inf is news; a clipped amax is delayed scaling's ordinary lag (TE clips too)
+                    logger.log(logging.WARNING if nonfinite else logging.INFO,
+                               "sits_lora fp8: %d layer input/gradient amax(es) beyond the fp8 range and %d NaN/Inf by "
+                               "optimizer step %d; their scales backed off (totals: %d, %d).",
+                               saturated, nonfinite, self.steps - 1, int(host[0]), int(host[1]))
+                    self._logged = host.clone()
+        if self._pending is None:
+            totals = torch.stack([self.saturated_steps.sum(), self.nonfinite_steps.sum()])
+            if totals.is_cuda:
+                host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+                host.copy_(totals, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                self._pending = (host, event)
+            else:
+                self._pending = (totals.clone(), None)
+
+    def extra_repr(self) -> str:
+        return (f"layers={len(self.names)}, recipe={self.recipe!r}, history={self.history_len}, algo={self.algo!r}, "
+                f"margin={self.margin}, steps={self.steps}")

@@ -1,0 +1,534 @@
+"""FP8 frozen base for the LoRA linear layer: the fused cast kernel, its launchers, the fp8 GEMMs and
+the autograd Function. Imports torch and triton only.
+
+Notation as in ``reference``: x (T, K), the frozen weight W (N, K) stored once as e4m3 codes W8 with
+w_inv (one dequantization factor, or one per output row), A (R, K), B (N, R), s the LoRA scaling.
+
+Numerics (the same on the GPU and in emulation; Transformer Engine's DelayedScaling semantics):
+
+    scale   = (fp8_max / amax) / 2**margin, amax from the history (delayed) or from the tensor itself
+    cast    q = clamp(v · scale, ±fp8_max) rounded to nearest-even in the fp8 format; a non-finite v
+            gives NaN, so a NaN / Inf activation reaches the output and the NaN/Inf policy sees it
+    forward y  = bf16( (x8 · W8ᵀ) · x_inv · w_inv ) + s·h Bᵀ + b      h = x_lora Aᵀ in fp32
+    dX         = (dy8 · W8) · dy_inv [· w_inv]                          + s·g A,  g = dy B
+            with per-row weight scales, w_inv[n] multiplies dy's column n before the cast (the
+            reduction runs over n, where _scaled_mm takes no scale)
+    LoRA    dA = s·gᵀ x_lora, dB = s·dyᵀ h from the bf16 x and dy (the fused kernels of ``fused``)
+
+On the GPU one Triton pass casts x (forward) or dy (backward) to fp8 and atomically records its
+absolute maximum for the next scale; the base GEMMs run through ``torch._scaled_mm`` (K and N
+multiples of 16, the second operand column-major); the LoRA output is added to the GEMM's output
+in place by one more pass (``lora_expand_add_``), the traffic of the bf16 path's cuBLAS epilogue.
+fp8 tensor cores read both operands K-major, so dX needs W8 transposed: one copy of N·K bytes per
+backward call (about 4 % of the dX GEMM at T = 8192; keeping both layouts would double the frozen
+weight's memory).
+
+Emulation (``emulate=True``): the same casts in plain PyTorch, products in fp32 on dequantized
+values; runs anywhere, used by CPU tests.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import tuning
+from .fused import _block_r, _dot_precision, lora_dy_pass, lora_shrink, lora_x_pass
+
+__all__ = [
+    "E4M3",
+    "E5M2",
+    "FP8_MAX",
+    "Fp8LoraLinearFunction",
+    "current_scale",
+    "dequantize_weight",
+    "fp8_amax",
+    "fp8_cast",
+    "fp8_cast_reference",
+    "fp8_lora_linear",
+    "lora_expand_add_",
+    "quantize_weight",
+    "scale_from_amax",
+]
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+
+
+def scale_from_amax(amax: torch.Tensor, fp8_max, margin: int, fallback) -> torch.Tensor:
+    """(fp8_max / amax) / 2**margin where that is finite and amax > 0, else ``fallback`` (TE's rule)."""
+    sf = (fp8_max / amax) / (2.0 ** margin)
+    ok = (amax > 0) & torch.isfinite(amax) & torch.isfinite(sf)
+    return torch.where(ok, sf, fallback)
+
+
+# ----------------------------------------------------------------------------- the fused cast
+
+
+@triton.jit
+def _fp8_cast_kernel(
+    x_ptr, out_ptr, scale_ptr, amax_ptr, colscale_ptr,
+    T, C,
+    stride_xt, stride_xc, stride_ot,
+    FP8_MAX: tl.constexpr, HAS_COLSCALE: tl.constexpr, WRITE_OUT: tl.constexpr, RECORD_AMAX: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """out = fp8(clamp(x·colscale·scale)), amax = max(amax, max|x·colscale|): one read of x.
+
+    Each program walks BLOCK_T whole rows, so the amax costs one atomic per program, not per tile.
+    """
+    pid = tl.program_id(0)
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_c = tl.arange(0, BLOCK_C)
+    t_ok = offs_t < T
+    if WRITE_OUT:
+        scale = tl.load(scale_ptr)
+    running = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + offs_c
+        mask = t_ok[:, None] & (c[None, :] < C)
+        v = tl.load(x_ptr + offs_t[:, None] * stride_xt + c[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
+        if HAS_COLSCALE:
+            v = v * tl.load(colscale_ptr + c, mask=c < C, other=0.0)[None, :]
+        a = tl.abs(v)
+        finite = a < float("inf")                      # False for Inf and NaN
+        if RECORD_AMAX:
+            running = tl.maximum(running, tl.where(finite, a, float("inf")))
+        if WRITE_OUT:
+            q = tl.minimum(tl.maximum(v * scale, -FP8_MAX), FP8_MAX)
+            q = tl.where(finite, q, float("nan"))
+            tl.store(out_ptr + offs_t[:, None] * stride_ot + c[None, :],
+                     q.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+    if RECORD_AMAX:
+        tl.atomic_max(amax_ptr, tl.max(tl.max(running, axis=1), axis=0))
+
+
+def _cast_config(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return dict(BLOCK_T=16, BLOCK_C=32, num_warps=4)
+    # 16 rows x 512 columns of bf16 per step: 16 KiB in flight per program; T = 8192 gives 512
+    # programs (about four per SM of an H200) and 512 atomics on the amax.
+    return dict(BLOCK_T=16, BLOCK_C=512, num_warps=8)
+
+
+def fp8_cast(x: torch.Tensor, scale: torch.Tensor, amax: Optional[torch.Tensor], dtype: torch.dtype,
+             colscale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x (T, C) any strides -> contiguous fp8 (T, C); records max|x·colscale| into amax[0] (atomic max).
+
+    scale, amax: fp32 tensors whose first element is used; colscale: optional fp32 (C,).
+    """
+    T, C = x.shape
+    out = torch.empty((T, C), device=x.device, dtype=dtype)
+    cfg = _cast_config(x.device)
+    _fp8_cast_kernel[(triton.cdiv(T, cfg["BLOCK_T"]),)](
+        x, out, scale, amax if amax is not None else scale, colscale if colscale is not None else scale,
+        T, C, x.stride(0), x.stride(1), out.stride(0),
+        FP8_MAX=FP8_MAX[dtype], HAS_COLSCALE=colscale is not None, WRITE_OUT=True, RECORD_AMAX=amax is not None,
+        **cfg,
+    )
+    return out
+
+
+def fp8_amax(x: torch.Tensor, colscale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """max|x·colscale| as an fp32 (1,) tensor (Inf where x holds a NaN or Inf), one read of x."""
+    T, C = x.shape
+    amax = torch.zeros(1, device=x.device, dtype=torch.float32)
+    cfg = _cast_config(x.device)
+    _fp8_cast_kernel[(triton.cdiv(T, cfg["BLOCK_T"]),)](
+        x, amax, amax, amax, colscale if colscale is not None else amax,
+        T, C, x.stride(0), x.stride(1), 0,
+        FP8_MAX=448.0, HAS_COLSCALE=colscale is not None, WRITE_OUT=False, RECORD_AMAX=True, **cfg,
+    )
+    return amax
+
+
+def _amax_reference(v: torch.Tensor) -> torch.Tensor:
+    a = v.abs().amax().reshape(1)
+    return torch.where(torch.isnan(a), torch.full_like(a, float("inf")), a)
+
+
+def fp8_cast_reference(x: torch.Tensor, scale: torch.Tensor, amax: Optional[torch.Tensor], dtype: torch.dtype,
+                       colscale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The cast in plain PyTorch: the oracle of :func:`fp8_cast` and the emulation path."""
+    v = x.float()
+    if colscale is not None:
+        v = v * colscale
+    if amax is not None:
+        amax[:1].copy_(torch.maximum(amax[:1], _amax_reference(v)))
+    fmax = FP8_MAX[dtype]
+    q = (v * scale[:1]).clamp(-fmax, fmax)
+    q = torch.where(torch.isfinite(v), q, torch.full_like(q, float("nan")))
+    return q.to(dtype)
+
+
+def current_scale(t: torch.Tensor, dtype: torch.dtype, margin: int, emulate: bool,
+                  colscale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, 1/scale), fp32 (1,), from t's own amax: the first step before any history, and eval."""
+    if emulate or not t.is_cuda:
+        v = t.float() * colscale if colscale is not None else t.float()
+        amax = _amax_reference(v)
+    else:
+        amax = fp8_amax(t, colscale)
+    scale = scale_from_amax(amax, FP8_MAX[dtype], margin, torch.ones_like(amax))
+    return scale, scale.reciprocal()
+
+
+# ----------------------------------------------------------------------------- the weight, once
+
+
+def quantize_weight(weight: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W8 e4m3 (N, K), w_inv fp32): W ≈ W8 · w_inv, with w_inv (1,) ("tensor") or (N,) ("row").
+
+    The weight is frozen, so its scale comes from its own exact amax, once (no margin, no history).
+    """
+    w = weight.detach().float()
+    if granularity == "tensor":
+        amax = w.abs().amax().reshape(1)
+    elif granularity == "row":
+        amax = w.abs().amax(dim=1)
+    else:
+        raise ValueError(f"fp8_weight_scale={granularity!r} is invalid: allowed values are 'tensor', 'row'.")
+    if not torch.isfinite(amax).all():
+        raise ValueError("the base weight holds NaN or Inf values; it cannot be quantized to fp8. Check the "
+                         "checkpoint, or set fp8='off'.")
+    scale = scale_from_amax(amax, FP8_MAX[E4M3], 0, torch.ones_like(amax))
+    w8 = (w * scale.reshape(-1, 1)).clamp(-FP8_MAX[E4M3], FP8_MAX[E4M3]).to(E4M3)
+    return w8, scale.reciprocal()
+
+
+def dequantize_weight(w8: torch.Tensor, w_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """W8 · w_inv in ``dtype`` (the precision a merged fp8 base has: e4m3 values times their scale)."""
+    return (w8.float() * w_inv.reshape(-1, 1)).to(dtype)
+
+
+# ----------------------------------------------------------------------------- expand, added in place
+
+
+@triton.jit
+def _lora_expand_add_kernel(
+    c_ptr, h_ptr, b_ptr, bias_ptr,
+    T, N, R, scale,
+    stride_ct, stride_cn, stride_ht, stride_hr, stride_bn, stride_br,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """C += s·h Bᵀ + bias: one read and one write of C, h (T, R) fp32, B (N, R) any strides."""
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    h = tl.load(h_ptr + offs_t[:, None] * stride_ht + offs_r[None, :] * stride_hr,
+                mask=(offs_t[:, None] < T) & (offs_r[None, :] < R), other=0.0)            # (BT, BR) fp32
+    b = tl.load(b_ptr + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
+                mask=(offs_r[:, None] < R) & (offs_n[None, :] < N), other=0.0)            # (BR, BN)
+    acc = tl.dot(h, b.to(tl.float32), input_precision=DOT_PRECISION) * scale
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    mask = (offs_t[:, None] < T) & (offs_n[None, :] < N)
+    c_ptrs = c_ptr + offs_t[:, None] * stride_ct + offs_n[None, :] * stride_cn
+    acc += tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def lora_expand_add_(c: torch.Tensor, h: torch.Tensor, lora_B: torch.Tensor, scale: float,
+                     bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """c += s·h Bᵀ + bias in place and return c. c (T, N), h (T, R) fp32, B (N, R) any strides."""
+    T, R = h.shape
+    N = lora_B.shape[0]
+    BLOCK_R = _block_r(R)
+    cfg = tuning.config_for("expand", c.device, (N, BLOCK_R), c.dtype)
+    grid = (triton.cdiv(T, cfg["BLOCK_T"]), triton.cdiv(N, cfg["BLOCK_N"]))
+    _lora_expand_add_kernel[grid](
+        c, h, lora_B, bias if bias is not None else h, T, N, R, float(scale),
+        c.stride(0), c.stride(1), h.stride(0), h.stride(1), lora_B.stride(0), lora_B.stride(1),
+        HAS_BIAS=bias is not None, BLOCK_R=BLOCK_R, DOT_PRECISION=_dot_precision(c.dtype), **cfg,
+    )
+    return c
+
+
+# ----------------------------------------------------------------------------- forward and backward
+
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones(1, device=device, dtype=torch.float32)
+    return one
+
+
+def _is_row(w_inv: torch.Tensor) -> bool:
+    return w_inv.numel() != 1
+
+
+def fp8_linear_forward(x, x_lora, w8, w_inv, bias, lora_A, lora_B, scaling: float,
+                       x_scale, x_inv, x_amax, emulate: bool):
+    """(y, h) for 2-D x (T, K): y = x8 W8ᵀ · x_inv · w_inv + s·(x_lora Aᵀ) Bᵀ + b, h = x_lora Aᵀ (fp32).
+
+    x_lora None: the LoRA input is x. lora_A None: no LoRA branch (h is None). x_amax: fp32 (1,)
+    that max|x| is recorded into, or None.
+    """
+    T, K = x.shape
+    N = w8.shape[0]
+    row = _is_row(w_inv)
+    lora_in = x if x_lora is None else x_lora
+    if emulate:
+        x8 = fp8_cast_reference(x, x_scale, x_amax, E4M3)
+        acc = x8.float() @ w8.float().t()                                      # (T, N) fp32
+        y = (acc * x_inv[:1] * (w_inv.reshape(1, N) if row else w_inv[:1])).to(x.dtype)
+        if lora_A is None:
+            return (y if bias is None else (y.float() + bias.float()).to(x.dtype)), None
+        h = lora_in.to(lora_A.dtype) @ lora_A.t()                              # (T, R)
+        out = y.float() + (h.float() @ lora_B.float().t()) * scaling
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(x.dtype), h.float()
+    x8 = fp8_cast(x, x_scale, x_amax, E4M3)
+    if row:
+        # row-wise _scaled_mm: scale_a (T, 1) and scale_b (1, N), both contiguous fp32
+        y = torch._scaled_mm(x8, w8.t(), scale_a=x_inv[:1].expand(T, 1).contiguous(), scale_b=w_inv.view(1, N),
+                             out_dtype=x.dtype, use_fast_accum=True)
+    else:
+        # fast accumulation in forward, as torchao does; gradients below accumulate exactly
+        y = torch._scaled_mm(x8, w8.t(), scale_a=x_inv[:1], scale_b=w_inv[:1], out_dtype=x.dtype,
+                             use_fast_accum=True)
+    if lora_A is None:
+        return (y if bias is None else y.add_(bias)), None
+    h = lora_shrink(lora_in, lora_A)
+    lora_expand_add_(y, h, lora_B, scaling, bias)
+    return y, h
+
+
+def fp8_linear_backward(dy, x, x_lora, w8, w_inv, lora_A, lora_B, h, scaling: float,
+                        dy_scale, dy_inv, dy_amax, grad_dtype: torch.dtype, emulate: bool, need_dx: bool):
+    """(dx, dx_lora, dA, dB) for 2-D tensors; dx_lora only with x_lora, dx only if needed, dA / dB
+    only with a LoRA branch. dy_amax: fp32 (1,) that max|dy·w_inv| is recorded into, or None.
+    """
+    row = _is_row(w_inv)
+    colscale = w_inv if row else None
+    has_lora = lora_A is not None
+    dX = dx_lora = dA = dB = None
+    if emulate:
+        if need_dx:
+            dy8 = fp8_cast_reference(dy, dy_scale, dy_amax, grad_dtype, colscale)
+            dX = ((dy8.float() @ w8.float()) * dy_inv[:1] * (1.0 if row else w_inv[:1])).to(dy.dtype)
+        if not has_lora:
+            return dX, None, None, None
+        lora_in = x if x_lora is None else x_lora
+        dy_l = dy.to(lora_A.dtype)
+        g = dy_l @ lora_B                                                      # (T, R)
+        dB = (scaling * dy_l).t() @ h.to(lora_A.dtype)
+        dA = (scaling * g).t() @ lora_in.to(lora_A.dtype)
+        lora_dx = (scaling * g) @ lora_A                                       # (T, K)
+        if x_lora is not None:
+            dx_lora = lora_dx.to(x_lora.dtype)
+        elif need_dx:
+            dX = (dX.float() + lora_dx.float()).to(dy.dtype)
+        return dX, dx_lora, dA, dB
+    if need_dx:
+        dy8 = fp8_cast(dy, dy_scale, dy_amax, grad_dtype, colscale)
+        w8t = w8.t().contiguous()                                              # (K, N): see the module docstring
+        dX = torch._scaled_mm(dy8, w8t.t(), scale_a=dy_inv[:1], scale_b=_one(dy.device) if row else w_inv[:1],
+                              out_dtype=dy.dtype)
+    if not has_lora:
+        return dX, None, None, None
+    g, dB = lora_dy_pass(dy, lora_B, h, scaling)
+    if x_lora is not None:
+        dA, dx_lora = lora_x_pass(x_lora, lora_A, g, scaling, write_dx=True)
+    else:
+        dA, _ = lora_x_pass(x, lora_A, g, scaling, write_dx=False)
+        if need_dx:
+            lora_expand_add_(dX, g, lora_A.t(), scaling, None)
+    return dX, dx_lora, dA, dB
+
+
+class Fp8LoraLinearFunction(torch.autograd.Function):
+    """The fp8 base + bf16 LoRA layer as one autograd node.
+
+    Inputs: x, x_lora (None: no dropout), lora_A, lora_B (None, None: no LoRA branch), w8, w_inv,
+    bias, scaling, then the scaling state: ``scales`` (dict, see :func:`fp8_lora_linear`).
+    Saves the LoRA input (for dA), h (for dB) and W8 (for dX), no fp8 copy of x.
+    """
+
+    @staticmethod
+    def forward(ctx, x, x_lora, lora_A, lora_B, w8, w_inv, bias, scaling, scales):
+        K = x.shape[-1]
+        x2 = x.reshape(-1, K)
+        xl2 = None if x_lora is None else x_lora.reshape(-1, K)
+        if scales["delayed"]:
+            x_scale, x_inv = scales["scale"][0:1], scales["scale_inv"][0:1]
+        else:
+            x_scale, x_inv = current_scale(x2, E4M3, scales["margin"], scales["emulate"])
+        amax = scales["amax"]
+        y, h = fp8_linear_forward(x2, xl2, w8, w_inv, bias, lora_A, lora_B, scaling, x_scale, x_inv,
+                                  None if amax is None else amax[0:1], scales["emulate"])
+        ctx.save_for_backward(x if x_lora is None else None, x_lora, lora_A, lora_B, w8, w_inv, h)
+        ctx.scaling, ctx.scales = scaling, scales
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.view(*x.shape[:-1], w8.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, x_lora, lora_A, lora_B, w8, w_inv, h = ctx.saved_tensors
+        scales = ctx.scales
+        N, K = w8.shape
+        lead = grad_y.shape[:-1]
+        dy = grad_y.reshape(-1, N)
+        need_dx = ctx.needs_input_grad[0]
+        grad_dtype = scales["grad_dtype"]
+        if scales["delayed"]:
+            dy_scale, dy_inv = scales["scale"][1:2], scales["scale_inv"][1:2]
+        elif need_dx:
+            colscale = w_inv if _is_row(w_inv) else None
+            dy_scale, dy_inv = current_scale(dy, grad_dtype, scales["margin"], scales["emulate"], colscale)
+        else:
+            dy_scale = dy_inv = None
+        amax = scales["amax"]
+        dx, dx_lora, dA, dB = fp8_linear_backward(
+            dy, None if x is None else x.reshape(-1, K), None if x_lora is None else x_lora.reshape(-1, K),
+            w8, w_inv, lora_A, lora_B, h, ctx.scaling, dy_scale, dy_inv,
+            None if amax is None else amax[1:2], grad_dtype, scales["emulate"], need_dx,
+        )
+        return (
+            dx.view(*lead, K) if need_dx else None,
+            dx_lora.view(*lead, K) if dx_lora is not None else None,
+            dA.to(lora_A.dtype) if dA is not None and ctx.needs_input_grad[2] else None,
+            dB.to(lora_B.dtype) if dB is not None and ctx.needs_input_grad[3] else None,
+            None, None,
+            dy.float().sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[6] else None,
+            None, None,
+        )
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+#
+# Under torch.compile each fp8 layer is one opaque op pair, as the bf16 path's sits_lora::lora_linear.
+# The ops are functional: each returns the amax it saw, and the caller folds it into the state's
+# buffer (in forward here, in the registered backward for dy), which AOTAutograd turns into buffer
+# updates of the compiled graphs.
+
+
+def _scales_from(t, scale, scale_inv, slot: int, delayed: bool, dtype, margin: int, emulate: bool, colscale=None):
+    if delayed:
+        return scale[slot:slot + 1], scale_inv[slot:slot + 1]
+    return current_scale(t, dtype, margin, emulate, colscale)
+
+
+@torch.library.custom_op("sits_lora::fp8_lora_linear", mutates_args=())
+def _fp8_lora_linear_op(
+    x: torch.Tensor, x_lora: Optional[torch.Tensor], lora_A: Optional[torch.Tensor], lora_B: Optional[torch.Tensor],
+    w8: torch.Tensor, w_inv: torch.Tensor, bias: Optional[torch.Tensor], scaling: float,
+    scale: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor, delayed: bool, margin: int,
+    grad_e5m2: bool, emulate: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, h or an empty tensor, the amax of x). ``amax`` is only carried for the backward."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    x_scale, x_inv = _scales_from(x2, scale, scale_inv, 0, delayed, E4M3, margin, emulate)
+    seen = torch.zeros(1, device=x.device, dtype=torch.float32)
+    y, h = fp8_linear_forward(x2, None if x_lora is None else x_lora.reshape(-1, K), w8, w_inv, bias, lora_A, lora_B,
+                              scaling, x_scale, x_inv, seen, emulate)
+    return y.view(*x.shape[:-1], w8.shape[0]), (x.new_empty(0, dtype=torch.float32) if h is None else h), seen
+
+
+@_fp8_lora_linear_op.register_fake
+def _(x, x_lora, lora_A, lora_B, w8, w_inv, bias, scaling, scale, scale_inv, amax, delayed, margin, grad_e5m2, emulate):
+    tokens = x.numel() // x.shape[-1]
+    h = x.new_empty(0 if lora_A is None else tokens, 0 if lora_A is None else lora_A.shape[0], dtype=torch.float32)
+    return x.new_empty(*x.shape[:-1], w8.shape[0]), h, x.new_empty(1, dtype=torch.float32)
+
+
+@torch.library.custom_op("sits_lora::fp8_lora_linear_backward", mutates_args=())
+def _fp8_lora_linear_backward_op(
+    dy: torch.Tensor, x: Optional[torch.Tensor], x_lora: Optional[torch.Tensor], lora_A: Optional[torch.Tensor],
+    lora_B: Optional[torch.Tensor], w8: torch.Tensor, w_inv: torch.Tensor, h: torch.Tensor, scaling: float,
+    scale: torch.Tensor, scale_inv: torch.Tensor, delayed: bool, margin: int, grad_e5m2: bool, emulate: bool,
+    need_dx: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dx_lora, dA, dB, the amax of dy); an output not asked for is an empty tensor."""
+    N, K = w8.shape
+    lead = dy.shape[:-1]
+    dy2 = dy.reshape(-1, N)
+    grad_dtype = E5M2 if grad_e5m2 else E4M3
+    seen = torch.zeros(1, device=dy.device, dtype=torch.float32)
+    dy_scale = dy_inv = None
+    if need_dx:
+        colscale = w_inv if _is_row(w_inv) else None
+        dy_scale, dy_inv = _scales_from(dy2, scale, scale_inv, 1, delayed, grad_dtype, margin, emulate, colscale)
+    dx, dx_lora, dA, dB = fp8_linear_backward(
+        dy2, None if x is None else x.reshape(-1, K), None if x_lora is None else x_lora.reshape(-1, K), w8, w_inv,
+        lora_A, lora_B, None if lora_A is None else h, scaling, dy_scale, dy_inv, seen, grad_dtype, emulate, need_dx)
+    empty = dy.new_empty(0)
+    return (empty if dx is None else dx.view(*lead, K), empty if dx_lora is None else dx_lora.view(*lead, K),
+            empty if dA is None else dA.to(lora_A.dtype), empty if dB is None else dB.to(lora_B.dtype), seen)
+
+
+@_fp8_lora_linear_backward_op.register_fake
+def _(dy, x, x_lora, lora_A, lora_B, w8, w_inv, h, scaling, scale, scale_inv, delayed, margin, grad_e5m2, emulate,
+      need_dx):
+    lead = dy.shape[:-1]
+    K = w8.shape[1]
+    empty = dy.new_empty(0)
+    return (dy.new_empty(*lead, K) if need_dx else empty,
+            dy.new_empty(*lead, K) if x_lora is not None else empty,
+            empty if lora_A is None else lora_A.new_empty(lora_A.shape),
+            empty if lora_B is None else lora_B.new_empty(lora_B.shape),
+            dy.new_empty(1, dtype=torch.float32))
+
+
+def _fp8_setup_context(ctx, inputs, output):
+    (x, x_lora, lora_A, lora_B, w8, w_inv, bias, scaling, scale, scale_inv, amax, delayed, margin, grad_e5m2,
+     emulate) = inputs
+    _, h, seen = output
+    ctx.mark_non_differentiable(h, seen)
+    ctx.save_for_backward(x if x_lora is None else None, x_lora, lora_A, lora_B, w8, w_inv, h, scale, scale_inv)
+    # not saved_tensors: the forward itself bumps the buffer's version after this (its x amax)
+    ctx.amax = amax
+    ctx.options = (scaling, delayed, margin, grad_e5m2, emulate)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _fp8_backward(ctx, grad_y, grad_h, grad_amax):
+    x, x_lora, lora_A, lora_B, w8, w_inv, h, scale, scale_inv = ctx.saved_tensors
+    amax = ctx.amax
+    scaling, delayed, margin, grad_e5m2, emulate = ctx.options
+    need_dx = ctx.needs_input_grad[0]
+    dx, dx_lora, dA, dB, seen = _fp8_lora_linear_backward_op(
+        grad_y.contiguous(), x, x_lora, lora_A, lora_B, w8, w_inv, h, scaling, scale, scale_inv, delayed, margin,
+        grad_e5m2, emulate, need_dx)
+    amax[1:2].copy_(torch.maximum(amax[1:2], seen))
+    return (dx if need_dx else None, dx_lora if x_lora is not None else None,
+            dA if ctx.needs_input_grad[2] else None, dB if ctx.needs_input_grad[3] else None,
+            None, None,
+            grad_y.reshape(-1, grad_y.shape[-1]).float().sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[6] else None,
+            None, None, None, None, None, None, None, None)
+
+
+_fp8_lora_linear_op.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)
+
+
+def fp8_lora_linear(x, x_lora, lora_A, lora_B, w8, w_inv, bias, scaling: float, scales: dict) -> torch.Tensor:
+    """y = x Wᵀ + b + s·(x_lora Aᵀ) Bᵀ with an fp8 base, any leading dims.
+
+    ``scales``: "delayed" (bool: use the state's scales; False: each tensor's own amax),
+    "scale", "scale_inv", "amax" (fp32 (2,) views of the state: slot 0 the input x, slot 1 the
+    gradient dy; "amax" None records nothing), "margin", "grad_dtype" (e4m3 or e5m2), "emulate".
+    Pass x_lora=None without dropout; lora_A = lora_B = None for the base alone.
+
+    Eager mode runs :class:`Fp8LoraLinearFunction` (no op dispatch per call); under torch.compile
+    the custom ops above, when the state records (training).
+    """
+    if torch.compiler.is_compiling() and scales["amax"] is not None:
+        amax = scales["amax"]
+        y, _, seen = _fp8_lora_linear_op(
+            x, x_lora, lora_A, lora_B, w8, w_inv, bias, float(scaling), scales["scale"], scales["scale_inv"], amax,
+            scales["delayed"], scales["margin"], scales["grad_dtype"] == E5M2, scales["emulate"])
+        amax[0:1].copy_(torch.maximum(amax[0:1], seen.detach()))
+        return y
+    return Fp8LoraLinearFunction.apply(x, x_lora, lora_A, lora_B, w8, w_inv, bias, float(scaling), scales)
