@@ -144,3 +144,32 @@ def test_dropout_is_deterministic_under_a_seed_and_matches_peft():
     assert torch.equal(outs[0], outs[1])                 # same seed, same mask, same output
     assert rel_err(outs[0], outs[2]) < 1e-5              # the mask PEFT draws, too
     assert rel_err(outs[0], other) > 1e-3                # another seed, another mask
+
+
+@pytest.mark.parametrize("kernel,dtype", [("torch", torch.bfloat16), ("triton", torch.float16)])
+def test_autocast_trains_like_peft(kernel, dtype):
+    """An fp32 model under autocast: the fused path casts like autocast does, forward and backward."""
+    from peft import LoraConfig, get_peft_model
+
+    from sits_lora import SitsLoraConfig
+
+    from conftest import randomize_lora_weights, tiny_llama
+
+    kwargs = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    sits = get_peft_model(tiny_llama(), SitsLoraConfig(kernel=kernel, **kwargs)).train()
+    peft = get_peft_model(tiny_llama(), LoraConfig(**kwargs)).train()
+    randomize_lora_weights(sits)
+    peft.load_state_dict(sits.state_dict())
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for model in (sits, peft):
+        with torch.autocast("cpu", dtype=dtype):
+            out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        losses.append(out.loss.detach())
+    assert rel_err(losses[0], losses[1]) < 1e-2
+    peft_params = dict(peft.named_parameters())
+    for n, p in sits.named_parameters():
+        if p.requires_grad:
+            assert p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all(), n
+            assert rel_err(p.grad, peft_params[n].grad) < 5e-2, n

@@ -63,7 +63,9 @@ def test_recipe_default_model_and_corpus_one_step(tmp_path):
         (["--dtype", "float8"], "error: dtype='float8' is invalid"),
     ],
 )
-def test_bad_paths_and_values_give_one_line(args, needle, tmp_path):
+def test_bad_paths_and_values_give_one_line(args, needle, tmp_path, tiny_model_dir):
+    if "--model" not in args:  # a valid model, so that the error under test is the first one found
+        args = [*args, "--model", str(tiny_model_dir)]
     proc = _train(*args, cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == needle or needle in proc.stderr.strip().splitlines()[-1]

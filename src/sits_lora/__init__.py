@@ -8,7 +8,9 @@
 from __future__ import annotations
 
 from ._registry import SITS_LORA_PEFT_TYPE, register_with_peft
+from .compliance import BenchmarkRunner
 from .config import SitsLoraConfig
+from .dynamic_rank import DynamicRankLinear, RankBudget, truncate_rank
 from .export import export_peft_lora
 from .layer import SitsLoraLinear
 from .model import SitsLoraModel
@@ -16,6 +18,23 @@ from .model import SitsLoraModel
 __version__ = "0.1.0"
 
 register_with_peft()
+
+# transformers' Trainer machinery and the sampler's dependencies load on first use
+_LAZY = {"DynamicRankCallback", "TokenEntropySampler"}
+# the training guard rails (sits_lora.training) import transformers' Trainer on first use
+_LAZY_TRAINING = {"NativeLoraTrainer", "SitsHardwareCallback", "plan_memory"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from . import dynamic_rank
+
+        return getattr(dynamic_rank, name)
+    if name in _LAZY_TRAINING:
+        from . import training
+
+        return getattr(training, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def apply_native_lora(model, config: SitsLoraConfig, adapter_name: str = "default", **kwargs):
@@ -31,11 +50,20 @@ def apply_native_lora(model, config: SitsLoraConfig, adapter_name: str = "defaul
 
 
 __all__ = [
+    "BenchmarkRunner",
+    "DynamicRankCallback",
+    "DynamicRankLinear",
+    "NativeLoraTrainer",
+    "RankBudget",
     "SITS_LORA_PEFT_TYPE",
+    "SitsHardwareCallback",
     "SitsLoraConfig",
     "SitsLoraLinear",
     "SitsLoraModel",
+    "TokenEntropySampler",
     "apply_native_lora",
     "export_peft_lora",
+    "plan_memory",
+    "truncate_rank",
     "__version__",
 ]

@@ -9,11 +9,13 @@ larger than a layer, a target module that matches nothing) run when the adapter 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from peft import LoraConfig
 
 from ._registry import SITS_LORA_PEFT_TYPE
+from . import _dynamic_rank_checks as _dynamic_rank
+from .fp8 import _checks as _fp8
 
 KERNEL_CHOICES = ("auto", "triton", "torch")
 
@@ -70,6 +72,20 @@ _VALIDATORS: dict[str, Callable[[Any], str | None]] = {
     "kernel": _require_choice(KERNEL_CHOICES),
     "fuse_siblings": _require_bool,
     "bias": _require_choice(("none", "all", "lora_only")),
+    "use_dynamic_rank": _dynamic_rank.require_bool,
+    "rank_scheduler": _require_choice(_dynamic_rank.RANK_SCHEDULERS),
+    "rank_buckets": _dynamic_rank.require_buckets,
+    "target_mean_rank": _dynamic_rank.require_optional_positive_number("target_mean_rank=24"),
+    "rank_histogram": _dynamic_rank.require_histogram,
+    "router_temperature": _dynamic_rank.require_positive_number("router_temperature=1.0"),
+    "rank_budget_step_size": _dynamic_rank.require_positive_number("rank_budget_step_size=0.5"),
+    "fp8": _require_choice(_fp8.FP8_RECIPES),
+    "fp8_amax_history_len": _fp8.require_positive_int("fp8_amax_history_len=1024"),
+    "fp8_amax_compute_algo": _require_choice(_fp8.AMAX_COMPUTE_ALGOS),
+    "fp8_margin": _fp8.require_non_negative_int,
+    "fp8_weight_scale": _require_choice(_fp8.WEIGHT_SCALES),
+    "fp8_keep_bf16_weight": _require_bool,
+    "fp8_emulate": _require_bool,
 }
 
 
@@ -104,10 +120,151 @@ class SitsLoraConfig(LoraConfig):
         },
     )
 
+    use_dynamic_rank: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Per-token dynamic rank (sits_lora.dynamic_rank): the rank dimensions are trained nested "
+                "(the first k of them form a working adapter of rank k) and each token uses the first "
+                "b dimensions, b from rank_buckets, chosen by rank_scheduler under the target_mean_rank "
+                "budget. Adapted layers must be torch.nn.Linear; not with rank_pattern, alpha_pattern, "
+                "use_dora or lora_bias. merge_and_unload needs a static adapter first "
+                "(sits_lora.truncate_rank(model, k))."
+            )
+        },
+    )
+    rank_scheduler: str = field(
+        default="entropy-gated",
+        metadata={
+            "help": (
+                "How each token's bucket is chosen (with use_dynamic_rank=True). 'entropy-gated': a router "
+                "per adapted layer reads the token's hidden state and the entropy predicted by a probe fitted "
+                "with TokenEntropySampler. 'learned': the same router without the entropy feature. 'random': "
+                "buckets drawn at random with rank_histogram (or the most spread-out histogram of mean "
+                "target_mean_rank). 'static': no routing, every token uses the full rank r at inference; "
+                "training draws a bucket per token (DyLoRA-style) so the adapter can be truncated."
+            )
+        },
+    )
+    rank_buckets: Optional[list] = field(
+        default=None,
+        metadata={
+            "help": (
+                "The ranks a token may use, strictly increasing, the last equal to r, e.g. [16, 32, 48, 64]; "
+                "a first bucket of 0 lets a token skip the adapter. Multiples of 16 suit tensor-core kernels. "
+                "None: steps of 16 up to r (r a multiple of 16)."
+            )
+        },
+    )
+    target_mean_rank: Optional[float] = field(
+        default=None,
+        metadata={
+            "help": (
+                "The mean active rank over non-padding tokens that the budget holds ('entropy-gated', "
+                "'learned': a Lagrange multiplier updated by dual ascent; 'random': the histogram's mean). "
+                "Must lie between the smallest and the largest bucket."
+            )
+        },
+    )
+    rank_histogram: Optional[list] = field(
+        default=None,
+        metadata={
+            "help": (
+                "rank_scheduler='random' only: the fraction of tokens per bucket (one per bucket, summing to "
+                "1), e.g. the histogram a learned router reached, to test routing against chance."
+            )
+        },
+    )
+    router_temperature: float = field(
+        default=1.0,
+        metadata={
+            "help": (
+                "Gumbel-softmax temperature of the router in training: the forward pass uses the hard "
+                "bucket, the gradient flows through the softmax at this temperature (straight-through)."
+            )
+        },
+    )
+    rank_budget_step_size: float = field(
+        default=0.5,
+        metadata={
+            "help": (
+                "Dual-ascent step size η of the rank budget: after each optimizer step "
+                "λ ← max(0, λ + η·(mean active rank − target_mean_rank) / r)."
+            )
+        },
+    )
+
+    fp8: str = field(
+        default="off",
+        metadata={
+            "help": (
+                "FP8 frozen base (sits_lora.fp8). 'hybrid': the base weight of each adapted layer is quantized "
+                "once to e4m3, activations are cast to e4m3 in forward and gradients to e5m2 in backward, with "
+                "delayed scaling, and both base GEMMs run in fp8 (torch._scaled_mm); the LoRA branch stays in "
+                "bf16. 'e4m3': the same with e4m3 gradients. Needs a GPU of compute capability 8.9 or newer, "
+                "or fp8_emulate=True. Adapted layers must be torch.nn.Linear with in and out features "
+                "multiples of 16. 'off': the bf16 path."
+            )
+        },
+    )
+    fp8_amax_history_len: int = field(
+        default=1024,
+        metadata={
+            "help": (
+                "Delayed scaling (Transformer Engine's DelayedScaling): how many optimizer steps of each "
+                "activation's and gradient's absolute maximum (amax) each layer keeps."
+            )
+        },
+    )
+    fp8_amax_compute_algo: str = field(
+        default="max",
+        metadata={
+            "help": (
+                "The amax a scale is computed from: 'max' over the history (safe against spikes), or "
+                "'most_recent' (the last step's, follows the data fastest)."
+            )
+        },
+    )
+    fp8_margin: int = field(
+        default=0,
+        metadata={"help": "Headroom in powers of two: scale = (fp8_max / amax) / 2**fp8_margin."},
+    )
+    fp8_weight_scale: str = field(
+        default="tensor",
+        metadata={
+            "help": (
+                "Granularity of the frozen weight's fp8 scale: 'tensor' (one scale, cuBLAS fp8 GEMM) or 'row' "
+                "(one scale per output row: more accurate with outlier rows; row-wise torch._scaled_mm, "
+                "bf16 activations only)."
+            )
+        },
+    )
+    fp8_keep_bf16_weight: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Keep the original bf16 base weight beside the fp8 one (2x the frozen-weight memory): merges "
+                "and unload then give back the exact bf16 base. False frees it (fp8 weight + scale: about "
+                "0.5x the bf16 bytes) and merges start from the dequantized fp8 weight."
+            )
+        },
+    )
+    fp8_emulate: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Run the fp8 numerics by quantize-dequantize in plain PyTorch on any device (CPU, older GPUs): "
+                "the same casts, scales and amax records, fp32 matrix products. For tests; slow."
+            )
+        },
+    )
+
     def __post_init__(self) -> None:
         for name, check in _VALIDATORS.items():
             problem = check(getattr(self, name))
             if problem is not None:
                 raise ValueError(f"SitsLoraConfig.{name}={getattr(self, name)!r} is invalid: {problem}.")
+        _dynamic_rank.check_dynamic_rank_config(self)
+        _fp8.check_fp8_config(self)
         super().__post_init__()
         self.peft_type = SITS_LORA_PEFT_TYPE

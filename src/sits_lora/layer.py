@@ -9,7 +9,8 @@ other case falls through to PEFT's own forward, so behaviour stays PEFT's.
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import nullcontext
+from typing import Any, Optional
 
 import torch
 from peft.tuners.lora.layer import Linear as LoraLinear
@@ -18,11 +19,29 @@ from torch import nn
 from . import ops
 
 
+def autocast_inputs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+    """(x, weight, bias, context) as autocast would hand them to a linear layer.
+
+    The fused path is an autograd Function, which autocast does not cast for: under autocast the
+    input and the frozen weight are cast here to the autocast dtype (as autocast does for
+    nn.Linear), and the Function then runs with autocast off so that its backward sees the same
+    dtypes as its forward. Without autocast nothing changes.
+    """
+    device_type = x.device.type
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return x, weight, bias, nullcontext()  # "meta" (plans, shape checks) has no autocast
+    dtype = torch.get_autocast_dtype(device_type)
+    return (x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype),
+            torch.autocast(device_type, enabled=False))
+
+
 class SitsLoraLinear(LoraLinear):
     # Per-adapter state that PEFT's delete_adapter / set_adapter must carry along.
     other_param_names = LoraLinear.other_param_names + ("sits_kernel",)
     # Set by SitsLoraModel for layers that read the same input as others (sits_lora.siblings).
     _sibling_group = None
+    # Set by sits_lora.fp8 for layers whose base is fp8 (SitsLoraConfig.fp8 != 'off'): an Fp8Binding.
+    _fp8 = None
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, config, r: int = 0, lora_alpha: int = 1, **kwargs):
         self.sits_kernel: dict[str, str] = {}
@@ -64,6 +83,8 @@ class SitsLoraLinear(LoraLinear):
         return adapter
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._fp8 is not None:
+            return self._fp8.forward(self, x, *args, **kwargs)
         adapter = self._fused_adapter(args, kwargs)
         if adapter is None:
             return super().forward(x, *args, **kwargs)
@@ -75,12 +96,14 @@ class SitsLoraLinear(LoraLinear):
         kernel = ops.resolve_kernel(self.sits_kernel[adapter], x)
         if kernel == "triton" and (base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad)):
             kernel = "torch"  # the fused kernels assume a frozen base (no dW / db); the reference computes them
+        x, weight, bias, autocast_off = autocast_inputs(x, base.weight, base.bias)
         dropout = self.lora_dropout[adapter]
         x_lora = dropout(x) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else x
-        return ops.lora_linear(
-            x, x_lora, base.weight, base.bias, self.lora_A[adapter].weight, self.lora_B[adapter].weight,
-            self.scaling[adapter], kernel,
-        )
+        with autocast_off:
+            return ops.lora_linear(
+                x, x_lora, weight, bias, self.lora_A[adapter].weight, self.lora_B[adapter].weight,
+                self.scaling[adapter], kernel,
+            )
 
     def __repr__(self) -> str:
         return "sits_lora." + super().__repr__().removeprefix("lora.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Optional
 
 from peft.tuners.lora import LoraModel
 from peft.tuners.tuners_utils import BaseTunerLayer
@@ -25,6 +26,15 @@ def _linear_leaf_names(model: nn.Module) -> list[str]:
         if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d)) and key:
             names.setdefault(key.rsplit(".", 1)[-1], None)
     return list(names)
+
+
+def _fp8_layer(tuner):
+    """sits_lora.fp8.layer when an adapter of this model uses fp8, else None (it loads Triton: first use only)."""
+    if all(getattr(c, "fp8", "off") == "off" for c in tuner.peft_config.values()):
+        return None
+    from .fp8 import layer
+
+    return layer
 
 
 def check_target_modules_exist(model: nn.Module, config) -> None:
@@ -55,12 +65,40 @@ class SitsLoraModel(LoraModel):
 
     def inject_adapter(self, model: nn.Module, adapter_name: str, *args, **kwargs) -> None:
         check_target_modules_exist(model, self.peft_config[adapter_name])
+        fp8 = _fp8_layer(self)
+        if fp8 is not None:
+            fp8.check_before_injection(self, model, adapter_name)
         super().inject_adapter(model, adapter_name, *args, **kwargs)
+        if fp8 is not None:
+            fp8.quantize_base_layers(self, adapter_name, SitsLoraLinear)
         fuse = all(getattr(c, "fuse_siblings", True) for c in self.peft_config.values())
         assign_sibling_groups(model, SitsLoraLinear, enabled=fuse)
 
+    def truncate_rank(self, k: int, adapter_name: Optional[str] = None) -> None:
+        """Truncate the dynamic-rank adapter in place to a static rank-k adapter (sits_lora.truncate_rank)."""
+        from .dynamic_rank.truncate import truncate_rank
+
+        truncate_rank(self, k, adapter_name)
+
+    # An fp8 base (issue 6) goes back to a bf16 nn.Linear before a merge or an unload: merged weights
+    # are bf16 (see sits_lora.fp8.layer.restore_bf16_base_layers for their precision).
+    def merge_adapter(self, *args, **kwargs) -> None:
+        if (fp8 := _fp8_layer(self)) is not None:
+            fp8.restore_bf16_base_layers(self, SitsLoraLinear)
+        super().merge_adapter(*args, **kwargs)
+
+    def _unload_and_optionally_merge(self, *args, **kwargs):
+        if (fp8 := _fp8_layer(self)) is not None:
+            fp8.restore_bf16_base_layers(self, SitsLoraLinear)
+        return super()._unload_and_optionally_merge(*args, **kwargs)
+
     @staticmethod
     def _create_new_module(lora_config, adapter_name, target, **kwargs):
+        # Dynamic rank (issue 5): a per-token-rank adapter gets a DynamicRankLinear, which refuses non-Linear targets.
+        if getattr(lora_config, "use_dynamic_rank", False):
+            from .dynamic_rank.layer import create_dynamic_rank_module
+
+            return create_dynamic_rank_module(lora_config, adapter_name, target, **kwargs)
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
         if type(base) is nn.Linear and kwargs.get("parameter_name") is None:
             if lora_config.fan_in_fan_out:

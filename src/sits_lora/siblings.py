@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from . import ops
+from .layer import autocast_inputs
 
 SIBLING_NAME_SETS = (
     ("q_proj", "k_proj", "v_proj"),
@@ -62,7 +63,11 @@ class SiblingGroup:
         plan = self._plan(x)
         if plan is None:
             return None
-        outputs = ops.lora_siblings_triton(x, *plan)
+        weights, biases, As, Bs, scalings = plan
+        casts = [autocast_inputs(x, w, b) for w, b in zip(weights, biases)]
+        x_in, autocast_off = casts[0][0], casts[0][3]
+        with autocast_off:
+            outputs = ops.lora_siblings_triton(x_in, [c[1] for c in casts], [c[2] for c in casts], As, Bs, scalings)
         self._pending_x, self._pending_version = x, x._version
         self._pending = {id(other): y for other, y in zip(self.layers, outputs) if other is not layer}
         return outputs[self.layers.index(layer)]
@@ -71,9 +76,13 @@ class SiblingGroup:
         """(weights, biases, As, Bs, scalings) when every sibling can take the fused path now."""
         weights, biases, As, Bs, scalings = [], [], [], [], []
         for layer in self.layers:
+            if layer._fp8 is not None:
+                return None  # an fp8 base runs its own path (sits_lora.fp8)
             adapter = layer._fused_adapter((), {})
             if adapter is None or ops.resolve_kernel(layer.sits_kernel[adapter], x) != "triton":
                 return None
+            if getattr(layer, "routing_on", None) is not None and layer.routing_on(adapter):
+                return None  # a per-token rank (sits_lora.dynamic_rank) is not the static product computed here
             base = layer.base_layer
             dropout = layer.lora_dropout[adapter]
             if base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
