@@ -93,7 +93,17 @@ def test_skip_on_device_equals_run_without_those_updates(tmp_path):
     trainer.train()
     assert trainer.state.global_step == 4 and callback.nonfinite_steps == 1
     ours, ref = trainable_state(trainer.model), trainable_state(reference.model)
-    for name in ours:  # bf16 GPU kernels (attention backward) need not be bitwise deterministic
-        torch.testing.assert_close(ours[name], ref[name], rtol=1e-3, atol=1e-5)
+    # bf16 GPU kernels (attention backward) are not bitwise deterministic, and Adam turns gradient
+    # noise on near-zero gradients into updates of up to lr: measured on the H200 in two runs, 9 of
+    # 16384 values differed by up to 5.8e-5 and 1 by 1.1e-4, with lr 1e-3. A step applied by mistake
+    # moves every value by about lr, so: no value off by half of lr, and the tensor as a whole far
+    # closer than one step.
+    lr = trainer.args.learning_rate
+    for name in ours:
+        diff = (ours[name].float() - ref[name].float())
+        assert diff.abs().max() <= 0.5 * lr, name
+        assert diff.norm() <= 0.05 * lr * diff.numel() ** 0.5, name
+    # Adam's moments carry the same bf16 noise (measured: 12 % of exp_avg values off by up to 3.7e-6);
+    # a skipped step that still advanced them would change them by their own size.
     for a, b in zip(optimizer_tensors(trainer), optimizer_tensors(reference)):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
+        assert (a.float() - b.float()).norm() <= 0.05 * b.float().norm() + 1e-12

@@ -736,7 +736,7 @@ def _candidate_alignments(offsets) -> list[int]:
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
