@@ -35,8 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import tuning
-from .fused import _block_r, _dot_precision, lora_dy_pass, lora_shrink, lora_x_pass
+from .fused import lora_dy_pass, lora_expand, lora_shrink, lora_x_pass
 
 __all__ = [
     "E4M3",
@@ -208,47 +207,10 @@ def dequantize_weight(w8: torch.Tensor, w_inv: torch.Tensor, dtype: torch.dtype)
 # ----------------------------------------------------------------------------- expand, added in place
 
 
-@triton.jit
-def _lora_expand_add_kernel(
-    c_ptr, h_ptr, b_ptr, bias_ptr,
-    T, N, R, scale,
-    stride_ct, stride_cn, stride_ht, stride_hr, stride_bn, stride_br,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """C += s·h Bᵀ + bias: one read and one write of C, h (T, R) fp32, B (N, R) any strides."""
-    pid_t = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_r = tl.arange(0, BLOCK_R)
-    h = tl.load(h_ptr + offs_t[:, None] * stride_ht + offs_r[None, :] * stride_hr,
-                mask=(offs_t[:, None] < T) & (offs_r[None, :] < R), other=0.0)            # (BT, BR) fp32
-    b = tl.load(b_ptr + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
-                mask=(offs_r[:, None] < R) & (offs_n[None, :] < N), other=0.0)            # (BR, BN)
-    acc = tl.dot(h, b.to(tl.float32), input_precision=DOT_PRECISION) * scale
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    mask = (offs_t[:, None] < T) & (offs_n[None, :] < N)
-    c_ptrs = c_ptr + offs_t[:, None] * stride_ct + offs_n[None, :] * stride_cn
-    acc += tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
-
-
 def lora_expand_add_(c: torch.Tensor, h: torch.Tensor, lora_B: torch.Tensor, scale: float,
                      bias: Optional[torch.Tensor]) -> torch.Tensor:
     """c += s·h Bᵀ + bias in place and return c. c (T, N), h (T, R) fp32, B (N, R) any strides."""
-    T, R = h.shape
-    N = lora_B.shape[0]
-    BLOCK_R = _block_r(R)
-    cfg = tuning.config_for("expand", c.device, (N, BLOCK_R), c.dtype)
-    grid = (triton.cdiv(T, cfg["BLOCK_T"]), triton.cdiv(N, cfg["BLOCK_N"]))
-    _lora_expand_add_kernel[grid](
-        c, h, lora_B, bias if bias is not None else h, T, N, R, float(scale),
-        c.stride(0), c.stride(1), h.stride(0), h.stride(1), lora_B.stride(0), lora_B.stride(1),
-        HAS_BIAS=bias is not None, BLOCK_R=BLOCK_R, DOT_PRECISION=_dot_precision(c.dtype), **cfg,
-    )
-    return c
+    return lora_expand(h, lora_B, float(scale), bias, c.dtype, add_to=c)
 
 
 # ----------------------------------------------------------------------------- forward and backward

@@ -111,10 +111,11 @@ def _lora_expand_kernel(
     h_ptr, b_ptr, bias_ptr, c_ptr,
     T, N, R, scale,
     stride_ht, stride_hr, stride_bn, stride_br, stride_ct, stride_cn,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    """C = s·h Bᵀ + bias, or C += s·h Bᵀ + bias with ACCUMULATE (one read and one write of C)."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -127,23 +128,28 @@ def _lora_expand_kernel(
     acc = tl.dot(h, b.to(tl.float32), input_precision=DOT_PRECISION) * scale
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(c_ptr + offs_t[:, None] * stride_ct + offs_n[None, :] * stride_cn,
-             acc.to(c_ptr.dtype.element_ty), mask=(offs_t[:, None] < T) & (offs_n[None, :] < N))
+    mask = (offs_t[:, None] < T) & (offs_n[None, :] < N)
+    c_ptrs = c_ptr + offs_t[:, None] * stride_ct + offs_n[None, :] * stride_cn
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 def lora_expand(h: torch.Tensor, lora_B: torch.Tensor, scale: float, bias: Optional[torch.Tensor],
-                out_dtype: torch.dtype, config: Optional[dict] = None) -> torch.Tensor:
-    """C = s·h Bᵀ + bias, in out_dtype. h (T, R) fp32, B (N, R)."""
+                out_dtype: torch.dtype, config: Optional[dict] = None, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """C = s·h Bᵀ + bias in out_dtype; with ``add_to``, add into that (T, N) tensor in place and return it.
+    h (T, R) fp32, B (N, R)."""
     T, R = h.shape
     N = lora_B.shape[0]
-    c = torch.empty((T, N), device=h.device, dtype=out_dtype)
+    c = torch.empty((T, N), device=h.device, dtype=out_dtype) if add_to is None else add_to
     BLOCK_R = _block_r(R)
     cfg = config or tuning.config_for("expand", h.device, (N, BLOCK_R), out_dtype)
     grid = (triton.cdiv(T, cfg["BLOCK_T"]), triton.cdiv(N, cfg["BLOCK_N"]))
     _lora_expand_kernel[grid](
         h, lora_B, bias if bias is not None else h, c, T, N, R, scale,
         h.stride(0), h.stride(1), lora_B.stride(0), lora_B.stride(1), c.stride(0), c.stride(1),
-        HAS_BIAS=bias is not None, BLOCK_R=BLOCK_R, DOT_PRECISION=_dot_precision(out_dtype), **cfg,
+        HAS_BIAS=bias is not None, ACCUMULATE=add_to is not None, BLOCK_R=BLOCK_R,
+        DOT_PRECISION=_dot_precision(out_dtype), **cfg,
     )
     return c
 

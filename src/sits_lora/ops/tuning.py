@@ -18,7 +18,6 @@ import threading
 from typing import Callable, Iterable, Optional
 
 import torch
-import triton
 
 # Candidate configurations. The first entry of each list is the default on a GPU.
 CONFIG_SPACE: dict[str, list[dict]] = {
