@@ -9,11 +9,8 @@ the README can always be traced to a file and the command that made it.
 from __future__ import annotations
 
 import csv
-import datetime
 import json
 import os
-import platform
-import subprocess
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -23,32 +20,10 @@ REPO = os.path.dirname(HERE)
 
 
 def environment() -> dict:
-    """GPU, versions and git revision: stamped on every result file."""
-    import peft
-    import transformers
-    import triton
+    """GPU, versions and git revision: stamped on every result file (sits_lora._env, shared with the CLI)."""
+    from sits_lora._env import environment as package_environment
 
-    # A copy of the tree without .git (the GPU machine gets one) names its revision in the environment.
-    rev, dirty = os.environ.get("SITS_LORA_GIT_REVISION", ""), False
-    if not rev:
-        try:
-            rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-            dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                        capture_output=True, text=True).stdout.strip())
-        except OSError:
-            rev = "unknown"
-    return {
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "cpu": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": triton.__version__,
-        "transformers": transformers.__version__,
-        "peft": peft.__version__,
-        "python": platform.python_version(),
-        "git_revision": rev + ("-dirty" if dirty else ""),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
+    return package_environment()
 
 
 def median_ms(fn: Callable[[], object], warmup_ms: int = 100, rep_ms: int = 400) -> float:

@@ -82,18 +82,27 @@ def _forget_gguf_quantization(model) -> None:
         del model.config.quantization_config
 
 
-def load_model_and_tokenizer(spec: Optional[str] = None, dtype=None):
-    """(model, tokenizer, source) for a --model value; the tokenizer gets a pad token if it lacks one."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_model(spec: Optional[str] = None, dtype=None):
+    """(model, source) for a --model value (folder, .gguf or hub id), without a tokenizer."""
+    from transformers import AutoModelForCausalLM
 
     source = resolve_model_source(spec)
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
     if dtype is not None:
         kwargs["dtype"] = dtype
     model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
     if source.gguf_file:
         _forget_gguf_quantization(model)
+    return model, source
+
+
+def load_model_and_tokenizer(spec: Optional[str] = None, dtype=None):
+    """(model, tokenizer, source) for a --model value; the tokenizer gets a pad token if it lacks one."""
+    from transformers import AutoTokenizer
+
+    model, source = load_model(spec, dtype)
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer, source

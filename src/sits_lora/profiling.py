@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .loading import load_model
 from .training.memory import decoder_layers
 
 OP_TYPES = ("norm", "attn_proj", "attn_core", "mlp_proj", "mlp_act", "lora")
@@ -373,20 +374,6 @@ def _cells(adapted: dict, base: dict) -> dict:
             cells[(layer, "mlp_proj", phase)] = base_mlp
             cells[(layer, "lora", phase)] = attn_proj + mlp_proj - base_attn - base_mlp
     return cells
-
-
-def load_model(spec: Optional[str], dtype: torch.dtype):
-    """A causal LM from a --model value (folder, .gguf or hub id), weights only (no tokenizer needed)."""
-    from transformers import AutoModelForCausalLM
-
-    from .loading import _forget_gguf_quantization, resolve_model_source
-
-    source = resolve_model_source(spec)
-    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype, **kwargs)
-    if source.gguf_file:
-        _forget_gguf_quantization(model)
-    return model, source
 
 
 def run_profile(model: Optional[str] = None, config: Optional[str] = None, batch_size: Optional[int] = None,

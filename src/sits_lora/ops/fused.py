@@ -37,14 +37,10 @@ from . import tuning
 # ----------------------------------------------------------------------------- helpers
 
 
-def _block_r(r: int) -> int:
+def block_rank(r: int) -> int:
+    """The rank block the kernels run rank ``r`` at (the R in the tuning cache's dims)."""
     # tl.dot needs every dimension >= 16; ranks that are not powers of two are masked.
     return max(16, triton.next_power_of_2(r))
-
-
-def block_rank(r: int) -> int:
-    """The rank block the kernels run rank ``r`` at (the R in the tuning cache's dims): ``_block_r``, public."""
-    return _block_r(r)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -93,7 +89,7 @@ def lora_shrink(x: torch.Tensor, lora_A: torch.Tensor, config: Optional[dict] = 
     T, K = x.shape
     R = lora_A.shape[0]
     h = torch.empty((T, R), device=x.device, dtype=torch.float32)
-    BLOCK_R = _block_r(R)
+    BLOCK_R = block_rank(R)
     cfg = config or tuning.config_for("shrink", x.device, (K, BLOCK_R), x.dtype)
     _lora_shrink_kernel[(triton.cdiv(T, cfg["BLOCK_T"]),)](
         x, lora_A, h, T, K, R,
@@ -142,7 +138,7 @@ def lora_expand(h: torch.Tensor, lora_B: torch.Tensor, scale: float, bias: Optio
     T, R = h.shape
     N = lora_B.shape[0]
     c = torch.empty((T, N), device=h.device, dtype=out_dtype) if add_to is None else add_to
-    BLOCK_R = _block_r(R)
+    BLOCK_R = block_rank(R)
     cfg = config or tuning.config_for("expand", h.device, (N, BLOCK_R), out_dtype)
     grid = (triton.cdiv(T, cfg["BLOCK_T"]), triton.cdiv(N, cfg["BLOCK_N"]))
     _lora_expand_kernel[grid](
@@ -230,7 +226,7 @@ def lora_gemm(a: torch.Tensor, b: torch.Tensor, lora_left: Optional[torch.Tensor
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         lora_left.stride(0) if has_lora else 0, lora_left.stride(1) if has_lora else 0,
         lora_right.stride(0) if has_lora else 0, lora_right.stride(1) if has_lora else 0,
-        HAS_LORA=has_lora, HAS_BIAS=bias is not None, BLOCK_R=_block_r(max(R, 1)),
+        HAS_LORA=has_lora, HAS_BIAS=bias is not None, BLOCK_R=block_rank(max(R, 1)),
         DOT_PRECISION=_dot_precision(a.dtype), **cfg,
     )
     return out
@@ -280,7 +276,7 @@ def lora_dy_pass(dy: torch.Tensor, lora_B: torch.Tensor, h: torch.Tensor, scale:
     """(g, dB) from one read of dy: g = dy B (T, R) fp32, dB = s·dyᵀ h (N, R) fp32."""
     T, N = dy.shape
     R = h.shape[1]
-    BLOCK_R = _block_r(R)
+    BLOCK_R = block_rank(R)
     # dB partials cost (T / BLOCK_T)·N·R·4 bytes: a tall token block keeps them small against dy.
     cfg = config or tuning.config_for("dy_pass", dy.device, (N, BLOCK_R), dy.dtype)
     BLOCK_T, BLOCK_N = cfg["BLOCK_T"], cfg["BLOCK_N"]
@@ -347,7 +343,7 @@ def lora_x_pass(x: torch.Tensor, lora_A: torch.Tensor, g: torch.Tensor, scale: f
     """(dA, dx_lora or None): dA = s·gᵀ x (R, K) fp32; dx_lora = s·g A (T, K) in x's dtype."""
     T, K = x.shape
     R = g.shape[1]
-    BLOCK_R = _block_r(R)
+    BLOCK_R = block_rank(R)
     cfg = config or tuning.config_for("x_pass", x.device, (K, BLOCK_R), x.dtype)
     BLOCK_T, BLOCK_K = cfg["BLOCK_T"], cfg["BLOCK_K"]
     k_blocks = triton.cdiv(K, BLOCK_K)
@@ -419,7 +415,7 @@ def tune_layer_kernels(K: int, N: int, R: int, dtype: torch.dtype, device, token
     B = torch.randn(N, R, device=device) / R**0.5
     h = lora_shrink(x, A)
     g, _ = lora_dy_pass(dy, B, h, 1.0)
-    block_r = _block_r(R)
+    block_r = block_rank(R)
     runs = {
         "shrink": ((K, block_r), lambda cfg: lora_shrink(x, A, config=cfg)),
         "expand": ((N, block_r), lambda cfg: lora_expand(h, B, 1.0, None, dtype, config=cfg)),
