@@ -233,8 +233,11 @@ def _autocast(device: torch.device):
     return torch.autocast("cpu", enabled=False)
 
 
-def train_model(model, train_blocks, settings: EvalSettings, lr: float, seed: int, budget=None) -> dict:
-    """Train the trainable parameters of ``model`` for settings.steps AdamW steps; return timings and the budget trace."""
+def train_model(model, train_blocks, settings: EvalSettings, lr: float, seed: int, budget=None,
+                after_step: Optional[Callable[[], None]] = None) -> dict:
+    """Train the trainable parameters of ``model`` for settings.steps AdamW steps; return timings and the budget trace.
+
+    ``after_step`` runs after each optimizer step (bench/fp8_quality.py advances the fp8 scales there)."""
     device = next(model.parameters()).device
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -260,6 +263,8 @@ def train_model(model, train_blocks, settings: EvalSettings, lr: float, seed: in
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        if after_step is not None:
+            after_step()
         if budget is not None:
             stats = budget.step()
             trace.append({"mean_active_rank": stats["mean_active_rank"], "lambda": stats["lambda"]})
@@ -405,6 +410,13 @@ def run_evaluation(settings: EvalSettings, out_dir: Optional[str] = None) -> dic
                 entry["final_lambda"] = last[-1]["lambda"]
         return entries
 
+    def checkpoint() -> None:
+        # a run cut short (the GPU session's 10-minute limit) still leaves every finished run on disk
+        if out_dir is not None:
+            os.makedirs(out_dir, exist_ok=True)
+            with open(os.path.join(out_dir, "dynamic_rank_eval_partial.json"), "w") as f:
+                json.dump({"runs": runs, "tuning": tuning, "seconds": time.perf_counter() - t0}, f, default=str)
+
     order = ["full-ft"] + [a for a in ARMS if a in settings.arms]  # full-ft first (the KL reference), random after entropy-gated
     for arm in order:
         grid = settings.lr_grid_full if arm == "full-ft" else settings.lr_grid_lora
@@ -418,10 +430,12 @@ def run_evaluation(settings: EvalSettings, out_dir: Optional[str] = None) -> dic
             tuning.extend(entries)
             _say(settings, f"{arm:>14} seed {first} lr {lr:g}: validation loss {entries[-1]['val_loss']:.4f}, "
                            f"{entries[-1]['train_seconds']:.1f} s")
+            checkpoint()
         _, best_lr, best_entries, best_reference = min(candidates, key=lambda c: c[0])
         if arm == "full-ft":
             references[first] = best_reference
         runs.extend(best_entries)
+        checkpoint()
         if arm == "entropy-gated":
             histograms[first] = [best_entries[0]["val_histogram"][int(b)] for b in settings.buckets]
         for seed in settings.seeds[1:]:
@@ -430,6 +444,7 @@ def run_evaluation(settings: EvalSettings, out_dir: Optional[str] = None) -> dic
             if arm == "entropy-gated":
                 histograms[seed] = [entries[0]["val_histogram"][int(b)] for b in settings.buckets]
             _say(settings, f"{arm:>14} seed {seed} lr {best_lr:g}: validation loss {entries[-1]['val_loss']:.4f}")
+            checkpoint()
     base_eval = [evaluate_model(base, test_blocks, settings, reference=references[s], seed=s) for s in settings.seeds]
     results = {
         "settings": dataclasses.asdict(settings),

@@ -15,6 +15,7 @@ which breaks nesting.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from ..layer import SitsLoraLinear
+from .. import ops
+from ..layer import SitsLoraLinear, autocast_inputs
 from .._dynamic_rank_checks import ROUTED_SCHEDULERS, histogram_mean, max_entropy_histogram
 from .budget import current_valid_tokens, in_token_scope, measuring_active
 from .reference import device_constant, dynamic_rank_lora_linear
@@ -273,19 +275,19 @@ class DynamicRankLinear(SitsLoraLinear):
         if counted:
             self._record(adapter, decided, used, valid, len(spec.buckets))
         base = self.base_layer
+        kernel = ops.resolve_kernel(getattr(self, "sits_kernel", {}).get(adapter, "auto"), x)
+        if kernel == "triton" and (torch.compiler.is_compiling() or base.weight.requires_grad
+                                   or (base.bias is not None and base.bias.requires_grad)):
+            kernel = "torch"  # the fused Function is eager only and assumes a frozen base (no dW / db)
+        x, weight, bias, autocast_off = autocast_inputs(x, base.weight, base.bias) if kernel == "triton" else (
+            x, base.weight, base.bias, contextlib.nullcontext())
         dropout = self.lora_dropout[adapter]
         x_lora = dropout(x) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else x
-        requested = getattr(self, "sits_kernel", {}).get(adapter, "auto")
-        kernel = "torch" if requested in ("auto", "torch") else requested
-        if kernel != "torch":
-            raise NotImplementedError(
-                f"SitsLoraConfig.kernel={kernel!r}: the bucketed dynamic-rank kernel is not in this version; the "
-                f"dynamic-rank path runs on the PyTorch reference. Use kernel='auto' or kernel='torch'."
+        with autocast_off:
+            return dynamic_rank_lora_linear(
+                x, x_lora, weight, bias, self.lora_A[adapter].weight, self.lora_B[adapter].weight,
+                self.scaling[adapter], used, spec.buckets, bucket_weights, kernel=kernel,
             )
-        return dynamic_rank_lora_linear(
-            x, x_lora, base.weight, base.bias, self.lora_A[adapter].weight, self.lora_B[adapter].weight,
-            self.scaling[adapter], used, spec.buckets, bucket_weights, kernel=kernel,
-        )
 
     # ------------------------------------------------------------------ merge / truncate
 

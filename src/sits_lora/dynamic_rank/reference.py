@@ -17,8 +17,12 @@ The last one needs h and g over all r dimensions for every token, so a kernel ma
 tiles above a token's bucket in the forward pass and in dx / dA / dB, but not where it computes
 d bucket_weights (router training); without a router (eval, 'random', 'static') it skips them all.
 
-The kernel's algorithm is :func:`dynamic_rank_lora_linear_grouped`: tokens sorted by bucket
-(:func:`group_tokens_by_bucket`), each group multiplied by the first b_k columns only.
+:func:`dynamic_rank_lora_linear_grouped` is the bucketed algorithm in PyTorch: tokens sorted by
+bucket (:func:`group_tokens_by_bucket`), each group multiplied by the first b_k columns only. The
+Triton path (kernel="triton") keeps h and g over all r columns (the router's gradient needs them;
+both are memory-bound passes over x and dy, where fewer columns save nothing) and applies each
+token's limit where the rank is summed over: the expand kernel, with its tokens sorted by limit,
+runs only the 16-wide rank tiles its block's tokens use; dB and dA read h and g masked.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-KERNELS = ("torch",)
+KERNELS = ("torch", "triton")
 
 
 class BucketGroups(NamedTuple):
@@ -196,10 +200,20 @@ def dynamic_rank_lora_linear(
 ) -> Tensor:
     """The per-token-rank LoRA linear with the chosen implementation (see the module docstring).
 
-    "torch" is the reference. A bucketed Triton kernel plugs in here with the same arguments and
-    the same result (outputs and the gradients of x, x_lora, lora_A, lora_B, bucket_weights).
+    "torch" is the reference. "triton" runs the fused kernels (``sits_lora.ops.lora_linear_dynamic_rank_triton``:
+    tokens sorted by bucket, rank tiles above a block's bucket skipped in the expand kernel) with the
+    same result: outputs and the gradients of x, x_lora, lora_A, lora_B and bucket_weights. Its
+    inputs must already have the dtypes autocast would give them (the layer casts them).
     """
     if kernel == "torch":
         return dynamic_rank_lora_linear_reference(x, x_lora, weight, bias, lora_A, lora_B, scaling, bucket_ids,
                                                   buckets, bucket_weights)
+    if kernel == "triton":
+        from ..ops import lora_linear_dynamic_rank_triton
+
+        _check_inputs(x, lora_A, bucket_ids, buckets, bucket_weights)
+        ends = device_constant(("bucket_ends", tuple(buckets)), x.device, lambda: torch.tensor(list(buckets)))
+        rank_limit = ends.index_select(0, bucket_ids.reshape(-1)).to(torch.int32)          # (T,)
+        return lora_linear_dynamic_rank_triton(x, None if x_lora is x else x_lora, weight, bias, lora_A, lora_B,
+                                               scaling, rank_limit, ends, bucket_weights)
     raise ValueError(f"unknown dynamic-rank kernel {kernel!r}; available: {', '.join(KERNELS)}")

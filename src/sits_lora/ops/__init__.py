@@ -20,6 +20,7 @@ from .reference import lora_linear_reference, lora_linear_torch
 __all__ = [
     "KernelUnavailableError",
     "lora_linear",
+    "lora_linear_dynamic_rank_triton",
     "lora_linear_reference",
     "resolve_kernel",
     "set_gemm_backend",
@@ -244,6 +245,71 @@ class LoraSiblingsFunction(torch.autograd.Function):
         for i in range(n):
             per_sibling += [None, None, dAs[i].to(As[i].dtype), dBs[i].to(Bs[i].dtype)]
         return (dx.view(x.shape) if dx is not None else None, None, *per_sibling, *([None] * n), None)
+
+
+class DynamicRankLoraFunction(torch.autograd.Function):
+    """The LoRA linear with a rank per token (sits_lora.dynamic_rank) on the fused kernels.
+
+    Token t uses the first rank_limit[t] rank dimensions. With ``bucket_weights`` (T, K) (the
+    router's straight-through one-hot; value ignored here, rank_limit carries the choice) its
+    gradient s·Σ_{i < b_k} h[t, i] g[t, i] is returned, which is why h and g are kept over every
+    rank column. Eager only: under torch.compile the layer runs the PyTorch reference.
+    """
+
+    @staticmethod
+    def forward(ctx, x, x_lora, weight, bias, lora_A, lora_B, bucket_weights, scaling, rank_limit, bucket_ends,
+                token_order):
+        from .fused import lora_linear_dynamic_rank_forward
+
+        K = x.shape[-1]
+        y, h = lora_linear_dynamic_rank_forward(
+            x.reshape(-1, K), None if x_lora is None else x_lora.reshape(-1, K),
+            weight, bias, lora_A, lora_B, scaling, rank_limit, token_order,
+        )
+        ctx.save_for_backward(x if x_lora is None else None, x_lora, weight, lora_A, lora_B, h, rank_limit, bucket_ends)
+        ctx.scaling = scaling
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        from .fused import lora_linear_dynamic_rank_backward
+
+        x, x_lora, weight, lora_A, lora_B, h, rank_limit, bucket_ends = ctx.saved_tensors
+        need_dx = ctx.needs_input_grad[0]
+        N, K = weight.shape
+        lead = grad_y.shape[:-1]
+        dx, dx_lora, dA, dB, g = lora_linear_dynamic_rank_backward(
+            grad_y.reshape(-1, N), None if x is None else x.reshape(-1, K),
+            None if x_lora is None else x_lora.reshape(-1, K),
+            weight, lora_A, lora_B, h, ctx.scaling, need_dx, rank_limit,
+        )
+        d_weights = None
+        if ctx.needs_input_grad[6]:
+            # prefix sums of h ⊙ g at each bucket's end; a leading zero column serves a bucket of rank 0
+            prefix = torch.nn.functional.pad(torch.cumsum(h * g, dim=1), (1, 0))           # (T, R + 1)
+            d_weights = (prefix.index_select(1, bucket_ends) * ctx.scaling)                  # (T, K)
+        return (
+            dx.view(*lead, K) if need_dx else None,
+            dx_lora.view(*lead, K) if dx_lora is not None else None,
+            None, None,
+            dA.to(lora_A.dtype) if ctx.needs_input_grad[4] else None,
+            dB.to(lora_B.dtype) if ctx.needs_input_grad[5] else None,
+            d_weights, None, None, None, None,
+        )
+
+
+def lora_linear_dynamic_rank_triton(x, x_lora, weight, bias, lora_A, lora_B, scaling: float, rank_limit: Tensor,
+                                    bucket_ends: Tensor, bucket_weights: Optional[Tensor] = None,
+                                    group_tokens: bool = True) -> Tensor:
+    """y = x Wᵀ + b + s·((x_lora Aᵀ) ⊙ [r < rank_limit]) Bᵀ on the fused kernels (see DynamicRankLoraFunction).
+
+    rank_limit (T,) int32 on x's device; bucket_ends (K,) int64, the ranks of the buckets; x_lora None:
+    the LoRA input is x. ``group_tokens`` sorts the tokens by limit for the expand kernel (one sort
+    per layer call) so that its blocks skip the rank tiles above their bucket.
+    """
+    order = torch.argsort(rank_limit).to(torch.int32) if group_tokens else None
+    return DynamicRankLoraFunction.apply(x, x_lora, weight, bias, lora_A, lora_B, bucket_weights, float(scaling),
+                                         rank_limit, bucket_ends, order)
 
 
 def lora_siblings_triton(x, weights, biases, lora_As, lora_Bs, scalings, gemm: Optional[str] = None) -> tuple:

@@ -104,37 +104,61 @@ def lora_shrink(x: torch.Tensor, lora_A: torch.Tensor, config: Optional[dict] = 
 
 @triton.jit
 def _lora_expand_kernel(
-    h_ptr, b_ptr, bias_ptr, c_ptr,
+    h_ptr, b_ptr, bias_ptr, c_ptr, limit_ptr, order_ptr,
     T, N, R, scale,
     stride_ht, stride_hr, stride_bn, stride_br, stride_ct, stride_cn,
-    HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_LIMIT: tl.constexpr, GROUPED: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """C = s·h Bᵀ + bias, or C += s·h Bᵀ + bias with ACCUMULATE (one read and one write of C)."""
+    """C = s·h Bᵀ + bias, or C += s·h Bᵀ + bias with ACCUMULATE (one read and one write of C).
+
+    HAS_LIMIT (per-token rank): token t uses the first limit[t] columns of h only, and the block
+    runs the rank tiles (16 wide) up to the largest limit among its tokens, skipping the rest.
+    GROUPED: the block's tokens are order[block's range] (tokens sorted by limit), so that most
+    blocks hold one limit and skip every tile above it.
+    """
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_r = tl.arange(0, BLOCK_R)
-    h = tl.load(h_ptr + offs_t[:, None] * stride_ht + offs_r[None, :] * stride_hr,
-                mask=(offs_t[:, None] < T) & (offs_r[None, :] < R), other=0.0)            # (BT, BR) fp32
-    b = tl.load(b_ptr + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
-                mask=(offs_r[:, None] < R) & (offs_n[None, :] < N), other=0.0)            # (BR, BN)
-    acc = tl.dot(h, b.to(tl.float32), input_precision=DOT_PRECISION) * scale
+    t_ok = offs_t < T
+    rows = offs_t
+    if GROUPED:
+        rows = tl.load(order_ptr + offs_t, mask=t_ok, other=0)
+    if HAS_LIMIT:
+        limit = tl.load(limit_ptr + rows, mask=t_ok, other=0)                                # (BT,)
+        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        for r0 in range(0, tl.max(limit, 0), 16):
+            offs_r = r0 + tl.arange(0, 16)
+            h = tl.load(h_ptr + rows[:, None] * stride_ht + offs_r[None, :] * stride_hr,
+                        mask=t_ok[:, None] & (offs_r[None, :] < limit[:, None]), other=0.0)  # (BT, 16) fp32
+            b = tl.load(b_ptr + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
+                        mask=(offs_r[:, None] < R) & (offs_n[None, :] < N), other=0.0)     # (16, BN)
+            acc = tl.dot(h, b.to(tl.float32), acc, input_precision=DOT_PRECISION)
+        acc = acc * scale
+    else:
+        offs_r = tl.arange(0, BLOCK_R)
+        h = tl.load(h_ptr + rows[:, None] * stride_ht + offs_r[None, :] * stride_hr,
+                    mask=t_ok[:, None] & (offs_r[None, :] < R), other=0.0)                  # (BT, BR) fp32
+        b = tl.load(b_ptr + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
+                    mask=(offs_r[:, None] < R) & (offs_n[None, :] < N), other=0.0)        # (BR, BN)
+        acc = tl.dot(h, b.to(tl.float32), input_precision=DOT_PRECISION) * scale
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    mask = (offs_t[:, None] < T) & (offs_n[None, :] < N)
-    c_ptrs = c_ptr + offs_t[:, None] * stride_ct + offs_n[None, :] * stride_cn
+    mask = t_ok[:, None] & (offs_n[None, :] < N)
+    c_ptrs = c_ptr + rows[:, None] * stride_ct + offs_n[None, :] * stride_cn
     if ACCUMULATE:
         acc += tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 def lora_expand(h: torch.Tensor, lora_B: torch.Tensor, scale: float, bias: Optional[torch.Tensor],
-                out_dtype: torch.dtype, config: Optional[dict] = None, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
+                out_dtype: torch.dtype, config: Optional[dict] = None, add_to: Optional[torch.Tensor] = None,
+                rank_limit: Optional[torch.Tensor] = None, token_order: Optional[torch.Tensor] = None) -> torch.Tensor:
     """C = s·h Bᵀ + bias in out_dtype; with ``add_to``, add into that (T, N) tensor in place and return it.
-    h (T, R) fp32, B (N, R)."""
+    h (T, R) fp32, B (N, R). ``rank_limit`` (T,) int32: token t uses h[t, :rank_limit[t]] only;
+    ``token_order`` (T,) int32, a permutation: blocks take their tokens in that order (see the kernel)."""
     T, R = h.shape
     N = lora_B.shape[0]
     c = torch.empty((T, N), device=h.device, dtype=out_dtype) if add_to is None else add_to
@@ -142,9 +166,12 @@ def lora_expand(h: torch.Tensor, lora_B: torch.Tensor, scale: float, bias: Optio
     cfg = config or tuning.config_for("expand", h.device, (N, BLOCK_R), out_dtype)
     grid = (triton.cdiv(T, cfg["BLOCK_T"]), triton.cdiv(N, cfg["BLOCK_N"]))
     _lora_expand_kernel[grid](
-        h, lora_B, bias if bias is not None else h, c, T, N, R, scale,
+        h, lora_B, bias if bias is not None else h, c,
+        rank_limit if rank_limit is not None else h, token_order if token_order is not None else h,
+        T, N, R, scale,
         h.stride(0), h.stride(1), lora_B.stride(0), lora_B.stride(1), c.stride(0), c.stride(1),
-        HAS_BIAS=bias is not None, ACCUMULATE=add_to is not None, BLOCK_R=BLOCK_R,
+        HAS_BIAS=bias is not None, ACCUMULATE=add_to is not None, HAS_LIMIT=rank_limit is not None,
+        GROUPED=token_order is not None, BLOCK_R=BLOCK_R,
         DOT_PRECISION=_dot_precision(out_dtype), **cfg,
     )
     return c
@@ -237,23 +264,28 @@ def lora_gemm(a: torch.Tensor, b: torch.Tensor, lora_left: Optional[torch.Tensor
 
 @triton.jit
 def _lora_dy_pass_kernel(
-    dy_ptr, b_ptr, h_ptr, g_part_ptr, db_part_ptr,
+    dy_ptr, b_ptr, h_ptr, g_part_ptr, db_part_ptr, limit_ptr,
     T, N, R, N_PER_SPLIT, scale,
     stride_dyt, stride_dyn, stride_bn, stride_br, stride_ht, stride_hr,
+    HAS_LIMIT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One read of dy: g partials (per N split) and dB partials (per token block).
 
     g_part[split, t, r]   = Σ_{n in split} dy[t, n] B[n, r]
-    db_part[tblock, n, r] = s · Σ_{t in tblock} dy[t, n] h[t, r]
+    db_part[tblock, n, r] = s · Σ_{t in tblock} dy[t, n] h[t, r]   (h[t, r] = 0 for r >= limit[t])
+    g is over every rank column even with a limit: the router's gradient needs all of it.
     """
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_r = tl.arange(0, BLOCK_R)
     offs_nb = tl.arange(0, BLOCK_N)
+    h_ok = (offs_t[:, None] < T) & (offs_r[None, :] < R)
+    if HAS_LIMIT:
+        h_ok = h_ok & (offs_r[None, :] < tl.load(limit_ptr + offs_t, mask=offs_t < T, other=0)[:, None])
     h = tl.load(h_ptr + offs_t[:, None] * stride_ht + offs_r[None, :] * stride_hr,
-                mask=(offs_t[:, None] < T) & (offs_r[None, :] < R), other=0.0) * scale    # (BT, BR) fp32
+                mask=h_ok, other=0.0) * scale                                              # (BT, BR) fp32
     g = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
     n_start = pid_s * N_PER_SPLIT
     n_stop = tl.minimum(n_start + N_PER_SPLIT, N)
@@ -272,8 +304,10 @@ def _lora_dy_pass_kernel(
              mask=(offs_t[:, None] < T) & (offs_r[None, :] < R))
 
 
-def lora_dy_pass(dy: torch.Tensor, lora_B: torch.Tensor, h: torch.Tensor, scale: float, config: Optional[dict] = None):
-    """(g, dB) from one read of dy: g = dy B (T, R) fp32, dB = s·dyᵀ h (N, R) fp32."""
+def lora_dy_pass(dy: torch.Tensor, lora_B: torch.Tensor, h: torch.Tensor, scale: float, config: Optional[dict] = None,
+                 rank_limit: Optional[torch.Tensor] = None):
+    """(g, dB) from one read of dy: g = dy B (T, R) fp32, dB = s·dyᵀ h (N, R) fp32, with h[t, :] zero
+    from rank_limit[t] on when a (T,) int32 ``rank_limit`` is given (g is not limited)."""
     T, N = dy.shape
     R = h.shape[1]
     BLOCK_R = block_rank(R)
@@ -286,9 +320,9 @@ def lora_dy_pass(dy: torch.Tensor, lora_B: torch.Tensor, h: torch.Tensor, scale:
     g_part = torch.empty((splits, T, R), device=dy.device, dtype=torch.float32)
     db_part = torch.empty((t_blocks, N, R), device=dy.device, dtype=torch.float32)
     _lora_dy_pass_kernel[(t_blocks, splits)](
-        dy, lora_B, h, g_part, db_part, T, N, R, n_per_split, scale,
+        dy, lora_B, h, g_part, db_part, rank_limit if rank_limit is not None else h, T, N, R, n_per_split, scale,
         dy.stride(0), dy.stride(1), lora_B.stride(0), lora_B.stride(1), h.stride(0), h.stride(1),
-        BLOCK_R=BLOCK_R, DOT_PRECISION=_dot_precision(dy.dtype), **cfg,
+        HAS_LIMIT=rank_limit is not None, BLOCK_R=BLOCK_R, DOT_PRECISION=_dot_precision(dy.dtype), **cfg,
     )
     g = g_part[0] if splits == 1 else g_part.sum(0)
     return g, db_part[0] if t_blocks == 1 else db_part.sum(0)
@@ -299,15 +333,15 @@ def lora_dy_pass(dy: torch.Tensor, lora_B: torch.Tensor, h: torch.Tensor, scale:
 
 @triton.jit
 def _lora_x_pass_kernel(
-    x_ptr, a_ptr, g_ptr, da_part_ptr, dx_ptr,
+    x_ptr, a_ptr, g_ptr, da_part_ptr, dx_ptr, limit_ptr,
     T, K, R, T_PER_SPLIT, scale,
     stride_xt, stride_xk, stride_ar, stride_ak, stride_gt, stride_gr, stride_dxt, stride_dxk,
-    WRITE_DX: tl.constexpr,
+    WRITE_DX: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One read of x: dA partials per token split, and optionally dx_lora = s·g A.
 
-    da_part[split, r, k] = s · Σ_{t in split} g[t, r] x[t, k]
+    da_part[split, r, k] = s · Σ_{t in split} g[t, r] x[t, k]   (g[t, r] = 0 for r >= limit[t])
     """
     pid_s = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -327,8 +361,11 @@ def _lora_x_pass_kernel(
         t_ok = offs_t < t_stop
         x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xk,
                     mask=t_ok[:, None] & k_ok[None, :], other=0.0)                        # (BT, BK)
+        g_ok = t_ok[:, None] & r_ok[None, :]
+        if HAS_LIMIT:
+            g_ok = g_ok & (offs_r[None, :] < tl.load(limit_ptr + offs_t, mask=t_ok, other=0)[:, None])
         g = tl.load(g_ptr + offs_t[:, None] * stride_gt + offs_r[None, :] * stride_gr,
-                    mask=t_ok[:, None] & r_ok[None, :], other=0.0)                        # (BT, BR) fp32
+                    mask=g_ok, other=0.0)                                                  # (BT, BR) fp32
         da = tl.dot(tl.trans(g.to(x.dtype)), x, da, input_precision=DOT_PRECISION)
         if WRITE_DX:
             dx = tl.dot(g, a, input_precision=DOT_PRECISION) * scale
@@ -339,8 +376,9 @@ def _lora_x_pass_kernel(
 
 
 def lora_x_pass(x: torch.Tensor, lora_A: torch.Tensor, g: torch.Tensor, scale: float, write_dx: bool,
-                config: Optional[dict] = None):
-    """(dA, dx_lora or None): dA = s·gᵀ x (R, K) fp32; dx_lora = s·g A (T, K) in x's dtype."""
+                config: Optional[dict] = None, rank_limit: Optional[torch.Tensor] = None):
+    """(dA, dx_lora or None): dA = s·gᵀ x (R, K) fp32; dx_lora = s·g A (T, K) in x's dtype; with a (T,)
+    int32 ``rank_limit``, g[t, :] counts as zero from rank_limit[t] on."""
     T, K = x.shape
     R = g.shape[1]
     BLOCK_R = block_rank(R)
@@ -353,10 +391,11 @@ def lora_x_pass(x: torch.Tensor, lora_A: torch.Tensor, g: torch.Tensor, scale: f
     da_part = torch.empty((splits, R, K), device=x.device, dtype=torch.float32)
     dx = torch.empty((T, K), device=x.device, dtype=x.dtype) if write_dx else None
     _lora_x_pass_kernel[(splits, k_blocks)](
-        x, lora_A, g, da_part, dx if write_dx else x, T, K, R, t_per_split, scale,
+        x, lora_A, g, da_part, dx if write_dx else x, rank_limit if rank_limit is not None else g,
+        T, K, R, t_per_split, scale,
         x.stride(0), x.stride(1), lora_A.stride(0), lora_A.stride(1), g.stride(0), g.stride(1),
         dx.stride(0) if write_dx else 0, dx.stride(1) if write_dx else 0,
-        WRITE_DX=write_dx, BLOCK_R=BLOCK_R, DOT_PRECISION=_dot_precision(x.dtype), **cfg,
+        WRITE_DX=write_dx, HAS_LIMIT=rank_limit is not None, BLOCK_R=BLOCK_R, DOT_PRECISION=_dot_precision(x.dtype), **cfg,
     )
     return (da_part[0] if splits == 1 else da_part.sum(0)), dx
 
@@ -398,6 +437,35 @@ def lora_linear_backward(dy, x, x_lora, weight, lora_A, lora_B, h, scale: float,
         if need_dx:
             dx.addmm_(dy, weight)
     return dx, dx_lora, dA, dB
+
+
+def lora_linear_dynamic_rank_forward(x, x_lora, weight, bias, lora_A, lora_B, scale: float, rank_limit,
+                                     token_order=None):
+    """(y, h) with a rank per token: y = x Wᵀ + b + s·(h ⊙ [r < rank_limit]) Bᵀ, h = x_lora Aᵀ unlimited (fp32).
+
+    The cuBLAS design only: the limit lives in the expand kernel, which skips rank tiles.
+    """
+    h = lora_shrink(x if x_lora is None else x_lora, lora_A)
+    y = lora_expand(h, lora_B, scale, bias, x.dtype, rank_limit=rank_limit, token_order=token_order)
+    y.addmm_(x, weight.t())
+    return y, h
+
+
+def lora_linear_dynamic_rank_backward(dy, x, x_lora, weight, lora_A, lora_B, h, scale: float, need_dx: bool,
+                                      rank_limit):
+    """(dx, dx_lora, dA, dB, g) of :func:`lora_linear_dynamic_rank_forward`; g = dy B over every rank
+    column (the router's gradient reads it beyond each token's limit)."""
+    g, dB = lora_dy_pass(dy, lora_B, h, scale, rank_limit=rank_limit)
+    dx = dx_lora = None
+    if x_lora is not None:
+        dA, dx_lora = lora_x_pass(x_lora, lora_A, g, scale, write_dx=True, rank_limit=rank_limit)
+        if need_dx:
+            dx = dy @ weight
+    else:
+        dA, dx = lora_x_pass(x, lora_A, g, scale, write_dx=need_dx, rank_limit=rank_limit)
+        if need_dx:
+            dx.addmm_(dy, weight)
+    return dx, dx_lora, dA, dB, g
 
 
 def tune_layer_kernels(K: int, N: int, R: int, dtype: torch.dtype, device, tokens: int = 8192, save: bool = True,
