@@ -532,3 +532,32 @@ def test_adapters_must_agree_on_the_fp8_base():
     with pytest.raises(ValueError, match=r"disagree on the fp8 base \(fp8: 'hybrid' vs 'off'"):
         model.add_adapter("second", SitsLoraConfig(r=4, target_modules=["q_proj"]))
     assert "second" not in model.peft_config and not any(".second." in n for n, _ in model.named_parameters())
+
+
+def test_scales_handed_to_cublas_are_16_byte_aligned():
+    """cuBLAS under CUDA 13 refuses fp8 GEMMs with a scale at a 4- or 8-byte offset (H200, measured):
+    a layer's row of the batched (L, 2) state is copied, an aligned scale is passed as it is."""
+    from sits_lora.ops.fp8 import _cublas_scale
+
+    state = torch.arange(1.0, 9.0).reshape(4, 2)
+    for row in range(4):
+        for slot in range(2):
+            view = state[row][slot:slot + 1]
+            got = _cublas_scale(view)
+            assert got.data_ptr() % 16 == 0 and float(got) == float(view)
+            assert (got is view) == (view.data_ptr() % 16 == 0)
+
+
+def test_backward_op_outputs_never_alias_each_other():
+    """Without dx and dx_lora both were the same empty tensor, which torch.compile rejects."""
+    from sits_lora.ops.fp8 import _fp8_lora_linear_backward_op, quantize_weight
+
+    T, K, N, R = 6, 32, 16, 4
+    w8, w_inv = quantize_weight(torch.randn(N, K), "tensor")
+    out = _fp8_lora_linear_backward_op(
+        torch.randn(T, N), torch.randn(T, K), None, torch.randn(R, K), torch.randn(N, R), w8, w_inv,
+        torch.randn(T, R), 1.0, torch.ones(2), torch.ones(2), False, 0, True, True, False)
+    dx, dx_lora, dA, dB, seen = out
+    assert dx.numel() == 0 and dx_lora.numel() == 0 and dA.shape == (R, K) and dB.shape == (N, R)
+    assert len({t.untyped_storage().data_ptr() for t in out if t.numel()}) == 3
+    assert dx is not dx_lora

@@ -254,17 +254,27 @@ def fp8_linear_forward(x, x_lora, w8, w_inv, bias, lora_A, lora_B, scaling: floa
     x8 = fp8_cast(x, x_scale, x_amax, E4M3)
     if row:
         # row-wise _scaled_mm: scale_a (T, 1) and scale_b (1, N), both contiguous fp32
-        y = torch._scaled_mm(x8, w8.t(), scale_a=x_inv[:1].expand(T, 1).contiguous(), scale_b=w_inv.view(1, N),
-                             out_dtype=x.dtype, use_fast_accum=True)
+        y = torch._scaled_mm(x8, w8.t(), scale_a=x_inv[:1].expand(T, 1).contiguous(),
+                             scale_b=_cublas_scale(w_inv.view(1, N)), out_dtype=x.dtype, use_fast_accum=True)
     else:
         # fast accumulation in forward, as torchao does; gradients below accumulate exactly
-        y = torch._scaled_mm(x8, w8.t(), scale_a=x_inv[:1], scale_b=w_inv[:1], out_dtype=x.dtype,
-                             use_fast_accum=True)
+        y = torch._scaled_mm(x8, w8.t(), scale_a=_cublas_scale(x_inv[:1]), scale_b=_cublas_scale(w_inv[:1]),
+                             out_dtype=x.dtype, use_fast_accum=True)
     if lora_A is None:
         return (y if bias is None else y.add_(bias)), None
     h = lora_shrink(lora_in, lora_A)
     lora_expand_add_(y, h, lora_B, scaling, bias)
     return y, h
+
+
+def _cublas_scale(scale: torch.Tensor) -> torch.Tensor:
+    """The scale as torch._scaled_mm may pass it to cuBLAS: 16-byte aligned.
+
+    cuBLAS (CUDA 13, measured on the H200) rejects an fp8 GEMM whose scale pointer is not 16-byte
+    aligned with CUBLAS_STATUS_NOT_SUPPORTED; a layer's scale is one entry of the model's batched
+    (L, 2) state, so most sit at 4- or 8-byte offsets. Those are copied (4 bytes, no host sync).
+    """
+    return scale if scale.data_ptr() % 16 == 0 else scale.clone()
 
 
 def fp8_linear_backward(dy, x, x_lora, w8, w_inv, lora_A, lora_B, h, scaling: float,
@@ -296,7 +306,8 @@ def fp8_linear_backward(dy, x, x_lora, w8, w_inv, lora_A, lora_B, h, scaling: fl
     if need_dx:
         dy8 = fp8_cast(dy, dy_scale, dy_amax, grad_dtype, colscale)
         w8t = w8.t().contiguous()                                              # (K, N): see the module docstring
-        dX = torch._scaled_mm(dy8, w8t.t(), scale_a=dy_inv[:1], scale_b=_one(dy.device) if row else w_inv[:1],
+        dX = torch._scaled_mm(dy8, w8t.t(), scale_a=_cublas_scale(dy_inv[:1]),
+                              scale_b=_one(dy.device) if row else _cublas_scale(w_inv[:1]),
                               out_dtype=dy.dtype)
     if not has_lora:
         return dX, None, None, None
@@ -426,9 +437,11 @@ def _fp8_lora_linear_backward_op(
     dx, dx_lora, dA, dB = fp8_linear_backward(
         dy2, None if x is None else x.reshape(-1, K), None if x_lora is None else x_lora.reshape(-1, K), w8, w_inv,
         lora_A, lora_B, None if lora_A is None else h, scaling, dy_scale, dy_inv, seen, grad_dtype, emulate, need_dx)
-    empty = dy.new_empty(0)
-    return (empty if dx is None else dx.view(*lead, K), empty if dx_lora is None else dx_lora.view(*lead, K),
-            empty if dA is None else dA.to(lora_A.dtype), empty if dB is None else dB.to(lora_B.dtype), seen)
+    # a fresh empty tensor per missing output: a custom op's outputs must not alias each other
+    return (dy.new_empty(0) if dx is None else dx.view(*lead, K),
+            dy.new_empty(0) if dx_lora is None else dx_lora.view(*lead, K),
+            dy.new_empty(0) if dA is None else dA.to(lora_A.dtype),
+            dy.new_empty(0) if dB is None else dB.to(lora_B.dtype), seen)
 
 
 @_fp8_lora_linear_backward_op.register_fake
@@ -436,11 +449,10 @@ def _(dy, x, x_lora, lora_A, lora_B, w8, w_inv, h, scaling, scale, scale_inv, de
       need_dx):
     lead = dy.shape[:-1]
     K = w8.shape[1]
-    empty = dy.new_empty(0)
-    return (dy.new_empty(*lead, K) if need_dx else empty,
-            dy.new_empty(*lead, K) if x_lora is not None else empty,
-            empty if lora_A is None else lora_A.new_empty(lora_A.shape),
-            empty if lora_B is None else lora_B.new_empty(lora_B.shape),
+    return (dy.new_empty(*lead, K) if need_dx else dy.new_empty(0),
+            dy.new_empty(*lead, K) if x_lora is not None else dy.new_empty(0),
+            dy.new_empty(0) if lora_A is None else lora_A.new_empty(lora_A.shape),
+            dy.new_empty(0) if lora_B is None else lora_B.new_empty(lora_B.shape),
             dy.new_empty(1, dtype=torch.float32))
 
 
