@@ -8,6 +8,8 @@ to --out.
     python bench/dynamic_rank_eval.py --budget      # one H200, about 7 minutes (estimate: see PRESETS)
     python bench/dynamic_rank_eval.py --smoke       # a CPU, the real model at a tiny size, about 3 minutes
     python bench/dynamic_rank_eval.py --size tiny   # a tiny random model, seconds (tests)
+    python bench/dynamic_rank_eval.py --merge-partials A/dynamic_rank_eval_partial.json B/... --out DIR
+                                                    # one result from runs cut short (arms split over GPU calls)
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dynamic_rank_harness import PRESETS, run_evaluation, settings_for  # noqa: E402
+from dynamic_rank_harness import PRESETS, results_from_partials, run_evaluation, settings_for, write_results  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -34,9 +36,19 @@ def main(argv=None) -> int:
     parser.add_argument("--arms", type=lambda s: tuple(v.strip() for v in s.split(",")), help="comma-separated arms")
     parser.add_argument("--cache-dir", help="token-entropy cache folder (default $SITS_LORA_CACHE/token_entropy or "
                                             "~/.cache/sits_lora/token_entropy)")
+    parser.add_argument("--merge-partials", nargs="+", metavar="PARTIAL_JSON",
+                        help="do not train: merge dynamic_rank_eval_partial.json files of runs cut short into one result")
+    parser.add_argument("--environment-from", metavar="JSON",
+                        help="with --merge-partials: take the environment stamp from this result file")
     args = parser.parse_args(argv)
     settings = settings_for(args.size or "budget", model=args.model, steps=args.steps, seeds=args.seeds,
                             arms=args.arms, cache_dir=args.cache_dir)
+    if args.merge_partials:
+        results = results_from_partials(args.merge_partials, settings, args.environment_from)
+        paths = write_results(results, args.out)
+        print(json.dumps(results["rows"], indent=1))
+        print("[dynamic-rank eval] merged", len(results["runs"]), "runs; wrote", *[p for p in paths.values() if p])
+        return 0
     results = run_evaluation(settings, out_dir=args.out)
     print(json.dumps(results["rows"], indent=1))
     print(f"[dynamic-rank eval] wrote {args.out}/dynamic_rank_eval.{{json,csv,png}}, _runs.csv "

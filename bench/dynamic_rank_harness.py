@@ -415,7 +415,8 @@ def run_evaluation(settings: EvalSettings, out_dir: Optional[str] = None) -> dic
         if out_dir is not None:
             os.makedirs(out_dir, exist_ok=True)
             with open(os.path.join(out_dir, "dynamic_rank_eval_partial.json"), "w") as f:
-                json.dump({"runs": runs, "tuning": tuning, "seconds": time.perf_counter() - t0}, f, default=str)
+                json.dump({"environment": environment(), "model": description, "settings": dataclasses.asdict(settings),
+                           "runs": runs, "tuning": tuning, "seconds": time.perf_counter() - t0}, f, default=str)
 
     order = ["full-ft"] + [a for a in ARMS if a in settings.arms]  # full-ft first (the KL reference), random after entropy-gated
     for arm in order:
@@ -486,6 +487,38 @@ def summarize(runs: list[dict]) -> list[dict]:
             row[f"{key}_mean"], row[f"{key}_std"] = _mean_std([r.get(key) for r in mine])
         rows.append(row)
     return rows
+
+
+def results_from_partials(paths: list[str], settings: EvalSettings, environment_from: Optional[str] = None) -> dict:
+    """One result from the partial files of runs cut short (each GPU call has a 10-minute limit).
+
+    Each arm's runs come from the first file that has it: a later call repeats full-ft (its KL
+    reference, same seeds and rates) and its arms' KL is measured against that call's own full-ft.
+    ``environment_from``: a result file written on the same machine in the same session, for partial
+    files older than the environment stamp they now carry.
+    """
+    runs: list[dict] = []
+    tuning: list[dict] = []
+    seen: set = set()
+    environment_stamp, model = None, settings.model
+    for path in paths:
+        with open(path) as f:
+            part = json.load(f)
+        environment_stamp = environment_stamp or part.get("environment")
+        model = part.get("model", model)
+        arms = list(dict.fromkeys(r["arm"] for r in part["runs"]))
+        for arm in arms:
+            if arm in seen:
+                continue
+            runs.extend(r for r in part["runs"] if r["arm"] == arm)
+            tuning.extend(r for r in part["tuning"] if r["arm"] == arm)
+        seen.update(arms)
+    if environment_from is not None:
+        with open(environment_from) as f:
+            environment_stamp = json.load(f)["environment"]
+    return {"settings": dataclasses.asdict(settings), "environment": environment_stamp or environment(),
+            "model": model or "SmolLM2-135M-Instruct", "merged_from": list(paths), "rows": summarize(runs),
+            "runs": runs, "tuning": tuning}
 
 
 def plot_loss_vs_rank(results: dict, path: Optional[str] = None):

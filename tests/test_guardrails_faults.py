@@ -854,3 +854,67 @@ def _version(package: str) -> str:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+@pytest.mark.slow
+def test_fp8_scaling_state_survives_an_interrupted_run(tmp_path):
+    """fp8 (emulated): the amax history and scales are in each checkpoint; a run resumed from step 4 ends with the
+    uninterrupted run's scaling state, losses and adapter weights."""
+    from peft import get_peft_model
+    from transformers import TrainerCallback
+
+    from sits_lora.fp8 import fp8_scaling_state
+    from sits_lora.training.callback import MODULE_STATE_FILE
+
+    def fp8_model(perturb=False):
+        model = get_peft_model(tiny_llama(), SitsLoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"],
+                                                           fp8="hybrid", fp8_emulate=True, fp8_amax_history_len=3))
+        if perturb:
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.requires_grad:
+                        p.add_(1.0)
+        return model
+
+    class Interrupt(Exception):
+        pass
+
+    class StopAfter4(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == 4:  # killed after every on_save of checkpoint-4 ran, before step 5
+                raise Interrupt
+
+    common = dict(max_steps=7, save_strategy="steps", save_steps=4)
+    full, _, error = train(tmp_path / "full", args=make_args(tmp_path / "full", **common), model=fp8_model())
+    assert error is None, error
+    _, _, error = train(tmp_path / "part", args=make_args(tmp_path / "part", **common), model=fp8_model(),
+                        extra_callbacks=[StopAfter4()])
+    assert isinstance(error, Interrupt), error
+    assert (tmp_path / "part" / "checkpoint-4" / MODULE_STATE_FILE).exists()
+    resumed, _, error = train(tmp_path / "part", args=make_args(tmp_path / "part", **common),
+                              model=fp8_model(perturb=True), resume=str(tmp_path / "part" / "checkpoint-4"))
+    assert error is None, error
+    a, b = fp8_scaling_state(full.model), fp8_scaling_state(resumed.model)
+    assert a.steps == b.steps == 7 and a._position == b._position
+    for name in ("amax_history", "scale", "scale_inv"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    full_losses, resumed_losses = losses(full), losses(resumed)
+    assert all(resumed_losses[s] == full_losses[s] for s in range(5, 8))
+    final_full, final_resumed = trainable_state(full.model), trainable_state(resumed.model)
+    assert all(torch.equal(final_full[n], final_resumed[n]) for n in final_full)
+
+
+def test_fp8_scaling_state_refuses_a_checkpoint_of_other_layers():
+    from peft import get_peft_model
+
+    from sits_lora.fp8 import fp8_scaling_state
+
+    def state(targets, history):
+        model = get_peft_model(tiny_llama(), SitsLoraConfig(r=2, target_modules=targets, fp8="hybrid",
+                                                           fp8_emulate=True, fp8_amax_history_len=history))
+        return fp8_scaling_state(model)
+
+    saved = state(["q_proj"], 4).sits_checkpoint_state()
+    with pytest.raises(ValueError, match=r"saved for 2 layers, fp8='hybrid', fp8_amax_history_len=4; this model has "
+                                         r"4 layers.*Resume with the SitsLoraConfig the checkpoint was trained with"):
+        state(["q_proj", "down_proj"], 4).sits_load_checkpoint_state(saved)

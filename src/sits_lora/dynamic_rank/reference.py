@@ -21,8 +21,9 @@ d bucket_weights (router training); without a router (eval, 'random', 'static') 
 bucket (:func:`group_tokens_by_bucket`), each group multiplied by the first b_k columns only. The
 Triton path (kernel="triton") keeps h and g over all r columns (the router's gradient needs them;
 both are memory-bound passes over x and dy, where fewer columns save nothing) and applies each
-token's limit where the rank is summed over: the expand kernel, with its tokens sorted by limit,
-runs only the 16-wide rank tiles its block's tokens use; dB and dA read h and g masked.
+token's limit where the rank is summed over: the expand kernel runs only the 16-wide rank tiles its
+block's tokens use (with ``group_tokens``, tokens sorted by limit first, so that blocks are uniform);
+dB and dA read h and g masked.
 """
 
 from __future__ import annotations
@@ -201,7 +202,7 @@ def dynamic_rank_lora_linear(
     """The per-token-rank LoRA linear with the chosen implementation (see the module docstring).
 
     "torch" is the reference. "triton" runs the fused kernels (``sits_lora.ops.lora_linear_dynamic_rank_triton``:
-    tokens sorted by bucket, rank tiles above a block's bucket skipped in the expand kernel) with the
+    rank tiles above a block's largest bucket skipped in the expand kernel) with the
     same result: outputs and the gradients of x, x_lora, lora_A, lora_B and bucket_weights. Its
     inputs must already have the dtypes autocast would give them (the layer casts them).
     """

@@ -33,8 +33,9 @@ class Fp8ScalingState(nn.Module):
     and it ages out of the history like any other entry. Until the first update every cast uses
     its tensor's own amax (current scaling): no step runs on the default scale of 1.
 
-    The state is not saved with the adapter: a run resumed from a checkpoint starts its history
-    again with one step of current scaling.
+    The state is not saved with the adapter (it belongs to the training run, not to the weights):
+    :class:`sits_lora.SitsHardwareCallback` writes it into each Trainer checkpoint and a run resumed
+    from one continues with its history and scales (:meth:`sits_checkpoint_state`).
     """
 
     def __init__(self, names: list[str], recipe: str, history_len: int, algo: str, margin: int, emulate: bool,
@@ -111,6 +112,30 @@ class Fp8ScalingState(nn.Module):
         self.steps += 1
         self.delayed = True
         self._report_without_sync()
+
+    _CHECKPOINTED = ("amax_history", "scale", "scale_inv", "saturated_steps", "nonfinite_steps")
+
+    def sits_checkpoint_state(self) -> dict:
+        """What a resumed run needs (found by SitsHardwareCallback on any module of the model, saved with
+        each Trainer checkpoint): the history, scales, counts and the position in the ring buffer."""
+        return {"names": list(self.names), "recipe": self.recipe, "history_len": self.history_len,
+                "steps": self.steps, "position": self._position, "delayed": self.delayed,
+                **{k: getattr(self, k).detach().cpu().clone() for k in self._CHECKPOINTED}}
+
+    def sits_load_checkpoint_state(self, saved: dict) -> None:
+        """Continue from :meth:`sits_checkpoint_state`'s dict; refuses one of other layers or settings."""
+        mine = (list(self.names), self.recipe, self.history_len)
+        theirs = (list(saved["names"]), saved["recipe"], saved["history_len"])
+        if mine != theirs:
+            raise ValueError(
+                f"the checkpoint's fp8 scaling state was saved for {len(theirs[0])} layers, fp8={theirs[1]!r}, "
+                f"fp8_amax_history_len={theirs[2]}; this model has {len(mine[0])} layers, fp8={mine[1]!r}, "
+                f"fp8_amax_history_len={mine[2]}. Resume with the SitsLoraConfig the checkpoint was trained with.")
+        with torch.no_grad():
+            for k in self._CHECKPOINTED:
+                getattr(self, k).copy_(saved[k])
+        self.steps, self._position, self.delayed = int(saved["steps"]), int(saved["position"]), bool(saved["delayed"])
+        self._logged = torch.stack([self.saturated_steps.sum(), self.nonfinite_steps.sum()]).cpu()
 
     def sits_after_optimizer_step(self, step: int, skipped: bool) -> None:
         """The per-step hook of :class:`sits_lora.SitsHardwareCallback` (found on the model by name).

@@ -300,12 +300,16 @@ class DynamicRankLoraFunction(torch.autograd.Function):
 
 def lora_linear_dynamic_rank_triton(x, x_lora, weight, bias, lora_A, lora_B, scaling: float, rank_limit: Tensor,
                                     bucket_ends: Tensor, bucket_weights: Optional[Tensor] = None,
-                                    group_tokens: bool = True) -> Tensor:
+                                    group_tokens: bool = False) -> Tensor:
     """y = x Wᵀ + b + s·((x_lora Aᵀ) ⊙ [r < rank_limit]) Bᵀ on the fused kernels (see DynamicRankLoraFunction).
 
     rank_limit (T,) int32 on x's device; bucket_ends (K,) int64, the ranks of the buckets; x_lora None:
     the LoRA input is x. ``group_tokens`` sorts the tokens by limit for the expand kernel (one sort
-    per layer call) so that its blocks skip the rank tiles above their bucket.
+    per layer call) so that its blocks skip the rank tiles above their bucket. Off by default: on the
+    H200 it gave no consistent gain (expand is bound by writing its output, not by its rank-64
+    arithmetic). Training (router gradient), mixed buckets, T = 8192, r_max 64, four Llama shapes:
+    1.20 / 1.01 / 1.06 / 1.16x the static kernel grouped, 1.08 / 1.02 / 1.05 / 1.04x in token order
+    (bench/results/2026-11-30-h200-session2/dynamic_rank_layer).
     """
     order = torch.argsort(rank_limit).to(torch.int32) if group_tokens else None
     return DynamicRankLoraFunction.apply(x, x_lora, weight, bias, lora_A, lora_B, bucket_weights, float(scaling),

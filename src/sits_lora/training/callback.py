@@ -40,6 +40,9 @@ from .memory import GIB, MemoryPlan, UnsupportedModelError, _text_config, _unwra
 
 logger = logging.getLogger("sits_lora")
 
+# per checkpoint: the training state of model modules with sits_checkpoint_state (fp8 scaling)
+MODULE_STATE_FILE = "sits_lora_state.pt"
+
 REPORT_FILE = "hardware_report.json"
 StepHook = Callable[[int, bool], None]
 # The step after which the PCIe check is run again with the measured step time (the first steps
@@ -103,7 +106,9 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
     Per-step hooks (for state advanced once per optimizer step, such as FP8 scaling): a callable
     ``hook(step: int, skipped: bool)`` given to :meth:`add_step_hook`, and any module of the model
     with a method ``sits_after_optimizer_step(step, skipped)``, is called after every optimizer step;
-    ``step`` counts from 1 and ``skipped`` is True when the guard dropped that step.
+    ``step`` counts from 1 and ``skipped`` is True when the guard dropped that step. A module that
+    also has ``sits_checkpoint_state()`` / ``sits_load_checkpoint_state(dict)`` has that state written
+    into every checkpoint (``sits_lora_state.pt``) and restored when training resumes from one.
     """
 
     def __init__(
@@ -167,6 +172,7 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
         self._pending_activation: Optional[str] = None
         self._step_hooks: list[StepHook] = []
         self._module_hooks: list[StepHook] = []
+        self._stateful_modules: dict = {}
         self._guarded_step: Optional[int] = None
         self._last_outcome: Optional[GuardOutcome] = None
         self._scaler_mode = False
@@ -205,6 +211,10 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
             return
         self._restore_counts(state)
         self._setup_guard(args, model, optimizer)
+        self._stateful_modules = {name: m for name, m in model.named_modules()
+                                  if callable(getattr(m, "sits_checkpoint_state", None))}
+        if state.global_step > 0 and self._stateful_modules:
+            self._restore_module_states(args, state)
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.hardware = probe_hardware(device, cache_dir=self.hardware_cache_dir)
         if any(p != "off" for p in self.policies.values()):
@@ -394,6 +404,30 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
 
     def on_train_end(self, args, state, control, **kwargs):
         self._release_watch()
+
+    def on_save(self, args, state, control, **kwargs):
+        modules = self._stateful_modules
+        if not modules or not state.is_world_process_zero:
+            return
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")  # the Trainer's name for it
+        if os.path.isdir(folder):
+            torch.save({name: m.sits_checkpoint_state() for name, m in modules.items()},
+                       os.path.join(folder, MODULE_STATE_FILE))
+
+    def _restore_module_states(self, args, state) -> None:
+        # the Trainer does not tell callbacks which checkpoint it resumed from; it is the one of this step
+        path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", MODULE_STATE_FILE)
+        if not os.path.exists(path):
+            logger.warning("sits_lora: resuming at step %d without %s (saved without SitsHardwareCallback, or outside "
+                           "output_dir): the state of %s starts afresh (fp8 scaling: one step of current scaling, then "
+                           "a new amax history).", state.global_step, path, ", ".join(self._stateful_modules))
+            return
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        for name, module in self._stateful_modules.items():
+            if name in saved:
+                module.sits_load_checkpoint_state(saved[name])
+            else:
+                logger.warning("sits_lora: %s has no saved state for module %r; it starts afresh.", path, name)
 
     # ------------------------------------------------------------------ guard internals
 
