@@ -36,13 +36,15 @@ def main(argv=None) -> int:
     parser.add_argument("--arms", type=lambda s: tuple(v.strip() for v in s.split(",")), help="comma-separated arms")
     parser.add_argument("--cache-dir", help="token-entropy cache folder (default $SITS_LORA_CACHE/token_entropy or "
                                             "~/.cache/sits_lora/token_entropy)")
+    parser.add_argument("--rank-budget-mode", choices=("target", "ceiling"),
+                        help="SitsLoraConfig.rank_budget_mode of the routed arms (default target)")
     parser.add_argument("--merge-partials", nargs="+", metavar="PARTIAL_JSON",
                         help="do not train: merge dynamic_rank_eval_partial.json files of runs cut short into one result")
     parser.add_argument("--environment-from", metavar="JSON",
                         help="with --merge-partials: take the environment stamp from this result file")
     args = parser.parse_args(argv)
     settings = settings_for(args.size or "budget", model=args.model, steps=args.steps, seeds=args.seeds,
-                            arms=args.arms, cache_dir=args.cache_dir)
+                            arms=args.arms, cache_dir=args.cache_dir, rank_budget_mode=args.rank_budget_mode)
     if args.merge_partials:
         results = results_from_partials(args.merge_partials, settings, args.environment_from)
         paths = write_results(results, args.out)

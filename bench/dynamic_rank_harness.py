@@ -68,6 +68,9 @@ class EvalSettings:
     lora_alpha: float = field(default=16.0, metadata={"help": "alpha of every adapter (rsLoRA: scale alpha/sqrt(r))"})
     router_temperature: float = field(default=1.0, metadata={"help": "Gumbel-softmax temperature of the routers"})
     rank_budget_step_size: float = field(default=0.5, metadata={"help": "dual-ascent step size of the rank budget"})
+    rank_budget_mode: str = field(default="target", metadata={
+        "help": "'target' (λ of either sign: the mean rank held at the target) or 'ceiling' (λ ≥ 0, the rule of the "
+                "first H200 run, 2026-11-30-h200-session2)"})
     target_modules: tuple = field(default=LLAMA_PROJECTIONS, metadata={"help": "adapted projections"})
     arms: tuple = field(default=ARMS, metadata={"help": "arms to run (full-ft always runs: it is the KL reference)"})
     cache_dir: Optional[str] = field(default=None, metadata={
@@ -200,7 +203,8 @@ def arm_config(arm: str, settings: EvalSettings, histogram: Optional[list] = Non
     common = dict(lora_alpha=settings.lora_alpha, use_rslora=True, target_modules=list(settings.target_modules),
                   kernel="torch", task_type="CAUSAL_LM")
     dynamic = dict(r=settings.r_max, use_dynamic_rank=True, rank_buckets=list(settings.buckets),
-                   router_temperature=settings.router_temperature, rank_budget_step_size=settings.rank_budget_step_size)
+                   router_temperature=settings.router_temperature, rank_budget_step_size=settings.rank_budget_step_size,
+                   rank_budget_mode=settings.rank_budget_mode)
     if arm == "static-r16":
         return SitsLoraConfig(r=settings.mean_rank, **common)
     if arm == "static-r64":

@@ -295,6 +295,41 @@ def test_budget_controller_holds_the_mean_rank_on_a_toy_problem():
     assert abs(held_mean - 8.0) < 1.0 and lam > 0
 
 
+@pytest.mark.slow
+def test_budget_target_mode_raises_a_mean_rank_below_target_and_ceiling_mode_does_not():
+    """A rank-2 change: the free router settles near 12.7 of 16. A target of 14 is a ceiling that does not bind
+    in "ceiling" mode (λ stays 0); in "target" mode λ turns negative and lifts the mean to the target."""
+
+    def run(mode: str):
+        torch.manual_seed(0)
+        base = nn.Sequential(nn.Linear(32, 32, bias=False))
+        delta = torch.randn(32, 2) @ torch.randn(2, 32) * 0.3
+        config = SitsLoraConfig(r=16, lora_alpha=4, target_modules=["0"], use_dynamic_rank=True,
+                                rank_scheduler="learned", rank_buckets=[4, 8, 12, 16], target_mean_rank=14,
+                                rank_budget_mode=mode)
+        model = get_peft_model(base, config)
+        budget = RankBudget(model)
+        optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        model.train()
+        means, lams = [], []
+        for _ in range(200):
+            x = torch.randn(64, 32)
+            y = x @ (base[0].weight.t() + delta)
+            ((model(x) - y).pow(2).mean() / y.pow(2).mean()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            stats = budget.step()
+            means.append(stats["mean_active_rank"])
+            lams.append(stats["lambda"])
+        return sum(means[-50:]) / 50, sum(lams[-50:]) / 50, budget.state_dict()
+
+    ceiling_mean, ceiling_lam, _ = run("ceiling")
+    target_mean, target_lam, state = run("target")
+    assert ceiling_mean < 13.5 and ceiling_lam == 0.0
+    assert abs(target_mean - 14.0) < 0.75 and target_lam < 0
+    assert state["mode"] == "target"
+
+
 def test_callback_logs_every_step_in_a_trainer(tmp_path):
     """The issue's user flow: get_peft_model, TokenEntropySampler.annotate, a plain Trainer with the callback."""
     from datasets import Dataset
@@ -438,6 +473,8 @@ def test_entropy_gated_needs_fitted_probes():
         (dict(rank_scheduler="random", target_mean_rank=None), "rank_scheduler='random' needs target_mean_rank or rank_histogram"),
         (dict(router_temperature=0), "SitsLoraConfig.router_temperature=0 is invalid: it must be a positive number"),
         (dict(rank_budget_step_size=-1.0), "SitsLoraConfig.rank_budget_step_size=-1.0 is invalid"),
+        (dict(rank_budget_mode="floor"), "SitsLoraConfig.rank_budget_mode='floor' is invalid: allowed values are "
+                                         "'target', 'ceiling'"),
         (dict(use_dynamic_rank="yes"), "SitsLoraConfig.use_dynamic_rank='yes' is invalid: it must be True or False"),
         (dict(rank_pattern={"q_proj": 4}), "SitsLoraConfig.rank_pattern={'q_proj': 4} is invalid: per-layer ranks and alphas"),
         (dict(use_dora=True), "SitsLoraConfig.use_dora=True is invalid: DoRA is not supported with use_dynamic_rank=True"),

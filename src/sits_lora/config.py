@@ -79,6 +79,7 @@ _VALIDATORS: dict[str, Callable[[Any], str | None]] = {
     "rank_histogram": _dynamic_rank.require_histogram,
     "router_temperature": _dynamic_rank.require_positive_number("router_temperature=1.0"),
     "rank_budget_step_size": _dynamic_rank.require_positive_number("rank_budget_step_size=0.5"),
+    "rank_budget_mode": _require_choice(_dynamic_rank.RANK_BUDGET_MODES),
     "fp8": _require_choice(_fp8.FP8_RECIPES),
     "fp8_amax_history_len": _fp8.require_positive_int("fp8_amax_history_len=1024"),
     "fp8_amax_compute_algo": _require_choice(_fp8.AMAX_COMPUTE_ALGOS),
@@ -189,7 +190,17 @@ class SitsLoraConfig(LoraConfig):
         metadata={
             "help": (
                 "Dual-ascent step size η of the rank budget: after each optimizer step "
-                "λ ← max(0, λ + η·(mean active rank − target_mean_rank) / r)."
+                "λ ← λ + η·(mean active rank − target_mean_rank) / r (clamped at 0 with rank_budget_mode='ceiling')."
+            )
+        },
+    )
+    rank_budget_mode: str = field(
+        default="target",
+        metadata={
+            "help": (
+                "'target': the mean active rank is held at target_mean_rank from both sides (λ may turn "
+                "negative and reward rank when the routers settle below the target). 'ceiling': λ ≥ 0, "
+                "target_mean_rank is an upper bound and routers may stay below it."
             )
         },
     )

@@ -2,7 +2,11 @@
 
 Lagrangian: task loss + λ·(mean active rank / r). The routers see the λ term through their
 gradient (``router.add_budget_gradient``); after each optimizer step the multiplier follows
-    λ ← max(0, λ + η·(mean active rank − target_mean_rank) / r)
+    λ ← λ + η·(mean active rank − target_mean_rank) / r            (rank_budget_mode="target")
+    λ ← max(0, λ + η·(mean active rank − target_mean_rank) / r)    (rank_budget_mode="ceiling")
+"target" holds the mean at the target from both sides (a negative λ rewards rank); "ceiling" only
+caps it: on SmolLM2 the routers settled at a mean rank of 9-12 under a target of 16 with λ = 0
+(bench/results/2026-11-30-h200-session2/dynamic_rank_eval).
 measured on the routers' decisions (their argmax: what inference does) since the previous step; in
 training the layers compute with buckets sampled around those decisions. A fixed penalty
 drifts as the task gradient changes during training; the multiplier rises until the constraint
@@ -141,6 +145,7 @@ class RankBudget:
         self.r = spec.buckets[-1]
         self.target = float(target_mean_rank if target_mean_rank is not None else (spec.target_mean_rank or self.r))
         self.step_size = float(step_size if step_size is not None else spec.budget_step_size)
+        self.mode = spec.budget_mode
         self.lam = 0.0
         self.steps = 0
         for _, layer in self.layers:
@@ -209,7 +214,9 @@ class RankBudget:
         """Update λ from the statistics since the last step (routed schedulers); return them with λ."""
         stats = self.read_stats(reset=True)
         if self.routed and stats["token_layer_pairs"] > 0:
-            self.lam = max(0.0, self.lam + self.step_size * (stats["mean_active_rank"] - self.target) / self.r)
+            self.lam += self.step_size * (stats["mean_active_rank"] - self.target) / self.r
+            if self.mode == "ceiling":
+                self.lam = max(0.0, self.lam)
             for _, layer in self.layers:
                 layer.rank_lambda[self.adapter_name] = self.lam
         self.steps += 1
@@ -219,7 +226,7 @@ class RankBudget:
     def state_dict(self) -> dict:
         """λ and the step count (what a resumed run needs), with the settings they were reached under."""
         return {"lam": self.lam, "steps": self.steps, "adapter_name": self.adapter_name,
-                "target_mean_rank": self.target, "step_size": self.step_size}
+                "target_mean_rank": self.target, "step_size": self.step_size, "mode": self.mode}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore λ and the step count; the target and step size stay those this budget was built with."""

@@ -50,6 +50,7 @@ class RankSpec:
     histogram: tuple
     temperature: float
     budget_step_size: float
+    budget_mode: str = "target"
 
     @classmethod
     def from_config(cls, config, r: int) -> "RankSpec":
@@ -71,6 +72,7 @@ class RankSpec:
             histogram=tuple(float(p) / total for p in histogram) if histogram is not None else (),
             temperature=float(config.router_temperature),
             budget_step_size=float(config.rank_budget_step_size),
+            budget_mode=getattr(config, "rank_budget_mode", "target"),
         )
 
     @property

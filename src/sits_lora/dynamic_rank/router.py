@@ -147,8 +147,8 @@ class _AddBudgetGradient(torch.autograd.Function):
 
 def add_budget_gradient(bucket_weights: Tensor, buckets: Sequence[int], lam: float,
                         valid: Optional[Tensor]) -> Tensor:
-    """Attach λ·(mean over valid tokens of Σ_k w_k b_k) / r to bucket_weights' gradient."""
-    if lam <= 0.0:
+    """Attach λ·(mean over valid tokens of Σ_k w_k b_k) / r to bucket_weights' gradient (λ < 0 rewards rank)."""
+    if lam == 0.0:
         return bucket_weights
     b = device_constant(("buckets", tuple(buckets)), bucket_weights.device,
                         lambda: torch.tensor([float(v) for v in buckets]))                  # (K,)
