@@ -5,7 +5,7 @@ rate tuned per arm on validation blocks, >= 3 seeds; test loss / perplexity / KL
 fine-tune; loss against mean active rank). Writes dynamic_rank_eval.json, .csv, _runs.csv and .png
 to --out.
 
-    python bench/dynamic_rank_eval.py --budget      # one H200, about 7 minutes (estimate: see PRESETS)
+    python bench/dynamic_rank_eval.py --budget      # one H200, about 18 minutes (measured: see PRESETS)
     python bench/dynamic_rank_eval.py --smoke       # a CPU, the real model at a tiny size, about 3 minutes
     python bench/dynamic_rank_eval.py --size tiny   # a tiny random model, seconds (tests)
     python bench/dynamic_rank_eval.py --merge-partials A/dynamic_rank_eval_partial.json B/... --out DIR

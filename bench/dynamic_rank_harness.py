@@ -107,12 +107,10 @@ PRESETS = {
     # (the model load is 25 s of it; the full fine-tune's AdamW over 135 M weights most of the rest)
     "smoke": dict(seq_len=32, batch_size=2, steps=2, seeds=(0,), lr_grid_lora=(1e-3,), lr_grid_full=(5e-5,),
                   val_blocks=1, test_blocks=2, eval_batch_size=2),
-    # one H200, estimated (not yet measured): 6 adapter arms × (3 rates at seed 0 + 2 more seeds) + full FT
-    # × (2 + 2) = 34 runs of 80 steps of 8 × 512 tokens. Assumed step times: 0.06 s for the static arms and
-    # full FT (a LoRA step of SmolLM2-135M is "well under 0.1 s"), 0.15 s for the routed arms (the PyTorch
-    # reference adds about 35 small kernels per adapted layer and direction); 19 × 80 × 0.06 + 15 × 80 × 0.15
-    # = 270 s of training, plus about 3 s per run to copy the model, inject the adapter and evaluate (100 s),
-    # the model load and one entropy pass (about 50 s): 7 minutes. Each run's train_seconds is in the results.
+    # one H200, measured (2026-11-30-h200-session2): 35 runs of 80 steps of 8 x 512 tokens take about 18 minutes,
+    # more than one 10-minute GPU call: full fine-tune 9-14 s a run, static / nested LoRA 15-22 s (the PyTorch
+    # reference kernel in fp32 under bf16 autocast, launch-bound at this width), routed arms 24-41 s, the entropy
+    # pass 56 s (cached on disk after). Split the arms over two calls (--arms) and merge with --merge-partials.
     "budget": dict(seq_len=512, batch_size=8, steps=80, seeds=(0, 1, 2), lr_grid_full=(3e-5, 1e-4), val_blocks=16,
                    test_blocks=64),
 }
