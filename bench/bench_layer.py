@@ -107,7 +107,13 @@ def main(argv=None) -> int:
         for r in args.ranks:
             frozen = None
             for arm in args.arms:
-                row = measure(arm, d_in, d_out, r, T, dtype, device)
+                try:
+                    row = measure(arm, d_in, d_out, r, T, dtype, device)
+                except RuntimeError as error:  # one failing arm must not cost the others (the first fp8 run did)
+                    print(f"[{arm} {d_in}x{d_out} r{r}] failed: {str(error).splitlines()[0]}", file=sys.stderr)
+                    rows.append({"d_in": d_in, "d_out": d_out, "r": r, "T": T, "arm": arm,
+                                 "error": f"{type(error).__name__}: {str(error).splitlines()[0]}"})
+                    continue
                 frozen = row["full_ms"] if arm == "frozen" else frozen
                 row["vs_frozen"] = row["full_ms"] / frozen if frozen else None
                 rows.append(row)

@@ -30,6 +30,9 @@ def summarize(out: str) -> dict:
         by_arm = {r["arm"]: r for r in layer if (r["d_in"], r["d_out"]) == key}
         entry = {"shape": f"{key[0]} x {key[1]}"}
         for arm, row in by_arm.items():
+            if "error" in row:  # bench_layer.py records a failing arm and goes on
+                entry[arm + "_error"] = row["error"]
+                continue
             entry[arm + "_ms"] = row["full_ms"]
             entry[arm + "_vs_frozen"] = row.get("vs_frozen")
         summary["layers"].append(entry)
@@ -61,7 +64,8 @@ def main(argv=None) -> int:
     for entry in summary["layers"]:
         print(f"layer {entry['shape']:>13}: " + ", ".join(
             f"{k[:-3]} {v:.3f} ms" for k, v in entry.items() if k.endswith("_ms")) + "  |  fp8 vs frozen bf16: "
-            + (f"{entry['sits:fp8_vs_frozen']:.3f}x" if entry.get("sits:fp8_vs_frozen") else "n/a"))
+            + (f"{entry['sits:fp8_vs_frozen']:.3f}x" if entry.get("sits:fp8_vs_frozen") else "n/a")
+            + "".join(f"  |  {k[:-6]} FAILED: {v}" for k, v in entry.items() if k.endswith("_error")))
     floor = summary["model"].get("floor")
     if floor:
         print(f"8B floor: {floor['arm']} {floor['step_s'] * 1000:.1f} ms/step")

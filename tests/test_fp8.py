@@ -561,3 +561,31 @@ def test_backward_op_outputs_never_alias_each_other():
     assert dx.numel() == 0 and dx_lora.numel() == 0 and dA.shape == (R, K) and dB.shape == (N, R)
     assert len({t.untyped_storage().data_ptr() for t in out if t.numel()}) == 3
     assert dx is not dx_lora
+
+
+def test_fp8_summary_reports_failed_arms_next_to_measured_ones(tmp_path, capsys):
+    """bench/fp8_summary.py on the files of a run where the fp8 arms failed (as the first H200 run's did)."""
+    import json
+
+    from conftest import REPO_ROOT
+
+    sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
+    import fp8_summary
+
+    layer = [{"d_in": 64, "d_out": 96, "r": 16, "arm": "frozen", "full_ms": 1.0, "vs_frozen": 1.0},
+             {"d_in": 64, "d_out": 96, "r": 16, "arm": "sits:fp8", "error": "RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED"}]
+    model = [{"arm": "frozen", "step_s": 0.57}, {"arm": "frozen+compile", "step_s": 0.52},
+             {"arm": "sits+fp8", "step_s": 0.40}, {"arm": "sits+fp8+compile", "error": "RuntimeError: alias"}]
+    for name, rows in (("layer.json", layer), ("model_8b.json", model)):
+        (tmp_path / name).write_text(json.dumps({"rows": rows}))
+    summary = fp8_summary.summarize(str(tmp_path))
+    assert summary["layers"][0]["sits:fp8_error"].startswith("RuntimeError")
+    assert summary["model"]["floor"] == {"arm": "frozen+compile", "step_s": 0.52}
+    assert summary["model"]["sits+fp8"]["vs_floor"] == pytest.approx(0.40 / 0.52)
+    assert summary["model"]["sits+fp8"]["meets_0.80"] is True
+    assert summary["model"]["sits+fp8+compile"] == {"error": "RuntimeError: alias"}
+    assert fp8_summary.main([str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "sits:fp8 FAILED: RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED" in printed
+    assert "8B sits+fp8: 400.0 ms/step = 0.769x the floor (target <= 0.8: met)" in printed
+    assert json.loads((tmp_path / "fp8_summary.json").read_text()) == json.loads(json.dumps(summary))
