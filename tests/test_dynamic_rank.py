@@ -230,16 +230,51 @@ def test_eval_mode_routes_with_hard_buckets_deterministically():
     x = torch.randn(2, 5, layer.in_features)
     used, weights, decided = layer.choose_buckets("default", x)
     assert weights is None and torch.equal(used, decided)
-    logits = layer.lora_router["default"](
-        sits_lora.dynamic_rank.router.rms_normalize(x.reshape(10, -1)),
-        layer.probe_entropy("default", sits_lora.dynamic_rank.router.rms_normalize(x.reshape(10, -1))))
+    router = sits_lora.dynamic_rank.router
+    flat = x.reshape(10, -1)
+    logits = layer.lora_router["default"].from_raw(flat, router.inverse_rms(flat),
+                                                   layer.probe_entropy("default", flat, router.inverse_rms(flat)))
     assert torch.equal(decided, logits.argmax(-1))
+    x_hat = router.rms_normalize(flat)  # the normalized form the sampler fits the probes on: the same values
+    torch.testing.assert_close(logits, layer.lora_router["default"](x_hat, layer.lora_entropy_probe["default"](x_hat)))
     y1, y2 = layer(x), layer(x)
     torch.testing.assert_close(y1, y2, rtol=0, atol=0)
     expected = dynamic_rank_lora_linear_reference(
         x, x, layer.base_layer.weight, layer.base_layer.bias, layer.lora_A["default"].weight,
         layer.lora_B["default"].weight, layer.scaling["default"], decided, BUCKETS)
     torch.testing.assert_close(y1, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_router_from_raw_input_matches_the_normalized_form_and_keeps_no_fp32_copy(dtype):
+    """Logits and router gradients from (x Wᵀ)·inv_rms equal those from rms_normalize(x) Wᵀ; autograd keeps x and
+    inv_rms (T,) only, not a (T, d_in) fp32 copy (128 MiB per layer at 8192 tokens x 4096)."""
+    from sits_lora.dynamic_rank.router import EntropyProbe, TokenRouter, inverse_rms, rms_normalize
+
+    g = torch.Generator().manual_seed(0)
+    T, d = 37, 64
+    x = (torch.randn(T, d, generator=g) * 3).to(dtype)
+    entropy = torch.randn(T, generator=g)
+    router = TokenRouter(d, [0, 16, 32, 48, 64], 16, use_entropy=True)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.3, generator=g)
+    probe = EntropyProbe(d)
+    inv = inverse_rms(x)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(probe.from_raw(x, inv), probe(rms_normalize(x)), **tol)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        raw = router.from_raw(x, inv, entropy)
+    reference = router(rms_normalize(x), entropy)
+    torch.testing.assert_close(raw, reference, **tol)
+    assert not [t for t in saved if t.shape == (T, d) and t.dtype == torch.float32 and dtype != torch.float32]
+    # besides x itself: inv_rms (T,) and the entropy (T,) that the entropy weight's gradient reads
+    assert sum(t.numel() * t.element_size() for t in saved if t.data_ptr() != x.data_ptr()) == 2 * T * 4
+    grad = torch.randn(T, 5, generator=g)
+    d_raw = torch.autograd.grad(raw, (router.weight, router.bias, router.entropy_weight), grad)
+    d_ref = torch.autograd.grad(reference, (router.weight, router.bias, router.entropy_weight), grad)
+    for a, b in zip(d_raw, d_ref):
+        torch.testing.assert_close(a, b, **tol)
 
 
 def test_training_samples_around_the_decision_and_budget_reads_both():

@@ -29,7 +29,7 @@ from ..layer import SitsLoraLinear, autocast_inputs
 from .._dynamic_rank_checks import ROUTED_SCHEDULERS, histogram_mean, max_entropy_histogram
 from .budget import current_valid_tokens, in_token_scope, measuring_active
 from .reference import device_constant, dynamic_rank_lora_linear
-from .router import EntropyProbe, TokenRouter, add_budget_gradient, gumbel_straight_through, rms_normalize
+from .router import EntropyProbe, TokenRouter, add_budget_gradient, gumbel_straight_through, inverse_rms
 
 
 class RoutingMergeError(ValueError):
@@ -162,7 +162,8 @@ class DynamicRankLinear(SitsLoraLinear):
                             f"{len(args)} positional, {sorted(k for k, v in kwargs.items() if v is not None)}")
         return routed[0]
 
-    def probe_entropy(self, adapter_name: str, x_hat: Tensor) -> Tensor:
+    def probe_entropy(self, adapter_name: str, x: Tensor, inv_rms: Tensor) -> Tensor:
+        """The probe's standardized entropy prediction (T,) for the raw input x (T, d_in), 1/rms(x) (T,)."""
         probe = self.lora_entropy_probe[adapter_name]
         # reading the flag waits for the GPU: once it has been seen set, it is not read again
         if not getattr(probe, "fitted_seen", False) and not bool(probe.fitted):
@@ -174,7 +175,7 @@ class DynamicRankLinear(SitsLoraLinear):
             )
         probe.fitted_seen = True
         with torch.no_grad():
-            return probe(x_hat)
+            return probe.from_raw(x, inv_rms)
 
     def choose_buckets(self, adapter_name: str, x: Tensor) -> tuple[Tensor, Optional[Tensor], Tensor]:
         """(used (T,), bucket_weights (T, K) or None, decided (T,)) bucket ids for the tokens of x (..., d_in).
@@ -195,9 +196,10 @@ class DynamicRankLinear(SitsLoraLinear):
             ids = torch.multinomial(probs, tokens, replacement=True)
             return ids, None, ids
         # the router reads the hidden state but does not train the layers below it through x
-        x_hat = rms_normalize(x.detach().reshape(tokens, x.shape[-1]))                  # (T, d_in)
-        entropy = self.probe_entropy(adapter_name, x_hat) if spec.scheduler == "entropy-gated" else None
-        logits = self.lora_router[adapter_name](x_hat, entropy)                         # (T, K)
+        x_flat = x.detach().reshape(tokens, x.shape[-1])                                # (T, d_in)
+        inv_rms = inverse_rms(x_flat)                                                   # (T,)
+        entropy = self.probe_entropy(adapter_name, x_flat, inv_rms) if spec.scheduler == "entropy-gated" else None
+        logits = self.lora_router[adapter_name].from_raw(x_flat, inv_rms, entropy)      # (T, K)
         decided = logits.detach().argmax(-1)                                            # (T,)
         if not self.training:
             return decided, None, decided

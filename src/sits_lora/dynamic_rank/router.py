@@ -47,6 +47,37 @@ def rms_normalize(x: Tensor) -> Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + _RMS_EPS)
 
 
+def inverse_rms(x: Tensor) -> Tensor:
+    """(T,) fp32 1 / rms(x) of (T, d) x, reduced in fp32 without an fp32 copy of x."""
+    sum_sq = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).square()
+    return torch.rsqrt(sum_sq / x.shape[-1] + _RMS_EPS)
+
+
+class _RowScaledLinear(torch.autograd.Function):
+    """(x · inv_rms) Wᵀ + b computed as (x Wᵀ) · inv_rms + b: fp32 out, x in its own dtype.
+
+    The plain form (``F.linear(rms_normalize(x), W, b)``) writes an fp32 copy of x and autograd keeps
+    it for dW: T × d_in × 4 bytes per routed layer (computed for a Llama-3-8B shape at 8192 tokens:
+    128 MiB per layer of d_in 4096, 448 MiB per down_proj, 38 GiB over all 224). This keeps only
+    inv_rms (T,) and x itself, which the LoRA branch
+    saves anyway. Gradients for W and b only (x is detached: the router does not train the layers below).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, inv_rms: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+        ctx.save_for_backward(x, inv_rms)
+        ctx.weight_dtype = weight.dtype
+        out = torch.nn.functional.linear(x, weight.to(x.dtype)).float()            # (T, K)
+        return out * inv_rms.unsqueeze(1) + bias.float()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, inv_rms = ctx.saved_tensors
+        scaled = grad.float() * inv_rms.unsqueeze(1)                                 # (T, K)
+        d_weight = (scaled.t().to(x.dtype) @ x).to(ctx.weight_dtype)                  # (K, d_in)
+        return None, None, d_weight, grad.sum(0).to(ctx.weight_dtype)
+
+
 class EntropyProbe(nn.Module):
     """Predicts the base model's next-token entropy, standardized, from a layer's input x̂.
 
@@ -73,6 +104,11 @@ class EntropyProbe(nn.Module):
         """(T, d_in) normalized input -> (T,) standardized entropy prediction."""
         hidden = torch.nn.functional.gelu(torch.nn.functional.linear(x_hat.to(self.w1.dtype), self.w1, self.b1))
         return hidden @ self.w2 + self.b2
+
+    def from_raw(self, x: Tensor, inv_rms: Tensor) -> Tensor:
+        """The same from the raw input x (T, d_in) and its :func:`inverse_rms` (no fp32 copy of x)."""
+        pre = torch.nn.functional.linear(x, self.w1.to(x.dtype)).float() * inv_rms.unsqueeze(1) + self.b1.float()
+        return torch.nn.functional.gelu(pre) @ self.w2.float() + self.b2.float()
 
 
 def prior_logits(buckets: Sequence[int], target_mean_rank: float) -> Tensor:
@@ -106,6 +142,14 @@ class TokenRouter(nn.Module):
     def forward(self, x_hat: Tensor, entropy: Optional[Tensor] = None) -> Tensor:
         """(T, d_in) normalized input [, (T,) standardized entropy] -> (T, K) logits."""
         logits = torch.nn.functional.linear(x_hat.to(self.weight.dtype), self.weight, self.bias)
+        return self._add_entropy(logits, entropy)
+
+    def from_raw(self, x: Tensor, inv_rms: Tensor, entropy: Optional[Tensor] = None) -> Tensor:
+        """The same logits (fp32) from the raw input x (T, d_in) and its :func:`inverse_rms`: what the layer
+        runs, without an fp32 copy of x kept for the gradient (see _RowScaledLinear)."""
+        return self._add_entropy(_RowScaledLinear.apply(x, inv_rms, self.weight, self.bias), entropy)
+
+    def _add_entropy(self, logits: Tensor, entropy: Optional[Tensor]) -> Tensor:
         if self.entropy_weight is not None:
             if entropy is None:
                 raise ValueError("this router reads the predicted entropy: pass entropy=(T,) values")
