@@ -294,38 +294,39 @@ def test_routed_training_without_a_budget_warns():
         model(input_ids=ids()).logits.sum().backward()
 
 
+def _toy_router_run(delta_rank: int, target: float, mode: str = "target", step_size=None, steps: int = 200):
+    """A learned router on y = x (W + Δ), Δ of rank delta_rank, r 16, buckets 4/8/12/16: the mean active rank and
+    λ over the last 50 steps, and the budget's state."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(32, 32, bias=False))
+    delta = torch.randn(32, delta_rank) @ torch.randn(delta_rank, 32) * 0.3
+    config = SitsLoraConfig(r=16, lora_alpha=4, target_modules=["0"], use_dynamic_rank=True, rank_scheduler="learned",
+                            rank_buckets=[4, 8, 12, 16], target_mean_rank=target, rank_budget_mode=mode)
+    model = get_peft_model(base, config)
+    budget = RankBudget(model)
+    if step_size is not None:
+        budget.step_size = step_size
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    means, lams = [], []
+    for _ in range(steps):
+        x = torch.randn(64, 32)
+        y = x @ (base[0].weight.t() + delta)
+        ((model(x) - y).pow(2).mean() / y.pow(2).mean()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        stats = budget.step()
+        means.append(stats["mean_active_rank"])
+        lams.append(stats["lambda"])
+    return sum(means[-50:]) / 50, sum(lams[-50:]) / 50, budget.state_dict()
+
+
 @pytest.mark.slow
 def test_budget_controller_holds_the_mean_rank_on_a_toy_problem():
-    """A regression that rewards rank: without the budget the router takes more rank; with it, dual
-    ascent raises λ until the mean active rank sits at the target."""
-
-    def run(with_budget: bool):
-        torch.manual_seed(0)
-        base = nn.Sequential(nn.Linear(32, 32, bias=False))
-        delta = torch.randn(32, 16) @ torch.randn(16, 32) * 0.3  # a rank-16 change: every bucket helps
-        config = SitsLoraConfig(r=16, lora_alpha=4, target_modules=["0"], use_dynamic_rank=True,
-                                rank_scheduler="learned", rank_buckets=[4, 8, 12, 16], target_mean_rank=8)
-        model = get_peft_model(base, config)
-        budget = RankBudget(model)
-        if not with_budget:
-            budget.step_size = 0.0
-        optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        model.train()
-        means, lams = [], []
-        for _ in range(200):
-            x = torch.randn(64, 32)
-            y = x @ (base[0].weight.t() + delta)
-            loss = (model(x) - y).pow(2).mean() / y.pow(2).mean()
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            stats = budget.step()
-            means.append(stats["mean_active_rank"])
-            lams.append(stats["lambda"])
-        return sum(means[-50:]) / 50, sum(lams[-50:]) / 50
-
-    free_mean, _ = run(with_budget=False)
-    held_mean, lam = run(with_budget=True)
+    """A regression that rewards rank (a rank-16 change): without the budget the router takes more rank; with it,
+    dual ascent raises λ until the mean active rank sits at the target."""
+    free_mean, _, _ = _toy_router_run(16, 8, step_size=0.0)
+    held_mean, lam, _ = _toy_router_run(16, 8)
     assert free_mean > 10.0
     assert abs(held_mean - 8.0) < 1.0 and lam > 0
 
@@ -334,32 +335,8 @@ def test_budget_controller_holds_the_mean_rank_on_a_toy_problem():
 def test_budget_target_mode_raises_a_mean_rank_below_target_and_ceiling_mode_does_not():
     """A rank-2 change: the free router settles near 12.7 of 16. A target of 14 is a ceiling that does not bind
     in "ceiling" mode (λ stays 0); in "target" mode λ turns negative and lifts the mean to the target."""
-
-    def run(mode: str):
-        torch.manual_seed(0)
-        base = nn.Sequential(nn.Linear(32, 32, bias=False))
-        delta = torch.randn(32, 2) @ torch.randn(2, 32) * 0.3
-        config = SitsLoraConfig(r=16, lora_alpha=4, target_modules=["0"], use_dynamic_rank=True,
-                                rank_scheduler="learned", rank_buckets=[4, 8, 12, 16], target_mean_rank=14,
-                                rank_budget_mode=mode)
-        model = get_peft_model(base, config)
-        budget = RankBudget(model)
-        optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        model.train()
-        means, lams = [], []
-        for _ in range(200):
-            x = torch.randn(64, 32)
-            y = x @ (base[0].weight.t() + delta)
-            ((model(x) - y).pow(2).mean() / y.pow(2).mean()).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            stats = budget.step()
-            means.append(stats["mean_active_rank"])
-            lams.append(stats["lambda"])
-        return sum(means[-50:]) / 50, sum(lams[-50:]) / 50, budget.state_dict()
-
-    ceiling_mean, ceiling_lam, _ = run("ceiling")
-    target_mean, target_lam, state = run("target")
+    ceiling_mean, ceiling_lam, _ = _toy_router_run(2, 14, mode="ceiling")
+    target_mean, target_lam, state = _toy_router_run(2, 14, mode="target")
     assert ceiling_mean < 13.5 and ceiling_lam == 0.0
     assert abs(target_mean - 14.0) < 0.75 and target_lam < 0
     assert state["mode"] == "target"

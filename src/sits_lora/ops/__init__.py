@@ -166,6 +166,17 @@ def _backward(ctx, grad_y, grad_h):
 _lora_linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _input_grads(ctx, lead, K: int, dx, dx_lora, dA, dB, lora_A, lora_B) -> tuple:
+    """Gradients of (x, x_lora, weight, bias, lora_A, lora_B), the inputs the LoRA Functions start with."""
+    return (
+        dx.view(*lead, K) if ctx.needs_input_grad[0] else None,
+        dx_lora.view(*lead, K) if dx_lora is not None else None,
+        None, None,
+        dA.to(lora_A.dtype) if ctx.needs_input_grad[4] else None,
+        dB.to(lora_B.dtype) if ctx.needs_input_grad[5] else None,
+    )
+
+
 class LoraLinearFunction(torch.autograd.Function):
     """The same forward and backward as the custom op, without the op dispatcher in between.
 
@@ -199,14 +210,7 @@ class LoraLinearFunction(torch.autograd.Function):
             None if x_lora is None else x_lora.reshape(-1, K),
             weight, lora_A, lora_B, h, ctx.scaling, ctx.gemm, need_dx,
         )
-        return (
-            dx.view(*lead, K) if need_dx else None,
-            dx_lora.view(*lead, K) if dx_lora is not None else None,
-            None, None,
-            dA.to(lora_A.dtype) if ctx.needs_input_grad[4] else None,
-            dB.to(lora_B.dtype) if ctx.needs_input_grad[5] else None,
-            None, None,
-        )
+        return (*_input_grads(ctx, lead, K, dx, dx_lora, dA, dB, lora_A, lora_B), None, None)
 
 
 class LoraSiblingsFunction(torch.autograd.Function):
@@ -288,14 +292,7 @@ class DynamicRankLoraFunction(torch.autograd.Function):
             # prefix sums of h ⊙ g at each bucket's end; a leading zero column serves a bucket of rank 0
             prefix = torch.nn.functional.pad(torch.cumsum(h * g, dim=1), (1, 0))           # (T, R + 1)
             d_weights = (prefix.index_select(1, bucket_ends) * ctx.scaling)                  # (T, K)
-        return (
-            dx.view(*lead, K) if need_dx else None,
-            dx_lora.view(*lead, K) if dx_lora is not None else None,
-            None, None,
-            dA.to(lora_A.dtype) if ctx.needs_input_grad[4] else None,
-            dB.to(lora_B.dtype) if ctx.needs_input_grad[5] else None,
-            d_weights, None, None, None, None,
-        )
+        return (*_input_grads(ctx, lead, K, dx, dx_lora, dA, dB, lora_A, lora_B), d_weights, None, None, None, None)
 
 
 def lora_linear_dynamic_rank_triton(x, x_lora, weight, bias, lora_A, lora_B, scaling: float, rank_limit: Tensor,
