@@ -59,8 +59,8 @@ def arms(d_in, d_out, T, dtype, device, smoke):
     }
     hists = ["mixed"] if smoke else ["all-min", "all-max", "mixed"]
     for hist in hists:
-        limit = ends[_ids(hist, T, device)].to(torch.int32)
         ids_ = _ids(hist, T, device)
+        limit = ends[ids_].to(torch.int32)
         for mode in ("hard", "router"):
             weights = (torch.nn.functional.one_hot(ids_, len(BUCKETS)).float().requires_grad_(True)
                        if mode == "router" else None)

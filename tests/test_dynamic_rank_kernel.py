@@ -150,3 +150,16 @@ def test_dynamic_rank_kernel_name_is_checked():
     with pytest.raises(ValueError, match="unknown dynamic-rank kernel 'cuda'; available: torch, triton"):
         dynamic_rank_lora_linear(x, x, torch.randn(4, 8), None, torch.randn(2, 8), torch.randn(4, 2), 1.0,
                                  torch.zeros(3, dtype=torch.long), [2], kernel="cuda")
+
+
+def test_rank_limit_with_the_triton_gemm_is_a_clear_error():
+    """The per-token limit lives in the expand kernel, which only the cuBLAS design runs."""
+    from sits_lora.ops.fused import lora_linear_backward, lora_linear_forward
+
+    x, W, A, B = torch.randn(8, 32), torch.randn(16, 32), torch.randn(16, 32), torch.randn(16, 16)
+    limit = torch.full((8,), 16, dtype=torch.int32)
+    with pytest.raises(ValueError, match="per-token rank limit runs on the cuBLAS design"):
+        lora_linear_forward(x, None, W, None, A, B, 1.0, "triton", rank_limit=limit)
+    with pytest.raises(ValueError, match="per-token rank limit runs on the cuBLAS design"):
+        lora_linear_backward(torch.randn(8, 16), x, None, W, A, B, torch.randn(8, 16), 1.0, "triton", True,
+                             rank_limit=limit)

@@ -60,8 +60,10 @@ class SitsLoraLinear(LoraLinear):
         super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
         self.sits_kernel[adapter_name] = getattr(config, "kernel", "auto")
 
-    def _fused_adapter(self, args: tuple, kwargs: dict) -> str | None:
-        """The single active adapter the fused path can run, or None to use PEFT's forward."""
+    def _fused_adapter(self, args: tuple, kwargs: dict, base_type: type = nn.Linear) -> str | None:
+        """The single active adapter the fused path can run, or None to use PEFT's forward.
+
+        ``base_type``: the base layer class the fused path handles (sits_lora.fp8 passes its Fp8BaseLinear)."""
         if self.disable_adapters or self.merged or args or kwargs.get("adapter_names") is not None:
             return None
         if any(v is not None for v in kwargs.values()):
@@ -75,7 +77,7 @@ class SitsLoraLinear(LoraLinear):
             adapter in self.lora_variant
             or self.lora_bias[adapter]
             or self.fan_in_fan_out
-            or type(base) is not nn.Linear
+            or type(base) is not base_type
             or base._forward_hooks
             or base._forward_pre_hooks
         ):

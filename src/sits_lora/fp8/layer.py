@@ -75,7 +75,7 @@ class Fp8Binding:
     index: int
 
     def forward(self, layer, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        adapter = _single_plain_adapter(layer, args, kwargs)
+        adapter = layer._fused_adapter(args, kwargs, base_type=Fp8BaseLinear)
         if adapter is None:
             # PEFT's own forward; its base_layer(x) is Fp8BaseLinear's fp8 GEMM with current scaling
             return LoraLinear.forward(layer, x, *args, **kwargs)
@@ -90,23 +90,6 @@ class Fp8Binding:
         scales = self.state.scales_for(self.index, layer.training)
         return fp8_ops.fp8_lora_linear(x, x_lora, layer.lora_A[adapter].weight, layer.lora_B[adapter].weight,
                                        base.weight, base.weight_scale_inv, base.bias, layer.scaling[adapter], scales)
-
-
-def _single_plain_adapter(layer, args: tuple, kwargs: dict):
-    """SitsLoraLinear._fused_adapter's rule, for an Fp8BaseLinear base."""
-    if layer.disable_adapters or layer.merged or args or kwargs.get("adapter_names") is not None:
-        return None
-    if any(v is not None for v in kwargs.values()):
-        return None
-    active = [a for a in layer.active_adapters if a in layer.lora_A]
-    if len(active) != 1:
-        return None
-    adapter = active[0]
-    base = layer.base_layer
-    if (adapter in layer.lora_variant or layer.lora_bias[adapter] or layer.fan_in_fan_out
-            or base._forward_hooks or base._forward_pre_hooks):
-        return None
-    return adapter
 
 
 def _fp8_settings(config) -> dict:

@@ -113,7 +113,7 @@ def _lora_linear_backward_op(
     N = grad_out.shape[-1]
     K = weight.shape[1]
     lead = grad_out.shape[:-1]
-    dx, dx_lora, dA, dB = lora_linear_backward(
+    dx, dx_lora, dA, dB, _ = lora_linear_backward(
         grad_out.reshape(-1, N), None if x is None else x.reshape(-1, K),
         None if x_lora is None else x_lora.reshape(-1, K),
         weight, lora_A, lora_B, h, scaling, gemm, need_dx,
@@ -205,7 +205,7 @@ class LoraLinearFunction(torch.autograd.Function):
         need_dx = ctx.needs_input_grad[0]
         N, K = weight.shape
         lead = grad_y.shape[:-1]
-        dx, dx_lora, dA, dB = lora_linear_backward(
+        dx, dx_lora, dA, dB, _ = lora_linear_backward(
             grad_y.reshape(-1, N), None if x is None else x.reshape(-1, K),
             None if x_lora is None else x_lora.reshape(-1, K),
             weight, lora_A, lora_B, h, ctx.scaling, ctx.gemm, need_dx,
@@ -263,12 +263,12 @@ class DynamicRankLoraFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, x_lora, weight, bias, lora_A, lora_B, bucket_weights, scaling, rank_limit, bucket_ends,
                 token_order):
-        from .fused import lora_linear_dynamic_rank_forward
+        from .fused import lora_linear_forward
 
         K = x.shape[-1]
-        y, h = lora_linear_dynamic_rank_forward(
+        y, h = lora_linear_forward(
             x.reshape(-1, K), None if x_lora is None else x_lora.reshape(-1, K),
-            weight, bias, lora_A, lora_B, scaling, rank_limit, token_order,
+            weight, bias, lora_A, lora_B, scaling, "cublas", rank_limit=rank_limit, token_order=token_order,
         )
         ctx.save_for_backward(x if x_lora is None else None, x_lora, weight, lora_A, lora_B, h, rank_limit, bucket_ends)
         ctx.scaling = scaling
@@ -276,16 +276,16 @@ class DynamicRankLoraFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        from .fused import lora_linear_dynamic_rank_backward
+        from .fused import lora_linear_backward
 
         x, x_lora, weight, lora_A, lora_B, h, rank_limit, bucket_ends = ctx.saved_tensors
         need_dx = ctx.needs_input_grad[0]
         N, K = weight.shape
         lead = grad_y.shape[:-1]
-        dx, dx_lora, dA, dB, g = lora_linear_dynamic_rank_backward(
+        dx, dx_lora, dA, dB, g = lora_linear_backward(
             grad_y.reshape(-1, N), None if x is None else x.reshape(-1, K),
             None if x_lora is None else x_lora.reshape(-1, K),
-            weight, lora_A, lora_B, h, ctx.scaling, need_dx, rank_limit,
+            weight, lora_A, lora_B, h, ctx.scaling, "cublas", need_dx, rank_limit=rank_limit,
         )
         d_weights = None
         if ctx.needs_input_grad[6]:

@@ -416,62 +416,45 @@ def lora_x_pass(x: torch.Tensor, lora_A: torch.Tensor, g: torch.Tensor, scale: f
 GEMM_BACKENDS = ("cublas", "triton")
 
 
-def lora_linear_forward(x, x_lora, weight, bias, lora_A, lora_B, scale: float, gemm: str):
+def lora_linear_forward(x, x_lora, weight, bias, lora_A, lora_B, scale: float, gemm: str, rank_limit=None,
+                        token_order=None):
     """(y, h) for 2-D x (T, K): y = x Wᵀ + b + s·(x_lora Aᵀ) Bᵀ, h = x_lora Aᵀ (fp32).
 
-    x_lora None means the LoRA input is x itself (no dropout).
+    x_lora None means the LoRA input is x itself (no dropout). With ``rank_limit`` (T,) int32 (per-token
+    rank, sits_lora.dynamic_rank) token t uses h[t, :rank_limit[t]] only; h itself is not limited. The
+    limit lives in the expand kernel, so it needs the cuBLAS design; ``token_order``: see lora_expand.
     """
+    if rank_limit is not None and gemm == "triton":
+        raise ValueError("a per-token rank limit runs on the cuBLAS design (gemm='cublas'), not the Triton GEMM")
     h = lora_shrink(x if x_lora is None else x_lora, lora_A)
     if gemm == "triton":
         y = lora_gemm(x, weight.t(), h, lora_B.t(), scale, bias, x.dtype)
     else:
-        y = lora_expand(h, lora_B, scale, bias, x.dtype)
+        y = lora_expand(h, lora_B, scale, bias, x.dtype, rank_limit=rank_limit, token_order=token_order)
         y.addmm_(x, weight.t())          # cuBLAS with beta = 1: the epilogue reads C, no extra pass
     return y, h
 
 
-def lora_linear_backward(dy, x, x_lora, weight, lora_A, lora_B, h, scale: float, gemm: str, need_dx: bool):
-    """(dx, dx_lora, dA, dB) for 2-D tensors; dx_lora is None unless x_lora is given, dx None unless needed."""
-    g, dB = lora_dy_pass(dy, lora_B, h, scale)
+def lora_linear_backward(dy, x, x_lora, weight, lora_A, lora_B, h, scale: float, gemm: str, need_dx: bool,
+                         rank_limit=None):
+    """(dx, dx_lora, dA, dB, g) for 2-D tensors; dx_lora is None unless x_lora is given, dx None unless needed.
+
+    g = dy B (T, R) fp32 over every rank column, also with a ``rank_limit`` (the dynamic-rank router's
+    gradient reads it beyond each token's limit); dB, dA and dx use h and g limited per token.
+    """
+    if rank_limit is not None and gemm == "triton":
+        raise ValueError("a per-token rank limit runs on the cuBLAS design (gemm='cublas'), not the Triton GEMM")
+    g, dB = lora_dy_pass(dy, lora_B, h, scale, rank_limit=rank_limit)
     dx = dx_lora = None
     if x_lora is not None:
         # dropout: the LoRA gradient belongs to x_lora, autograd applies the mask and adds it to dx
-        dA, dx_lora = lora_x_pass(x_lora, lora_A, g, scale, write_dx=True)
+        dA, dx_lora = lora_x_pass(x_lora, lora_A, g, scale, write_dx=True, rank_limit=rank_limit)
         if need_dx:
             dx = lora_gemm(dy, weight, None, None, 0.0, None, dy.dtype) if gemm == "triton" else dy @ weight
     elif gemm == "triton":
         dA, _ = lora_x_pass(x, lora_A, g, scale, write_dx=False)
         if need_dx:
             dx = lora_gemm(dy, weight, g, lora_A, scale, None, dy.dtype)
-    else:
-        dA, dx = lora_x_pass(x, lora_A, g, scale, write_dx=need_dx)
-        if need_dx:
-            dx.addmm_(dy, weight)
-    return dx, dx_lora, dA, dB
-
-
-def lora_linear_dynamic_rank_forward(x, x_lora, weight, bias, lora_A, lora_B, scale: float, rank_limit,
-                                     token_order=None):
-    """(y, h) with a rank per token: y = x Wᵀ + b + s·(h ⊙ [r < rank_limit]) Bᵀ, h = x_lora Aᵀ unlimited (fp32).
-
-    The cuBLAS design only: the limit lives in the expand kernel, which skips rank tiles.
-    """
-    h = lora_shrink(x if x_lora is None else x_lora, lora_A)
-    y = lora_expand(h, lora_B, scale, bias, x.dtype, rank_limit=rank_limit, token_order=token_order)
-    y.addmm_(x, weight.t())
-    return y, h
-
-
-def lora_linear_dynamic_rank_backward(dy, x, x_lora, weight, lora_A, lora_B, h, scale: float, need_dx: bool,
-                                      rank_limit):
-    """(dx, dx_lora, dA, dB, g) of :func:`lora_linear_dynamic_rank_forward`; g = dy B over every rank
-    column (the router's gradient reads it beyond each token's limit)."""
-    g, dB = lora_dy_pass(dy, lora_B, h, scale, rank_limit=rank_limit)
-    dx = dx_lora = None
-    if x_lora is not None:
-        dA, dx_lora = lora_x_pass(x_lora, lora_A, g, scale, write_dx=True, rank_limit=rank_limit)
-        if need_dx:
-            dx = dy @ weight
     else:
         dA, dx = lora_x_pass(x, lora_A, g, scale, write_dx=need_dx, rank_limit=rank_limit)
         if need_dx:

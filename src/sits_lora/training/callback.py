@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .._env import environment
 from .constraints import (
@@ -409,14 +410,14 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
         modules = self._stateful_modules
         if not modules or not state.is_world_process_zero:
             return
-        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")  # the Trainer's name for it
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         if os.path.isdir(folder):
             torch.save({name: m.sits_checkpoint_state() for name, m in modules.items()},
                        os.path.join(folder, MODULE_STATE_FILE))
 
     def _restore_module_states(self, args, state) -> None:
         # the Trainer does not tell callbacks which checkpoint it resumed from; it is the one of this step
-        path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", MODULE_STATE_FILE)
+        path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", MODULE_STATE_FILE)
         if not os.path.exists(path):
             logger.warning("sits_lora: resuming at step %d without %s (saved without SitsHardwareCallback, or outside "
                            "output_dir): the state of %s starts afresh (fp8 scaling: one step of current scaling, then "
