@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     parser.add_argument("--arms", type=lambda s: tuple(v.strip() for v in s.split(",")), help="comma-separated arms")
     parser.add_argument("--cache-dir", help="token-entropy cache folder (default $SITS_LORA_CACHE/token_entropy or "
                                             "~/.cache/sits_lora/token_entropy)")
+    parser.add_argument("--lr-grid", type=lambda s: tuple(float(v) for v in s.split(",")),
+                        help="comma-separated learning rates tried for each adapter arm (default 5e-4,1e-3,2e-3)")
     parser.add_argument("--rank-budget-mode", choices=("target", "ceiling"),
                         help="SitsLoraConfig.rank_budget_mode of the routed arms (default target)")
     parser.add_argument("--merge-partials", nargs="+", metavar="PARTIAL_JSON",
@@ -44,7 +46,7 @@ def main(argv=None) -> int:
                         help="with --merge-partials: take the environment stamp from this result file")
     args = parser.parse_args(argv)
     settings = settings_for(args.size or "budget", model=args.model, steps=args.steps, seeds=args.seeds,
-                            arms=args.arms, cache_dir=args.cache_dir, rank_budget_mode=args.rank_budget_mode)
+                            arms=args.arms, cache_dir=args.cache_dir, lr_grid_lora=args.lr_grid, rank_budget_mode=args.rank_budget_mode)
     if args.merge_partials:
         results = results_from_partials(args.merge_partials, settings, args.environment_from)
         paths = write_results(results, args.out)

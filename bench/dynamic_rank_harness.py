@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import environment, write_results as write_rows  # noqa: E402
 
 LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ARMS = ("static-r16", "static-r64", "nested-r64", "entropy-gated", "learned", "random")
+ARMS = ("static-r16", "static-r64", "nested-r64", "entropy-gated", "random", "learned")
 TINY_MODEL = "tiny-random"
 
 

@@ -55,6 +55,7 @@ def main(argv=None) -> int:
         gpu_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 5 / 1000
         print(f"== {arm}: host issue {cpu_ms:.3f} ms/step, wall {wall_ms:.3f} ms/step, GPU busy {gpu_ms:.3f} ms/step")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
     return 0
 
 

@@ -1,0 +1,80 @@
+"""The fp8 layer's GPU pieces, each timed alone at T = 8192 on the four layer shapes: is the GEMM or the rest slow?
+
+    python bench/fp8_gemms.py [--out DIR]
+
+Rows per shape (d_in, d_out), all median ms (CUDA events, bench/harness.py):
+  bf16 forward x Wᵀ and dX = dy W (torch.mm: the frozen floor's two GEMMs);
+  fp8 forward x8 W8ᵀ (e4m3 × e4m3, fast accumulation, as the layer runs it);
+  fp8 dX dy8 W8 (e5m2 × e4m3) with exact (the layer's setting) and with fast accumulation;
+  the fused cast of x and of dy (one read, fp8 write, amax) and the per-call transpose of W8.
+The ratio column is against the bf16 GEMM of the same direction. Writes fp8_gemms.{json,csv}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_layer import SHAPES  # noqa: E402
+from harness import median_ms, print_table, write_results  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--tokens", type=int, default=8192)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("fp8_gemms: needs a CUDA GPU (compute capability >= 8.9)", file=sys.stderr)
+        return 2
+    from sits_lora.ops.fp8 import E4M3, E5M2, fp8_cast, quantize_weight
+
+    T, dev = args.tokens, "cuda"
+    one = torch.ones(1, device=dev)
+    rows = []
+    for d_in, d_out in SHAPES:
+        torch.manual_seed(0)
+        x = torch.randn(T, d_in, device=dev, dtype=torch.bfloat16)
+        dy = torch.randn(T, d_out, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(d_out, d_in, device=dev, dtype=torch.bfloat16) * 0.02
+        w8, w_inv = quantize_weight(w, "tensor")
+        amax = torch.zeros(1, device=dev)
+        scale = torch.full((1,), 16.0, device=dev)
+        x8 = fp8_cast(x, scale, amax, E4M3)
+        dy8 = fp8_cast(dy, scale, amax, E5M2)
+        w8t = w8.t().contiguous()
+        flops = 2.0 * T * d_in * d_out
+
+        def mm8(a, b, fast):
+            return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=fast)
+
+        timings = {
+            ("forward", "bf16 mm"): median_ms(lambda: x @ w.t()),
+            ("forward", "fp8 e4m3 fast"): median_ms(lambda: mm8(x8, w8.t(), True)),
+            ("forward", "fp8 e4m3 exact"): median_ms(lambda: mm8(x8, w8.t(), False)),
+            ("forward", "cast x"): median_ms(lambda: fp8_cast(x, scale, amax, E4M3)),
+            ("dX", "bf16 mm"): median_ms(lambda: dy @ w),
+            ("dX", "fp8 e5m2 exact"): median_ms(lambda: mm8(dy8, w8t.t(), False)),
+            ("dX", "fp8 e5m2 fast"): median_ms(lambda: mm8(dy8, w8t.t(), True)),
+            ("dX", "cast dy"): median_ms(lambda: fp8_cast(dy, scale, amax, E5M2)),
+            ("dX", "transpose W8"): median_ms(lambda: w8.t().contiguous()),
+        }
+        for (direction, what), ms in timings.items():
+            base = timings[(direction, "bf16 mm")]
+            gemm = "mm" in what or "fp8 e" in what
+            rows.append({"d_in": d_in, "d_out": d_out, "T": T, "direction": direction, "op": what, "ms": ms,
+                         "vs_bf16_gemm": ms / base,
+                         "tflops": flops / ms / 1e9 if gemm else None})
+        torch.cuda.empty_cache()
+    paths = write_results("fp8_gemms", rows, args.out, {"command": "python bench/fp8_gemms.py " + " ".join(argv or sys.argv[1:])})
+    print_table(rows, ["d_in", "d_out", "direction", "op", "ms", "vs_bf16_gemm", "tflops"])
+    print("wrote", *paths)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
