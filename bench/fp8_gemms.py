@@ -6,7 +6,8 @@ Rows per shape (d_in, d_out), all median ms (CUDA events, bench/harness.py):
   bf16 forward x Wᵀ and dX = dy W (torch.mm: the frozen floor's two GEMMs);
   fp8 forward x8 W8ᵀ (e4m3 × e4m3, fast accumulation, as the layer runs it);
   fp8 dX dy8 W8 (e5m2 × e4m3) with exact (the layer's setting) and with fast accumulation;
-  the fused cast of x and of dy (one read, fp8 write, amax) and the per-call transpose of W8.
+  the fused cast of x and of dy (one read, fp8 write, amax) and the per-call transpose of W8 (torch's copy
+and the layer's Triton kernel).
 The ratio column is against the bf16 GEMM of the same direction. Writes fp8_gemms.{json,csv}.
 """
 
@@ -31,7 +32,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("fp8_gemms: needs a CUDA GPU (compute capability >= 8.9)", file=sys.stderr)
         return 2
-    from sits_lora.ops.fp8 import E4M3, E5M2, fp8_cast, quantize_weight
+    from sits_lora.ops.fp8 import E4M3, E5M2, fp8_cast, quantize_weight, transpose_fp8
 
     T, dev = args.tokens, "cuda"
     one = torch.ones(1, device=dev)
@@ -61,7 +62,8 @@ def main(argv=None) -> int:
             ("dX", "fp8 e5m2 exact"): median_ms(lambda: mm8(dy8, w8t.t(), False)),
             ("dX", "fp8 e5m2 fast"): median_ms(lambda: mm8(dy8, w8t.t(), True)),
             ("dX", "cast dy"): median_ms(lambda: fp8_cast(dy, scale, amax, E5M2)),
-            ("dX", "transpose W8"): median_ms(lambda: w8.t().contiguous()),
+            ("dX", "transpose W8 (torch)"): median_ms(lambda: w8.t().contiguous()),
+            ("dX", "transpose W8 (Triton)"): median_ms(lambda: transpose_fp8(w8)),
         }
         for (direction, what), ms in timings.items():
             base = timings[(direction, "bf16 mm")]

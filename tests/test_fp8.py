@@ -162,6 +162,18 @@ def test_cast_kernel_records_amax_under_interpreter():
     assert F.fp8_amax(x).item() == float("inf")
 
 
+@pytest.mark.parametrize("shape", [(37, 50), (64, 64), (130, 17), (1, 200)])
+@pytest.mark.parametrize("dtype", [F.E4M3, F.E5M2])
+def test_weight_transpose_kernel_is_bit_exact_under_interpreter(shape, dtype):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreter runs only without a GPU")
+    torch.manual_seed(6)
+    w8 = (torch.randn(*shape) * 40).to(dtype)
+    out = F.transpose_fp8(w8)
+    assert out.dtype == dtype and out.shape == (shape[1], shape[0]) and out.is_contiguous()
+    assert torch.equal(out.view(torch.uint8), w8.t().contiguous().view(torch.uint8))
+
+
 def test_expand_add_kernel_under_interpreter():
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the interpreter runs only without a GPU")
@@ -546,6 +558,20 @@ def test_scales_handed_to_cublas_are_16_byte_aligned():
             got = _cublas_scale(view)
             assert got.data_ptr() % 16 == 0 and float(got) == float(view)
             assert (got is view) == (view.data_ptr() % 16 == 0)
+
+
+def test_every_layer_scale_of_the_state_is_16_byte_aligned_without_a_copy():
+    state = _state(names=[f"l{i}" for i in range(5)])
+    state.amax.copy_(torch.rand(5, 2) + 0.5)
+    state.update()
+    for index in range(5):
+        scale_inv = state.scales_for(index, training=True)["scale_inv"]
+        for slot in range(2):
+            view = scale_inv[slot:slot + 1]
+            assert view.data_ptr() % 16 == 0
+            assert float(view) == pytest.approx(1.0 / float(state.scale[index, slot]))
+    moved = copy.deepcopy(state).to(torch.float32)  # a moved module keeps the layout (the property views its buffer)
+    assert moved.scale_inv.stride() == (8, 4) and torch.equal(moved.scale_inv, state.scale_inv)
 
 
 def test_backward_op_outputs_never_alias_each_other():

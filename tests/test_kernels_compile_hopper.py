@@ -73,7 +73,7 @@ FP8_VARIANTS = [("*fp8e4nv", 448.0), ("*fp8e5", 57344.0)]
 def _variant_ids() -> list[str]:
     lora = [f"{v[0].strip('_')}-" + "-".join(f"{k}={x}" for k, x in v[2].items()
                                             if k.startswith(("HAS", "ACC", "GROUP", "WRITE"))) for v in VARIANTS]
-    return lora + [f"fp8_cast-{t.strip('*')}" for t, _ in FP8_VARIANTS]
+    return lora + [f"fp8_cast-{t.strip('*')}" for t, _ in FP8_VARIANTS] + ["transpose_bytes"]
 
 
 def compile_all() -> dict:
@@ -91,6 +91,8 @@ def compile_all() -> dict:
                     "colscale_ptr": "*fp32"}
         constexprs = dict(FP8_MAX=fp8_max, HAS_COLSCALE=True, WRITE_OUT=True, RECORD_AMAX=True, BLOCK_T=32, BLOCK_C=128)
         jobs.append((fp8_ops._fp8_cast_kernel, pointers, constexprs, {"num_warps": 4}))
+    jobs.append((fp8_ops._transpose_bytes_kernel, {"src_ptr": "*u8", "dst_ptr": "*u8"},
+                 dict(BLOCK_R=128, BLOCK_C=128), {"num_warps": 8}))
     results = {}
     for variant, job in zip(_variant_ids(), jobs):
         try:

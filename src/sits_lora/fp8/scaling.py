@@ -12,7 +12,8 @@ from ..ops import fp8 as fp8_ops
 
 logger = logging.getLogger("sits_lora")
 
-SLOTS = ("input", "grad")   # slot 0: the layer input x (forward); slot 1: the output gradient dy (backward)
+SLOTS = ("input", "grad")
+_ALIGN_FLOATS = 4           # 16 bytes of fp32: the alignment cuBLAS wants of an fp8 GEMM's scale pointer   # slot 0: the layer input x (forward); slot 1: the output gradient dy (backward)
 
 
 class Fp8ScalingState(nn.Module):
@@ -22,7 +23,9 @@ class Fp8ScalingState(nn.Module):
         amax_history  (H, L, 2)  ring buffer of per-step amax, H = fp8_amax_history_len
         amax          (L, 2)     this step's running amax: the cast kernels atomically max into it
         scale         (L, 2)     the scale the casts use:  q = fp8(x · scale)
-        scale_inv     (L, 2)     1 / scale, the dequantization factor torch._scaled_mm takes
+        scale_inv     (L, 2)     1 / scale, the dequantization factor torch._scaled_mm takes: a strided view
+                                 of a padded (L, 8) buffer, one entry per 16 bytes, because cuBLAS (CUDA 13)
+                                 refuses fp8 GEMMs whose scale is not 16-byte aligned
         saturated_steps, nonfinite_steps  (L, 2) int64: per slot, optimizer steps whose amax was
                                  beyond the representable range at the scale in use / NaN or Inf
 
@@ -49,7 +52,8 @@ class Fp8ScalingState(nn.Module):
         self.register_buffer("amax_history", torch.zeros(history_len, L, 2, **f32), persistent=False)
         self.register_buffer("amax", torch.zeros(L, 2, **f32), persistent=False)
         self.register_buffer("scale", torch.ones(L, 2, **f32), persistent=False)
-        self.register_buffer("scale_inv", torch.ones(L, 2, **f32), persistent=False)
+        # entries at columns 0 and 4 (16-byte steps): every layer's scale goes to cuBLAS without a copy
+        self.register_buffer("_scale_inv_padded", torch.ones(L, 2 * _ALIGN_FLOATS, **f32), persistent=False)
         self.register_buffer("fp8_max", torch.tensor([fp8_ops.FP8_MAX[fp8_ops.E4M3], fp8_ops.FP8_MAX[self.grad_dtype]],
                                                      **f32), persistent=False)
         self.register_buffer("saturated_steps", torch.zeros(L, 2, device=device, dtype=torch.int64), persistent=False)
@@ -60,6 +64,11 @@ class Fp8ScalingState(nn.Module):
         self._position = 0
         self._logged = torch.zeros(2, dtype=torch.int64)
         self._pending: Optional[tuple[torch.Tensor, object]] = None
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        """(L, 2) view of the padded buffer: each entry 16-byte aligned."""
+        return self._scale_inv_padded[:, ::_ALIGN_FLOATS]
 
     def copy_rows_from(self, other: "Fp8ScalingState") -> None:
         """Take over the history, scales and counts of layers ``other`` also has (matched by name)."""

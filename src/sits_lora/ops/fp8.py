@@ -20,8 +20,9 @@ absolute maximum for the next scale; the base GEMMs run through ``torch._scaled_
 multiples of 16, the second operand column-major); the LoRA output is added to the GEMM's output
 in place by one more pass (``lora_expand_add_``), the traffic of the bf16 path's cuBLAS epilogue.
 fp8 tensor cores read both operands K-major, so dX needs W8 transposed: one copy of N·K bytes per
-backward call (about 4 % of the dX GEMM at T = 8192; keeping both layouts would double the frozen
-weight's memory).
+backward call, by a tiled Triton transpose (``transpose_fp8``). ``w8.t().contiguous()`` did it at
+0.35 TB/s on the H200 (88-340 µs, a quarter of the dX GEMM it feeds: bench/results/
+2026-11-30-h200-session3/fp8_gemms); keeping both layouts would double the frozen weight's memory.
 
 Emulation (``emulate=True``): the same casts in plain PyTorch, products in fp32 on dequantized
 values; runs anywhere, used by CPU tests.
@@ -51,6 +52,7 @@ __all__ = [
     "lora_expand_add_",
     "quantize_weight",
     "scale_from_amax",
+    "transpose_fp8",
 ]
 
 E4M3 = torch.float8_e4m3fn
@@ -174,6 +176,38 @@ def current_scale(t: torch.Tensor, dtype: torch.dtype, margin: int, emulate: boo
         amax = fp8_amax(t, colscale)
     scale = scale_from_amax(amax, FP8_MAX[dtype], margin, torch.ones_like(amax))
     return scale, scale.reciprocal()
+
+
+# ----------------------------------------------------------------------------- the weight's transpose
+
+
+@triton.jit
+def _transpose_bytes_kernel(src_ptr, dst_ptr, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dst (C, R) = src (R, C)ᵀ for contiguous 1-byte elements: each program moves one BLOCK_R × BLOCK_C
+    tile, read along src's rows and written along dst's rows, so both sides are coalesced."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (r[:, None] < R) & (c[None, :] < C)
+    tile = tl.load(src_ptr + r[:, None].to(tl.int64) * C + c[None, :], mask=mask, other=0)
+    tl.store(dst_ptr + c[:, None].to(tl.int64) * R + r[None, :], tl.trans(tile), mask=tl.trans(mask))
+
+
+def transpose_fp8(w8: torch.Tensor) -> torch.Tensor:
+    """W8ᵀ as a contiguous (K, N) tensor of W8's dtype, from a contiguous (N, K) fp8 W8.
+
+    The bytes are moved as uint8 (the same code for e4m3 and e5m2, and the interpreter needs no fp8).
+    """
+    if not w8.is_contiguous():
+        w8 = w8.contiguous()
+    R, C = w8.shape
+    out = torch.empty((C, R), device=w8.device, dtype=torch.uint8)
+    # 64 x 64 bytes on the CPU interpreter (quick); 128 x 128 (16 KiB) per program on a GPU
+    block = 128 if w8.is_cuda else 64
+    _transpose_bytes_kernel[(triton.cdiv(R, block), triton.cdiv(C, block))](
+        w8.view(torch.uint8), out, R, C, BLOCK_R=block, BLOCK_C=block, num_warps=8 if w8.is_cuda else 4)
+    return out.view(w8.dtype)
 
 
 # ----------------------------------------------------------------------------- the weight, once
@@ -305,7 +339,7 @@ def fp8_linear_backward(dy, x, x_lora, w8, w_inv, lora_A, lora_B, h, scaling: fl
         return dX, dx_lora, dA, dB
     if need_dx:
         dy8 = fp8_cast(dy, dy_scale, dy_amax, grad_dtype, colscale)
-        w8t = w8.t().contiguous()                                              # (K, N): see the module docstring
+        w8t = transpose_fp8(w8)                                                # (K, N): see the module docstring
         dX = torch._scaled_mm(dy8, w8t.t(), scale_a=_cublas_scale(dy_inv[:1]),
                               scale_b=_one(dy.device) if row else _cublas_scale(w_inv[:1]),
                               out_dtype=dy.dtype)
