@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
+import re
 import sys
 
 import torch
@@ -76,8 +78,40 @@ def run(settings, lr: float, r: int, out_dir: str, command: str) -> dict:
             rows.append(row)
             print(f"{arm:>16} seed {seed}: test loss {ev['loss']:.4f}, {row['step_ms']:.1f} ms/step", flush=True)
             del model
+            _write_partial(rows, out_dir)  # a call cut by its time limit keeps the runs it finished
+    return report(rows, out_dir, command, description, settings)
+
+
+def _write_partial(rows: list, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "fp8_quality_partial.json"), "w") as f:
+        json.dump({"rows": rows}, f, default=str)
+
+
+_LOG_LINE = re.compile(r"^\s*(sits-[\w-]+) seed (\d+): test loss ([0-9.]+), ([0-9.]+) ms/step")
+
+
+def runs_from(path: str) -> list[dict]:
+    """Per-run rows from a fp8_quality_partial.json / fp8_quality.json, or from a run's log (the lines
+    ``<arm> seed <n>: test loss <x>, <t> ms/step``, 4 decimals) when the run was cut before writing."""
+    if path.endswith(".json"):
+        with open(path) as f:
+            data = json.load(f)
+        return [r for r in data["rows"] if "seed" in r]
+    rows = []
+    with open(path) as f:
+        for line in f:
+            m = _LOG_LINE.match(line)
+            if m:
+                rows.append({"arm": m.group(1), "seed": int(m.group(2)), "test_loss": float(m.group(3)),
+                             "step_ms": float(m.group(4)), "source": os.path.basename(path) + " (4 decimals)"})
+    return rows
+
+
+def report(rows: list, out_dir: str, command: str, description: str, settings) -> dict:
+    """Mean ± std per arm, the ±1 % verdict against sits-bf16, fp8_quality.{json,csv,png}."""
     summary = []
-    for arm in ARMS:
+    for arm in [a for a in ARMS if any(r_["arm"] == a for r_ in rows)]:
         losses = [r_["test_loss"] for r_ in rows if r_["arm"] == arm]
         mean, std = _mean_std(losses)
         steps = [r_["step_ms"] for r_ in rows if r_["arm"] == arm]
@@ -132,11 +166,25 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--seeds", type=lambda s: tuple(int(v) for v in s.split(",")))
     parser.add_argument("--out", default=os.path.join("bench", "results", "fp8_quality"))
+    parser.add_argument("--merge-runs", nargs="+", metavar="FILE",
+                        help="do not train: one result from the runs in these files (fp8_quality[_partial].json, or "
+                             "the log of a run cut short); a run (arm, seed) is taken from the first file that has it")
     args = parser.parse_args(argv)
     settings = settings_for(args.size, model=args.model, steps=args.steps, seeds=args.seeds)
+    command = "python bench/fp8_quality.py " + " ".join(argv or sys.argv[1:])
+    if args.merge_runs:
+        rows, seen = [], set()
+        for path in args.merge_runs:
+            for row in runs_from(path):
+                if (row["arm"], row["seed"]) not in seen:
+                    seen.add((row["arm"], row["seed"]))
+                    rows.append(row)
+        rows.sort(key=lambda r: (r["seed"], ARMS.index(r["arm"])))
+        report(rows, args.out, command, args.model or "SmolLM2-135M-Instruct", settings)
+        return 0
     if settings.seeds and len(settings.seeds) < 3 and args.size == "budget":
         parser.error(f"--seeds {args.seeds}: issue 6's comparison needs at least 3 seeds")
-    run(settings, args.lr, args.r, args.out, "python bench/fp8_quality.py " + " ".join(argv or sys.argv[1:]))
+    run(settings, args.lr, args.r, args.out, command)
     return 0
 
 

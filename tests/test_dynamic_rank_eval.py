@@ -22,7 +22,8 @@ def test_bench_script_runs_every_arm_and_writes_json_csv_png(tmp_path):
     proc = subprocess.run(
         # every arm runs in the notebook test (notebooks/dynamic_rank.ipynb, tiny preset); here the command line
         [sys.executable, os.path.join(REPO_ROOT, "bench", "dynamic_rank_eval.py"), "--size", "tiny", "--steps", "2",
-         "--arms", "nested-r64,entropy-gated,random", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache")],
+         "--arms", "nested-r64,entropy-gated,random", "--lr-grid", "3e-3,1e-3", "--out", str(tmp_path),
+         "--cache-dir", str(tmp_path / "cache")],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
         # a copy of the tree without .git (the GPU machine's) names its revision so; the results must carry it
         env={**os.environ, "SITS_LORA_GIT_REVISION": "abc1234-test"},
@@ -37,9 +38,11 @@ def test_bench_script_runs_every_arm_and_writes_json_csv_png(tmp_path):
     routed = [r for r in results["runs"] if r["arm"] in ("entropy-gated", "random")]
     assert all(0 <= r["active_rank"] <= 64 and abs(sum(r["test_histogram"].values()) - 1) < 1e-9 for r in routed)
     assert all(r["kl_vs_full_ft"] >= 0 for r in results["runs"])
+    assert {t["lr"] for t in results["tuning"] if t["arm"] == "random"} == {3e-3, 1e-3}  # --lr-grid reached the arms
     counts = results["router"]["parameter_counts"]["entropy-gated"]
     assert counts["router"] > 0 and counts["entropy_probe"] > 0 and counts["layers"] == 7
-    assert results["router"]["sampler_cache_hits"] == [False, True]  # the second seed reads the entropy cache
+    # entropy-gated runs at both rates of seed 0, then seed 1: every run after the first reads the entropy cache
+    assert results["router"]["sampler_cache_hits"] == [False, True, True]
     with open(tmp_path / "dynamic_rank_eval.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == len(results["rows"]) and {r["git_revision"] for r in rows} == {"abc1234-test"}
@@ -122,3 +125,20 @@ def test_fp8_quality_script_on_a_tiny_model(tmp_path):
     for arm in ("sits-fp8-hybrid", "sits-fp8-hybrid-row"):
         gap = saved["verdict"][arm]["relative_loss_gap"]
         assert gap == pytest.approx((means[arm] - means["sits-bf16"]) / means["sits-bf16"])
+
+    # a run cut by a GPU call's limit: its partial file plus another call's log merge into one result
+    partial = tmp_path / "fp8_quality_partial.json"
+    assert len(json.loads(partial.read_text())["rows"]) == 6
+    log = tmp_path / "other_call.log"
+    log.write_text("model: ...\n       sits-bf16 seed 7: test loss 5.1234, 12.0 ms/step\n"
+                   " sits-fp8-hybrid seed 7: test loss 5.2000, 13.5 ms/step\nrc 124\n")
+    merged_dir = tmp_path / "merged"
+    assert fp8_quality.main(["--size", "tiny", "--merge-runs", str(partial), str(log), "--out", str(merged_dir)]) == 0
+    merged = json.loads((merged_dir / "fp8_quality.json").read_text())
+    per_run = [r for r in merged["rows"] if "seed" in r]
+    assert [(r["arm"], r["seed"]) for r in per_run if r["seed"] == 7] == [("sits-bf16", 7), ("sits-fp8-hybrid", 7)]
+    seeds = {s["arm"]: s["seeds"] for s in merged["summary"]}
+    assert seeds == {"sits-bf16": 3, "sits-fp8-hybrid": 3, "sits-fp8-hybrid-row": 2}
+    bf16 = [r["test_loss"] for r in per_run if r["arm"] == "sits-bf16"]
+    assert 5.1234 in bf16 and {s["arm"]: s["test_loss_mean"] for s in merged["summary"]}["sits-bf16"] == \
+        pytest.approx(sum(bf16) / 3)
