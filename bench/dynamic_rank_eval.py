@@ -38,15 +38,18 @@ def main(argv=None) -> int:
                                             "~/.cache/sits_lora/token_entropy)")
     parser.add_argument("--lr-grid", type=lambda s: tuple(float(v) for v in s.split(",")),
                         help="comma-separated learning rates tried for each adapter arm (default 5e-4,1e-3,2e-3)")
-    parser.add_argument("--rank-budget-mode", choices=("target", "ceiling"),
+    parser.add_argument("--rank-budget-mode", choices=("target", "ceiling", "price"),
                         help="SitsLoraConfig.rank_budget_mode of the routed arms (default target)")
+    parser.add_argument("--rank-budget-step-size", type=float,
+                        help="SitsLoraConfig.rank_budget_step_size of the routed arms (default 0.5)")
     parser.add_argument("--merge-partials", nargs="+", metavar="PARTIAL_JSON",
                         help="do not train: merge dynamic_rank_eval_partial.json files of runs cut short into one result")
     parser.add_argument("--environment-from", metavar="JSON",
                         help="with --merge-partials: take the environment stamp from this result file")
     args = parser.parse_args(argv)
     settings = settings_for(args.size or "budget", model=args.model, steps=args.steps, seeds=args.seeds,
-                            arms=args.arms, cache_dir=args.cache_dir, lr_grid_lora=args.lr_grid, rank_budget_mode=args.rank_budget_mode)
+                            arms=args.arms, cache_dir=args.cache_dir, lr_grid_lora=args.lr_grid,
+                            rank_budget_step_size=args.rank_budget_step_size, rank_budget_mode=args.rank_budget_mode)
     if args.merge_partials:
         results = results_from_partials(args.merge_partials, settings, args.environment_from)
         paths = write_results(results, args.out)

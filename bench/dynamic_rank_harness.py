@@ -68,9 +68,10 @@ class EvalSettings:
     lora_alpha: float = field(default=16.0, metadata={"help": "alpha of every adapter (rsLoRA: scale alpha/sqrt(r))"})
     router_temperature: float = field(default=1.0, metadata={"help": "Gumbel-softmax temperature of the routers"})
     rank_budget_step_size: float = field(default=0.5, metadata={"help": "dual-ascent step size of the rank budget"})
+    router_lr_scale: float = field(default=1.0, metadata={"help": "the routers' learning rate as a multiple of the arm's"})
     rank_budget_mode: str = field(default="target", metadata={
-        "help": "'target' (λ of either sign: the mean rank held at the target) or 'ceiling' (λ ≥ 0, the rule of the "
-                "first H200 run, 2026-11-30-h200-session2)"})
+        "help": "'target' (λ of either sign: the mean rank held at the target), 'ceiling' (λ ≥ 0, the rule of the "
+                "first H200 run, 2026-11-30-h200-session2) or 'price' (λ shifts the routers' biases)"})
     target_modules: tuple = field(default=LLAMA_PROJECTIONS, metadata={"help": "adapted projections"})
     arms: tuple = field(default=ARMS, metadata={"help": "arms to run (full-ft always runs: it is the KL reference)"})
     cache_dir: Optional[str] = field(default=None, metadata={
@@ -242,7 +243,10 @@ def train_model(model, train_blocks, settings: EvalSettings, lr: float, seed: in
     ``after_step`` runs after each optimizer step (bench/fp8_quality.py advances the fp8 scales there)."""
     device = next(model.parameters()).device
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    router = [p for n, p in model.named_parameters() if p.requires_grad and "lora_router" in n]
+    rest = [p for n, p in model.named_parameters() if p.requires_grad and "lora_router" not in n]
+    groups = [{"params": rest}] + ([{"params": router, "lr": lr * settings.router_lr_scale}] if router else [])
+    optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(settings.steps, settings.warmup_fraction))
     order_gen = torch.Generator().manual_seed(seed)  # the data order depends on the seed only: the same for every arm
     n = len(train_blocks)
@@ -410,6 +414,8 @@ def run_evaluation(settings: EvalSettings, out_dir: Optional[str] = None) -> dic
                 last = timing["budget_trace"][-10:]
                 entry["train_active_rank_last10"] = sum(t["mean_active_rank"] for t in last) / len(last)
                 entry["final_lambda"] = last[-1]["lambda"]
+                entry["budget_trace"] = {key: [round(t[key], 4) for t in timing["budget_trace"]]
+                                         for key in ("mean_active_rank", "lambda")}
         return entries
 
     def checkpoint() -> None:

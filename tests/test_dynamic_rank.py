@@ -224,6 +224,28 @@ def test_budget_term_pushes_router_towards_small_buckets():
     budget.close()
 
 
+def test_price_mode_shifts_router_biases_and_adds_no_gradient_term(tmp_path):
+    """rank_budget_mode="price": λ's change moves every router's bias by -Δλ·b_k/r (the next decisions follow at
+    once), the layers keep λ = 0 for the gradient, and the price saves with the adapter (it is in the biases)."""
+    model = dyn_model("learned", rank_budget_mode="price", target_mean_rank=3)
+    budget = RankBudget(model)
+    before = [layer.lora_router["default"].bias.detach().clone() for layer in layers(model)]
+    model.train()
+    model(input_ids=ids()).logits.sum().backward()
+    stats = budget.step()
+    change = budget.step_size * (stats["mean_active_rank"] - 3) / budget.r
+    assert stats["lambda"] == pytest.approx(change) and change != 0
+    cost = torch.tensor([float(b) for b in budget.buckets]) / budget.r
+    for layer, old in zip(layers(model), before):
+        torch.testing.assert_close(layer.lora_router["default"].bias.detach(), old - change * cost)
+        assert layer.rank_lambda["default"] == 0.0
+    model.save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(tiny_llama(seed=0), tmp_path)
+    for layer, mine in zip(layers(loaded), layers(model)):
+        torch.testing.assert_close(layer.lora_router["default"].bias, mine.lora_router["default"].bias)
+    budget.close()
+
+
 def test_eval_mode_routes_with_hard_buckets_deterministically():
     model = dyn_model("entropy-gated").eval()
     layer = layers(model)[0]
@@ -486,7 +508,7 @@ def test_entropy_gated_needs_fitted_probes():
         (dict(router_temperature=0), "SitsLoraConfig.router_temperature=0 is invalid: it must be a positive number"),
         (dict(rank_budget_step_size=-1.0), "SitsLoraConfig.rank_budget_step_size=-1.0 is invalid"),
         (dict(rank_budget_mode="floor"), "SitsLoraConfig.rank_budget_mode='floor' is invalid: allowed values are "
-                                         "'target', 'ceiling'"),
+                                         "'target', 'ceiling', 'price'"),
         (dict(use_dynamic_rank="yes"), "SitsLoraConfig.use_dynamic_rank='yes' is invalid: it must be True or False"),
         (dict(rank_pattern={"q_proj": 4}), "SitsLoraConfig.rank_pattern={'q_proj': 4} is invalid: per-layer ranks and alphas"),
         (dict(use_dora=True), "SitsLoraConfig.use_dora=True is invalid: DoRA is not supported with use_dynamic_rank=True"),

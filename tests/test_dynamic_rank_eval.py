@@ -142,3 +142,20 @@ def test_fp8_quality_script_on_a_tiny_model(tmp_path):
     bf16 = [r["test_loss"] for r in per_run if r["arm"] == "sits-bf16"]
     assert 5.1234 in bf16 and {s["arm"]: s["test_loss_mean"] for s in merged["summary"]}["sits-bf16"] == \
         pytest.approx(sum(bf16) / 3)
+
+
+@pytest.mark.slow
+def test_rank_budget_trace_script_compares_rules_step_by_step(tmp_path):
+    import rank_budget_trace
+
+    result = rank_budget_trace.run(settings_for("tiny", steps=4, seeds=(0,), cache_dir=str(tmp_path / "cache")),
+                                   "learned", [("target", 0.5), ("price", 2.0)], lr=3e-3, seed=0,
+                                   out_dir=str(tmp_path), command="test")
+    assert [(r["mode"], r["step_size"]) for r in result["runs"]] == [("target", 0.5), ("price", 2.0)]
+    for r in result["runs"]:
+        assert len(r["trace_rank"]) == 4 and len(r["trace_lambda"]) == 4
+        assert all(0 <= v <= 64 for v in r["trace_rank"]) and r["test_active_rank"] is not None
+    saved = json.loads((tmp_path / "rank_budget_trace.json").read_text())
+    assert len(saved["runs_with_traces"]) == 2 and (tmp_path / "rank_budget_trace.png").stat().st_size > 5_000
+    with pytest.raises(SystemExit):
+        rank_budget_trace.main(["--rules", "sideways:1"])

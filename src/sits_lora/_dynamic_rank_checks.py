@@ -14,7 +14,7 @@ import math
 from typing import Any, Optional, Sequence
 
 RANK_SCHEDULERS = ("entropy-gated", "learned", "random", "static")
-RANK_BUDGET_MODES = ("target", "ceiling")
+RANK_BUDGET_MODES = ("target", "ceiling", "price")
 ROUTED_SCHEDULERS = ("entropy-gated", "learned")
 
 # A histogram given as fractions may be rounded when it is copied from a log; 1e-3 accepts three

@@ -191,6 +191,7 @@ class SitsLoraConfig(LoraConfig):
             "help": (
                 "Dual-ascent step size η of the rank budget: after each optimizer step "
                 "λ ← λ + η·(mean active rank − target_mean_rank) / r (clamped at 0 with rank_budget_mode='ceiling')."
+                " With rank_budget_mode='price' λ moves the routers' logits directly and η = 2-4 is typical."
             )
         },
     )
@@ -200,7 +201,10 @@ class SitsLoraConfig(LoraConfig):
             "help": (
                 "'target': the mean active rank is held at target_mean_rank from both sides (λ may turn "
                 "negative and reward rank when the routers settle below the target). 'ceiling': λ ≥ 0, "
-                "target_mean_rank is an upper bound and routers may stay below it."
+                "target_mean_rank is an upper bound and routers may stay below it. 'price': λ is a price on "
+                "rank in the routing decision itself: each step shifts every router's bucket biases by "
+                "-Δλ·b_k/r (no budget term in the gradient), so the decisions follow at once; the biases "
+                "save with the adapter, so inference routes with the final price."
             )
         },
     )

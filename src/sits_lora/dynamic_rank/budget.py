@@ -6,7 +6,16 @@ gradient (``router.add_budget_gradient``); after each optimizer step the multipl
     λ ← max(0, λ + η·(mean active rank − target_mean_rank) / r)    (rank_budget_mode="ceiling")
 "target" holds the mean at the target from both sides (a negative λ rewards rank); "ceiling" only
 caps it: on SmolLM2 the routers settled at a mean rank of 9-12 under a target of 16 with λ = 0
-(bench/results/2026-11-30-h200-session2/dynamic_rank_eval).
+(bench/results/2026-11-30-h200-session2/dynamic_rank_eval). Through the gradient alone λ acts
+slowly: in 80 steps on SmolLM2 "target" left the routers at 11.7-16.2 (entropy-gated, by seed) and
+21.5 ("learned", λ still rising) under a target of 16 (…-session3/dynamic_rank_eval).
+
+rank_budget_mode="price" puts λ into the decision instead (Lagrangian relaxation of the routing:
+each token picks argmax_k of logit_k − λ·b_k/r, the idea of DeepSeek-V3's bias-based load
+balancing): after each step every router's bucket bias c_k moves by −Δλ·b_k/r, with the same
+λ update and no budget term in the gradient. The next forward's decisions respond at once, and the
+price lives in the biases, which save with the adapter: inference routes with the price training
+ended at.
 measured on the routers' decisions (their argmax: what inference does) since the previous step; in
 training the layers compute with buckets sampled around those decisions. A fixed penalty
 drifts as the task gradient changes during training; the multiplier rises until the constraint
@@ -214,14 +223,30 @@ class RankBudget:
         """Update λ from the statistics since the last step (routed schedulers); return them with λ."""
         stats = self.read_stats(reset=True)
         if self.routed and stats["token_layer_pairs"] > 0:
-            self.lam += self.step_size * (stats["mean_active_rank"] - self.target) / self.r
+            change = self.step_size * (stats["mean_active_rank"] - self.target) / self.r
             if self.mode == "ceiling":
-                self.lam = max(0.0, self.lam)
-            for _, layer in self.layers:
-                layer.rank_lambda[self.adapter_name] = self.lam
+                change = max(-self.lam, change)
+            self.lam += change
+            if self.mode == "price":
+                self._shift_router_biases(change)
+            else:
+                for _, layer in self.layers:
+                    layer.rank_lambda[self.adapter_name] = self.lam
         self.steps += 1
         stats.update({"lambda": self.lam, "target_mean_rank": self.target, "step": self.steps})
         return stats
+
+    @torch.no_grad()
+    def _shift_router_biases(self, change: float) -> None:
+        """c_k -= change·b_k/r in every routed layer: one fused launch for the whole model."""
+        biases = [layer.lora_router[self.adapter_name].bias for _, layer in self.layers
+                  if self.adapter_name in layer.lora_router]
+        if not biases or change == 0.0:
+            return
+        cost = torch.tensor([change * float(b) / self.r for b in self.buckets], dtype=biases[0].dtype)
+        per_device: dict = {}
+        shifts = [per_device.setdefault(b.device, cost.to(b.device)) for b in biases]
+        torch._foreach_sub_(biases, shifts)
 
     def state_dict(self) -> dict:
         """λ and the step count (what a resumed run needs), with the settings they were reached under."""
@@ -229,10 +254,11 @@ class RankBudget:
                 "target_mean_rank": self.target, "step_size": self.step_size, "mode": self.mode}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore λ and the step count; the target and step size stay those this budget was built with."""
+        """Restore λ and the step count; the target and step size stay those this budget was built with.
+        ("price": the price itself is in the router biases, restored with the weights.)"""
         self.lam, self.steps = float(state["lam"]), int(state["steps"])
         for _, layer in self.layers:
-            layer.rank_lambda[self.adapter_name] = self.lam
+            layer.rank_lambda[self.adapter_name] = 0.0 if self.mode == "price" else self.lam
 
     def close(self) -> None:
         """Detach from the model (the layers keep their last λ)."""
