@@ -246,6 +246,31 @@ def test_price_mode_shifts_router_biases_and_adds_no_gradient_term(tmp_path):
     budget.close()
 
 
+def test_compiled_routing_decision_equals_eager_in_values_and_gradients():
+    """On a GPU the layer runs router.routing_decision through torch.compile (route()); compiled here on the CPU,
+    with one dynamic graph over token counts, it gives the eager values and gradients."""
+    from sits_lora.dynamic_rank.router import route, routing_decision
+
+    g = torch.Generator().manual_seed(0)
+    compiled = torch.compile(routing_decision, dynamic=True)
+    for T in (37, 64, 129):
+        raw = torch.randn(T, 5, generator=g).requires_grad_()
+        inv_rms = torch.rand(T, generator=g) + 0.5
+        bias, entropy_weight = torch.randn(5, generator=g).requires_grad_(), torch.randn(5, generator=g).requires_grad_()
+        entropy, uniform, upstream = torch.randn(T, generator=g), torch.rand(T, 5, generator=g), torch.randn(T, 5, generator=g)
+        results = []
+        for fn in (routing_decision, compiled):
+            logits, decided, used, weights = fn(raw, inv_rms, bias, entropy, entropy_weight, uniform, 0.7)
+            grads = torch.autograd.grad((weights * upstream).sum() + logits.sum(), (raw, bias, entropy_weight))
+            results.append((logits, decided, used, weights, *grads))
+        for eager, fused in zip(*results):
+            torch.testing.assert_close(fused, eager)
+        assert torch.equal(results[0][3], torch.nn.functional.one_hot(results[0][2], 5).float())
+    # on the CPU route() is the eager function: same values with the same noise
+    out = route(raw.detach(), inv_rms, bias.detach(), entropy, entropy_weight.detach(), uniform, 0.7)
+    assert torch.equal(out[2], results[0][2])
+
+
 def test_eval_mode_routes_with_hard_buckets_deterministically():
     model = dyn_model("entropy-gated").eval()
     layer = layers(model)[0]

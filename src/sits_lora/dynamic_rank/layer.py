@@ -29,7 +29,7 @@ from ..layer import SitsLoraLinear, autocast_inputs
 from .._dynamic_rank_checks import ROUTED_SCHEDULERS, histogram_mean, max_entropy_histogram
 from .budget import current_valid_tokens, in_token_scope, measuring_active
 from .reference import device_constant, dynamic_rank_lora_linear
-from .router import EntropyProbe, TokenRouter, add_budget_gradient, gumbel_straight_through, inverse_rms
+from .router import EntropyProbe, TokenRouter, add_budget_gradient, inverse_rms, route
 
 
 class RoutingMergeError(ValueError):
@@ -199,11 +199,11 @@ class DynamicRankLinear(SitsLoraLinear):
         x_flat = x.detach().reshape(tokens, x.shape[-1])                                # (T, d_in)
         inv_rms = inverse_rms(x_flat)                                                   # (T,)
         entropy = self.probe_entropy(adapter_name, x_flat, inv_rms) if spec.scheduler == "entropy-gated" else None
-        logits = self.lora_router[adapter_name].from_raw(x_flat, inv_rms, entropy)      # (T, K)
-        decided = logits.detach().argmax(-1)                                            # (T,)
-        if not self.training:
-            return decided, None, decided
-        used, weights = gumbel_straight_through(logits, spec.temperature)
+        router = self.lora_router[adapter_name]
+        raw = router.raw(x_flat)                                                        # (T, K) fp32
+        uniform = torch.rand_like(raw) if self.training else None                       # Gumbel noise source
+        _, decided, used, weights = route(raw, inv_rms, router.bias, entropy, router.entropy_weight, uniform,
+                                          spec.temperature)
         return used, weights, decided
 
     def _token_accounting(self, adapter_name: str, leading_shape: torch.Size,

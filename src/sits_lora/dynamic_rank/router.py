@@ -53,29 +53,26 @@ def inverse_rms(x: Tensor) -> Tensor:
     return torch.rsqrt(sum_sq / x.shape[-1] + _RMS_EPS)
 
 
-class _RowScaledLinear(torch.autograd.Function):
-    """(x · inv_rms) Wᵀ + b computed as (x Wᵀ) · inv_rms + b: fp32 out, x in its own dtype.
+class _RawRouterLinear(torch.autograd.Function):
+    """x Wᵀ in fp32 from x in its own dtype; the gradient of W only (x is detached: the router does not
+    train the layers below).
 
-    The plain form (``F.linear(rms_normalize(x), W, b)``) writes an fp32 copy of x and autograd keeps
-    it for dW: T × d_in × 4 bytes per routed layer (computed for a Llama-3-8B shape at 8192 tokens:
-    128 MiB per layer of d_in 4096, 448 MiB per down_proj, 38 GiB over all 224). This keeps only
-    inv_rms (T,) and x itself, which the LoRA branch
-    saves anyway. Gradients for W and b only (x is detached: the router does not train the layers below).
+    The router's logits are (x Wᵀ)·inv_rms + b (:func:`routing_decision`), not rms_normalize(x) Wᵀ + b:
+    the plain form writes an fp32 copy of x and autograd keeps it for dW, T × d_in × 4 bytes per routed
+    layer (computed for a Llama-3-8B shape at 8192 tokens: 128 MiB per layer of d_in 4096, 448 MiB per
+    down_proj, 38 GiB over all 224). This keeps x only, which the LoRA branch saves anyway.
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, inv_rms: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-        ctx.save_for_backward(x, inv_rms)
+    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
         ctx.weight_dtype = weight.dtype
-        out = torch.nn.functional.linear(x, weight.to(x.dtype)).float()            # (T, K)
-        return out * inv_rms.unsqueeze(1) + bias.float()
+        return torch.nn.functional.linear(x, weight.to(x.dtype)).float()          # (T, K)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        x, inv_rms = ctx.saved_tensors
-        scaled = grad.float() * inv_rms.unsqueeze(1)                                 # (T, K)
-        d_weight = (scaled.t().to(x.dtype) @ x).to(ctx.weight_dtype)                  # (K, d_in)
-        return None, None, d_weight, grad.sum(0).to(ctx.weight_dtype)
+        (x,) = ctx.saved_tensors
+        return None, (grad.t().to(x.dtype) @ x).to(ctx.weight_dtype)               # (K, d_in)
 
 
 class EntropyProbe(nn.Module):
@@ -144,10 +141,17 @@ class TokenRouter(nn.Module):
         logits = torch.nn.functional.linear(x_hat.to(self.weight.dtype), self.weight, self.bias)
         return self._add_entropy(logits, entropy)
 
+    def raw(self, x: Tensor) -> Tensor:
+        """x Wᵀ (T, K) fp32 from the raw input x (T, d_in): the part of the logits that reads x."""
+        return _RawRouterLinear.apply(x, self.weight)
+
     def from_raw(self, x: Tensor, inv_rms: Tensor, entropy: Optional[Tensor] = None) -> Tensor:
-        """The same logits (fp32) from the raw input x (T, d_in) and its :func:`inverse_rms`: what the layer
-        runs, without an fp32 copy of x kept for the gradient (see _RowScaledLinear)."""
-        return self._add_entropy(_RowScaledLinear.apply(x, inv_rms, self.weight, self.bias), entropy)
+        """The same logits (fp32) from the raw input x (T, d_in) and its :func:`inverse_rms`, without an fp32
+        copy of x kept for the gradient (see _RawRouterLinear)."""
+        if self.entropy_weight is not None and entropy is None:
+            raise ValueError("this router reads the predicted entropy: pass entropy=(T,) values")
+        logits, _, _, _ = routing_decision(self.raw(x), inv_rms, self.bias, entropy, self.entropy_weight, None, 1.0)
+        return logits
 
     def _add_entropy(self, logits: Tensor, entropy: Optional[Tensor]) -> Tensor:
         if self.entropy_weight is not None:
@@ -163,12 +167,60 @@ def gumbel_straight_through(logits: Tensor, temperature: float) -> tuple[Tensor,
     bucket_weights equals one_hot(bucket_ids) in value; its gradient is that of
     softmax((logits + Gumbel noise) / temperature).
     """
-    uniform = torch.rand_like(logits, dtype=torch.float32).clamp_(1e-9, 1.0 - 1e-9)
-    noisy = logits.float() - torch.log(-torch.log(uniform))
+    return _gumbel_from_uniform(logits, torch.rand_like(logits, dtype=torch.float32), temperature)
+
+
+def _gumbel_from_uniform(logits: Tensor, uniform: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    noisy = logits.float() - torch.log(-torch.log(uniform.clamp(1e-9, 1.0 - 1e-9)))
     soft = torch.softmax(noisy / temperature, dim=-1)                           # (T, K)
     ids = noisy.argmax(-1)                                                      # (T,)
     hard = torch.nn.functional.one_hot(ids, logits.shape[-1]).to(soft.dtype)
     return ids, hard - soft.detach() + soft
+
+
+def routing_decision(raw: Tensor, inv_rms: Tensor, bias: Tensor, entropy: Optional[Tensor],
+                     entropy_weight: Optional[Tensor], uniform: Optional[Tensor], temperature: float):
+    """(logits (T, K) fp32, decided (T,), used (T,), bucket_weights (T, K) or None) from the router's raw
+    x Wᵀ (T, K), 1/rms(x) (T,) and the predicted entropy (T,) ('entropy-gated'; None otherwise).
+
+    decided = argmax of the logits (the routing rule); with ``uniform`` (T, K) noise in [0, 1) (training)
+    ``used`` is the Gumbel-max sample around it and bucket_weights its straight-through weights; without
+    it used = decided and bucket_weights is None. Elementwise work only: on a GPU the layer runs it
+    compiled (:func:`route`), one or two kernels instead of about twenty.
+    """
+    logits = raw * inv_rms.unsqueeze(1) + bias.float()
+    if entropy_weight is not None:
+        logits = logits + entropy.float().unsqueeze(1) * entropy_weight.float()
+    decided = logits.detach().argmax(-1)
+    if uniform is None:
+        return logits, decided, decided, None
+    used, weights = _gumbel_from_uniform(logits, uniform, temperature)
+    return logits, decided, used, weights
+
+
+_COMPILED_ROUTING = {}
+
+
+def route(raw: Tensor, inv_rms: Tensor, bias: Tensor, entropy: Optional[Tensor], entropy_weight: Optional[Tensor],
+          uniform: Optional[Tensor], temperature: float):
+    """:func:`routing_decision`, compiled by torch.compile on a GPU (eager elsewhere, and inside a model that
+    is itself being compiled, which fuses it anyway). In eager training on a GPU the router's elementwise
+    work is ~20 small kernels per layer call, launch-bound at any width (bench/NOTES.md); compiled, it is
+    a few. If compilation fails the eager function runs, after one warning."""
+    if not raw.is_cuda or torch.compiler.is_compiling() or _COMPILED_ROUTING.get("failed"):
+        return routing_decision(raw, inv_rms, bias, entropy, entropy_weight, uniform, temperature)
+    compiled = _COMPILED_ROUTING.get("fn")
+    if compiled is None:
+        compiled = _COMPILED_ROUTING["fn"] = torch.compile(routing_decision, dynamic=True)
+    try:
+        return compiled(raw, inv_rms, bias, entropy, entropy_weight, uniform, temperature)
+    except Exception as error:  # a missing compiler toolchain must not stop training: fall back to eager
+        import warnings
+
+        _COMPILED_ROUTING["failed"] = True
+        warnings.warn(f"sits_lora: compiling the router's decision failed ({type(error).__name__}: "
+                      f"{str(error).splitlines()[0] if str(error) else ''}); it runs eagerly (slower, same result).")
+        return routing_decision(raw, inv_rms, bias, entropy, entropy_weight, uniform, temperature)
 
 
 class _AddBudgetGradient(torch.autograd.Function):
