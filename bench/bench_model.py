@@ -36,7 +36,10 @@ MODELS = {
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ARMS = ["frozen", "frozen+compile", "peft", "peft+compile", "sits", "sits+compile"]
-OPTIONAL_ARMS = ["peft+liger", "sits+liger", "sits+gc", "peft+gc", "sits+fp8", "sits+fp8+compile"]
+# "+cg": torch.compile(mode="reduce-overhead"), CUDA graphs over the compiled forward and backward: the fp8
+# layers are launch-bound (bench/NOTES.md, session 3); the frozen floor is measured the same way next to them
+OPTIONAL_ARMS = ["peft+liger", "sits+liger", "sits+gc", "peft+gc", "sits+fp8", "sits+fp8+compile",
+                 "frozen+compile+cg", "sits+compile+cg", "sits+fp8+compile+cg"]
 
 
 def build(model_name: str, arm: str, device: str, dtype):
@@ -91,7 +94,9 @@ def worker(args) -> None:
     model, params = build(args.model, args.arm, device, dtype)
     model.train()
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda") if params else None
-    step_model = torch.compile(model) if "compile" in args.arm else model
+    parts = args.arm.split("+")
+    mode = "reduce-overhead" if "cg" in parts else None
+    step_model = torch.compile(model, mode=mode) if "compile" in parts else model
     gen = torch.Generator(device=device).manual_seed(1)
     vocab = MODELS[args.model]["vocab_size"]
     ids = torch.randint(0, vocab, (batch, seq), device=device, generator=gen)
@@ -188,9 +193,10 @@ def main(argv=None) -> int:
 
 def _finish(rows, args, argv, final: bool) -> None:
     ok = [r for r in rows if "step_s" in r]
-    floors = [r["step_s"] for r in ok if r["arm"] in ("frozen", "frozen+compile")]
+    floors = [r["step_s"] for r in ok if r["arm"] in ("frozen", "frozen+compile", "frozen+compile+cg")]
     floor = min(floors) if floors else None
-    floor_mem = min((r["peak_gib"] for r in ok if r["arm"] in ("frozen", "frozen+compile") and r["peak_gib"]), default=None)
+    floor_mem = min((r["peak_gib"] for r in ok if r["arm"] in ("frozen", "frozen+compile", "frozen+compile+cg")
+                     and r["peak_gib"]), default=None)
     for r in ok:
         r["vs_floor"] = r["step_s"] / floor if floor else None
         r["peak_minus_floor_gib"] = r["peak_gib"] - floor_mem if (floor_mem and r["peak_gib"]) else None

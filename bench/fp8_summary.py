@@ -37,11 +37,12 @@ def summarize(out: str) -> dict:
             entry[arm + "_vs_frozen"] = row.get("vs_frozen")
         summary["layers"].append(entry)
     model = {r["arm"]: r for r in _rows(os.path.join(out, "model_8b.json"))}
-    floors = {a: model[a]["step_s"] for a in ("frozen", "frozen+compile") if "step_s" in model.get(a, {})}
+    floors = {a: model[a]["step_s"] for a in ("frozen", "frozen+compile", "frozen+compile+cg")
+              if "step_s" in model.get(a, {})}
     if floors:
         floor_arm = min(floors, key=floors.get)
         summary["model"]["floor"] = {"arm": floor_arm, "step_s": floors[floor_arm]}
-        for arm in ("sits+fp8", "sits+fp8+compile"):
+        for arm in ("sits+fp8", "sits+fp8+compile", "sits+fp8+compile+cg"):
             row = model.get(arm, {})
             if "step_s" in row:
                 ratio = row["step_s"] / floors[floor_arm]
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
     floor = summary["model"].get("floor")
     if floor:
         print(f"8B floor: {floor['arm']} {floor['step_s'] * 1000:.1f} ms/step")
-    for arm in ("sits+fp8", "sits+fp8+compile"):
+    for arm in ("sits+fp8", "sits+fp8+compile", "sits+fp8+compile+cg"):
         row = summary["model"].get(arm)
         if not row:
             continue
