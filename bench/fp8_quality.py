@@ -32,7 +32,7 @@ from dynamic_rank_harness import (  # noqa: E402
     settings_for,
     train_model,
 )
-from harness import write_results  # noqa: E402
+from harness import png, write_results  # noqa: E402
 
 # the fp8 arms differ in the weight scale's granularity: one per tensor, or one per output row
 ARMS = ("sits-bf16", "sits-fp8-hybrid", "sits-fp8-hybrid-row")
@@ -136,24 +136,15 @@ def report(rows: list, out_dir: str, command: str, description: str, settings) -
 
 
 def _plot(rows, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # the GPU image may lack matplotlib: the JSON / CSV carry everything
-        print("matplotlib is not installed: no fp8_quality.png")
-        return
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    for i, arm in enumerate(ARMS):
-        losses = [r["test_loss"] for r in rows if r["arm"] == arm]
-        ax.scatter([i] * len(losses), losses, label=arm)
-    ax.set_xticks(range(len(ARMS)), ARMS)
-    ax.set_ylabel("held-out loss (per seed)")
-    ax.set_title("SmolLM2-135M, sits LoRA r16: bf16 vs fp8 base")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with png(path, figsize=(5, 3.2)) as ax:
+        if ax is None:
+            return
+        for i, arm in enumerate(ARMS):
+            losses = [r["test_loss"] for r in rows if r["arm"] == arm]
+            ax.scatter([i] * len(losses), losses, label=arm)
+        ax.set_xticks(range(len(ARMS)), ARMS)
+        ax.set_ylabel("held-out loss (per seed)")
+        ax.set_title("SmolLM2-135M, sits LoRA r16: bf16 vs fp8 base")
 
 
 def main(argv=None) -> int:

@@ -8,6 +8,7 @@ the README can always be traced to a file and the command that made it.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -89,3 +90,22 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3f}" if abs(v) < 100 else f"{v:,.0f}"
     return "" if v is None else str(v)
+
+
+@contextlib.contextmanager
+def png(path: str, figsize=(6, 3.5)):
+    """Yields the axes of a figure written to ``path`` as a PNG on exit, or None (with a message) where
+    matplotlib is missing: the GPU image may lack it, and the JSON / CSV carry every number anyway.
+    matplotlib.figure.Figure, not pyplot: no global backend state, so it works headless."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        print(f"matplotlib is not installed: no {os.path.basename(path)}")
+        yield None
+        return
+    fig = Figure(figsize=figsize)
+    ax = fig.add_subplot()
+    yield ax
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+

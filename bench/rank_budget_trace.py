@@ -33,7 +33,7 @@ from dynamic_rank_harness import (  # noqa: E402
     settings_for,
     train_model,
 )
-from harness import write_results  # noqa: E402
+from harness import png, write_results  # noqa: E402
 
 
 def _rule(text: str) -> tuple[str, float]:
@@ -93,25 +93,16 @@ def run(settings, arm: str, rules: list, lr: float, seed: int, out_dir: str, com
 
 
 def _plot(runs, target: float, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no rank_budget_trace.png")
-        return
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for r in runs:
-        ax.plot(range(1, len(r["trace_rank"]) + 1), r["trace_rank"], label=f"{r['mode']} η={r['step_size']:g}")
-    ax.axhline(target, color="gray", linestyle="--", label="target")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("mean active rank (router decisions)")
-    ax.set_title(f"rank budget, {runs[0]['arm']}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with png(path) as ax:
+        if ax is None:
+            return
+        for r in runs:
+            ax.plot(range(1, len(r["trace_rank"]) + 1), r["trace_rank"], label=f"{r['mode']} η={r['step_size']:g}")
+        ax.axhline(target, color="gray", linestyle="--", label="target")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("mean active rank (router decisions)")
+        ax.set_title(f"rank budget, {runs[0]['arm']}")
+        ax.legend(fontsize=8)
 
 
 def main(argv=None) -> int:
