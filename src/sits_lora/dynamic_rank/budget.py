@@ -1,28 +1,30 @@
 """The rank budget: the mean active rank over non-padding tokens, held at target by dual ascent.
 
-Lagrangian: task loss + λ·(mean active rank / r). The routers see the λ term through their
-gradient (``router.add_budget_gradient``); after each optimizer step the multiplier follows
-    λ ← λ + η·(mean active rank − target_mean_rank) / r            (rank_budget_mode="target")
+Lagrangian: task loss + λ·(mean active rank / r). The mean active rank is measured on the routers'
+decisions (their argmax: what inference does) since the previous step; in training the layers
+compute with buckets sampled around those decisions. After each optimizer step the multiplier follows
+    λ ← λ + η·(mean active rank − target_mean_rank) / r            (rank_budget_mode="target", "price")
     λ ← max(0, λ + η·(mean active rank − target_mean_rank) / r)    (rank_budget_mode="ceiling")
-"target" holds the mean at the target from both sides (a negative λ rewards rank); "ceiling" only
-caps it: on SmolLM2 the routers settled at a mean rank of 9-12 under a target of 16 with λ = 0
-(bench/results/2026-11-30-h200-session2/dynamic_rank_eval). Through the gradient alone λ acts
-slowly: in 80 steps on SmolLM2 "target" left the routers at 11.7-16.2 (entropy-gated, by seed) and
-21.5 ("learned", λ still rising) under a target of 16 (…-session3/dynamic_rank_eval).
+A fixed penalty drifts as the task gradient changes during training; the multiplier rises until the
+constraint holds and falls back when it is slack. One λ for the whole model (the budget is a global
+mean, so rank can move between layers).
 
-rank_budget_mode="price" puts λ into the decision instead (Lagrangian relaxation of the routing:
-each token picks argmax_k of logit_k − λ·b_k/r, the idea of DeepSeek-V3's bias-based load
-balancing): after each step every router's bucket bias c_k moves by −Δλ·b_k/r, with the same
-λ update and no budget term in the gradient. The next forward's decisions respond at once, and the
-price lives in the biases, which save with the adapter: inference routes with the price training
-ended at.
-measured on the routers' decisions (their argmax: what inference does) since the previous step; in
-training the layers compute with buckets sampled around those decisions. A fixed penalty
-drifts as the task gradient changes during training; the multiplier rises until the constraint
-holds and falls back when it is slack. One λ for the whole model (the budget is a global mean, so
-rank can move between layers); each layer's term is its own mean, so λ does not scale with the
-number of layers. With gradient accumulation, Trainer divides the task loss by the number of
-micro-batches but not the λ term: λ settles at a proportionally smaller value, same constraint.
+How λ reaches the routers:
+- "target" / "ceiling": through their gradient (``router.add_budget_gradient``); each layer's term is
+  its own mean, so λ does not scale with the number of layers. With gradient accumulation, Trainer
+  divides the task loss by the number of micro-batches but not the λ term: λ settles at a
+  proportionally smaller value, same constraint. "target" holds the mean from both sides (a negative
+  λ rewards rank); "ceiling" only caps it: on SmolLM2 the routers settled at a mean rank of 9-12 under
+  a target of 16 with λ = 0 (bench/results/2026-11-30-h200-session2/dynamic_rank_eval). Through the
+  gradient λ acts with a lag: in 80 steps on SmolLM2 "target" left the routers at 11.7-16.2
+  (entropy-gated, by seed) and 21.5 ("learned", λ still rising) under a target of 16
+  (…-session3/dynamic_rank_eval).
+- "price": into the decision itself (Lagrangian relaxation of the routing: each token picks
+  argmax_k of logit_k − λ·b_k/r, the idea of DeepSeek-V3's bias-based load balancing). After each
+  step every router's bucket bias c_k moves by −Δλ·b_k/r; no budget term in the gradient. The next
+  forward's decisions respond at once, and the price lives in the biases, which save with the
+  adapter: inference routes with the price training ended at. On SmolLM2 (CPU, 60 steps of 2 × 32
+  tokens) it held 13-19 where "target" swung from 9 to 21 (bench/results/2026-11-30-cpu-rank-budget-trace).
 
 Padding: a forward pre-hook on the model reads ``attention_mask`` and the layers skip tokens where
 it is 0, in the statistics and in the λ term. Tokens with label -100 count (they are not padding).

@@ -12,8 +12,8 @@ from ..ops import fp8 as fp8_ops
 
 logger = logging.getLogger("sits_lora")
 
-SLOTS = ("input", "grad")
-_ALIGN_FLOATS = 4           # 16 bytes of fp32: the alignment cuBLAS wants of an fp8 GEMM's scale pointer   # slot 0: the layer input x (forward); slot 1: the output gradient dy (backward)
+SLOTS = ("input", "grad")   # slot 0: the layer input x (forward); slot 1: the output gradient dy (backward)
+_ALIGN_FLOATS = 4           # 16 bytes of fp32: the alignment cuBLAS wants of an fp8 GEMM's scale pointer
 
 
 class Fp8ScalingState(nn.Module):
