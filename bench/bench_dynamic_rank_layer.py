@@ -3,8 +3,8 @@
     python bench/bench_dynamic_rank_layer.py            # on the GPU: 4 Llama shapes, T = 8192, bf16, r_max 64
     python bench/bench_dynamic_rank_layer.py --smoke    # seconds on a CPU (Triton interpreter): checks the script
 
-Arms, all timed forward + backward in one process (bench/harness.py), ratios to the frozen floor
-and to the static fused layer at r_max:
+Arms, all timed forward + backward in one process (bench/harness.py), interleaved over --rounds
+passes (median kept), ratios to the frozen floor and to the static fused layer at r_max:
     frozen              the base nn.Linear alone (frozen weight, input requires grad)
     static-r16/r64      the fused static LoRA kernels (sits_lora.ops.lora_linear, cuBLAS design)
     dyn:<hist>:<mode>   sits_lora.ops.lora_linear_dynamic_rank_triton with buckets 16/32/48/64 and
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 import torch
@@ -100,6 +101,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="time every arm once per round, arms interleaved, and keep the median over rounds "
+                             "(adjacent arms differed by up to 5 %% within one pass on the H200; spread = "
+                             "(max - min) / median over rounds, per arm)")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -109,17 +114,22 @@ def main(argv=None) -> int:
     rows = []
     for d_in, d_out in shapes:
         fns, _ = arms(d_in, d_out, T, dtype, device, args.smoke)
-        timed = {name: median_ms(fn, rep_ms=400 if not args.smoke else 1) for name, fn in fns.items()}
+        rounds = {name: [] for name in fns}
+        for _ in range(max(1, args.rounds)):
+            for name, fn in fns.items():
+                rounds[name].append(median_ms(fn, rep_ms=200 if not args.smoke else 1))
+        timed = {name: statistics.median(values) for name, values in rounds.items()}
         for name, ms in timed.items():
             rows.append({"d_in": d_in, "d_out": d_out, "T": T, "arm": name, "full_ms": ms,
-                         "vs_frozen": ms / timed["frozen"], "vs_static_r64": ms / timed["static-r64"]})
+                         "vs_frozen": ms / timed["frozen"], "vs_static_r64": ms / timed["static-r64"],
+                         "spread": (max(rounds[name]) - min(rounds[name])) / ms, "rounds": len(rounds[name])})
         if device == "cuda":
             torch.cuda.empty_cache()
     name = "dynamic_rank_layer_smoke" if args.smoke else "dynamic_rank_layer"
     paths = write_results(name, rows, args.out,
                           {"command": "python bench/bench_dynamic_rank_layer.py " + " ".join(argv or sys.argv[1:]),
                            "buckets": list(BUCKETS)})
-    print_table(rows, ["d_in", "d_out", "arm", "full_ms", "vs_frozen", "vs_static_r64"])
+    print_table(rows, ["d_in", "d_out", "arm", "full_ms", "vs_frozen", "vs_static_r64", "spread"])
     print("wrote", *paths)
     return 0
 

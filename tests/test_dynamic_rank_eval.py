@@ -108,7 +108,7 @@ def test_dynamic_rank_layer_bench_smoke(tmp_path):
     rows = json.loads((tmp_path / "dynamic_rank_layer_smoke.json").read_text())["rows"]
     arms = {r["arm"] for r in rows}
     assert {"frozen", "static-r64", "dyn:mixed:router", "dyn:mixed:hard-ungrouped", "layer:learned"} <= arms
-    assert all(r["full_ms"] > 0 and r["vs_static_r64"] > 0 for r in rows)
+    assert all(r["full_ms"] > 0 and r["vs_static_r64"] > 0 and r["rounds"] == 3 and r["spread"] >= 0 for r in rows)
 
 
 @pytest.mark.slow
