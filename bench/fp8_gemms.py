@@ -6,6 +6,7 @@ Rows per shape (d_in, d_out), all median ms (CUDA events, bench/harness.py):
   bf16 forward x Wᵀ and dX = dy W (torch.mm: the frozen floor's two GEMMs);
   fp8 forward x8 W8ᵀ (e4m3 × e4m3, fast accumulation, as the layer runs it);
   fp8 dX dy8 W8 (e5m2 × e4m3) with exact (the layer's setting) and with fast accumulation;
+  the Triton fp8 GEMM candidate (ops.fp8.triton_fp8_matmul) for both, dX reading W8 as stored (no transpose);
   the fused cast of x and of dy (one read, fp8 write, amax) and the per-call transpose of W8 (torch's copy
 and the layer's Triton kernel).
 The ratio column is against the bf16 GEMM of the same direction. Writes fp8_gemms.{json,csv}.
@@ -24,20 +25,31 @@ from bench_layer import SHAPES  # noqa: E402
 from harness import median_ms, print_table, write_results  # noqa: E402
 
 
+def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks the script, times nothing useful)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("fp8_gemms: needs a CUDA GPU (compute capability >= 8.9)", file=sys.stderr)
+    if not torch.cuda.is_available() and not args.smoke:
+        print("fp8_gemms: needs a CUDA GPU (compute capability >= 8.9); --smoke runs tiny shapes on the CPU",
+              file=sys.stderr)
         return 2
-    from sits_lora.ops.fp8 import E4M3, E5M2, fp8_cast, quantize_weight, transpose_fp8
+    if args.smoke and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--smoke without a GPU runs the kernels in the Triton interpreter: set TRITON_INTERPRET=1")
+    from sits_lora.ops.fp8 import E4M3, E5M2, fp8_cast, quantize_weight, transpose_fp8, triton_fp8_matmul
 
-    T, dev = args.tokens, "cuda"
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    timer = (lambda fn: median_ms(fn, warmup_ms=1, rep_ms=1)) if args.smoke else median_ms
+    shapes, T = (SHAPES, args.tokens) if not args.smoke else ([(64, 96), (96, 64)], 48)
     one = torch.ones(1, device=dev)
     rows = []
-    for d_in, d_out in SHAPES:
+    for d_in, d_out in shapes:
         torch.manual_seed(0)
         x = torch.randn(T, d_in, device=dev, dtype=torch.bfloat16)
         dy = torch.randn(T, d_out, device=dev, dtype=torch.bfloat16)
@@ -53,27 +65,35 @@ def main(argv=None) -> int:
         def mm8(a, b, fast):
             return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=fast)
 
+        # the Triton candidate must compute the same product before its time means anything
+        agreement = {
+            "forward": _rel_diff(triton_fp8_matmul(x8, w8.t(), one, one), mm8(x8, w8.t(), False)),
+            "dX": _rel_diff(triton_fp8_matmul(dy8, w8, one, one), mm8(dy8, w8t.t(), False)),
+        }
         timings = {
-            ("forward", "bf16 mm"): median_ms(lambda: x @ w.t()),
-            ("forward", "fp8 e4m3 fast"): median_ms(lambda: mm8(x8, w8.t(), True)),
-            ("forward", "fp8 e4m3 exact"): median_ms(lambda: mm8(x8, w8.t(), False)),
-            ("forward", "cast x"): median_ms(lambda: fp8_cast(x, scale, amax, E4M3)),
-            ("dX", "bf16 mm"): median_ms(lambda: dy @ w),
-            ("dX", "fp8 e5m2 exact"): median_ms(lambda: mm8(dy8, w8t.t(), False)),
-            ("dX", "fp8 e5m2 fast"): median_ms(lambda: mm8(dy8, w8t.t(), True)),
-            ("dX", "cast dy"): median_ms(lambda: fp8_cast(dy, scale, amax, E5M2)),
-            ("dX", "transpose W8 (torch)"): median_ms(lambda: w8.t().contiguous()),
-            ("dX", "transpose W8 (Triton)"): median_ms(lambda: transpose_fp8(w8)),
+            ("forward", "bf16 mm"): timer(lambda: x @ w.t()),
+            ("forward", "fp8 e4m3 fast"): timer(lambda: mm8(x8, w8.t(), True)),
+            ("forward", "fp8 e4m3 exact"): timer(lambda: mm8(x8, w8.t(), False)),
+            ("forward", "fp8 e4m3 Triton"): timer(lambda: triton_fp8_matmul(x8, w8.t(), one, one)),
+            ("forward", "cast x"): timer(lambda: fp8_cast(x, scale, amax, E4M3)),
+            ("dX", "bf16 mm"): timer(lambda: dy @ w),
+            ("dX", "fp8 e5m2 exact"): timer(lambda: mm8(dy8, w8t.t(), False)),
+            ("dX", "fp8 e5m2 fast"): timer(lambda: mm8(dy8, w8t.t(), True)),
+            ("dX", "fp8 e5m2 Triton, W8 as stored"): timer(lambda: triton_fp8_matmul(dy8, w8, one, one)),
+            ("dX", "cast dy"): timer(lambda: fp8_cast(dy, scale, amax, E5M2)),
+            ("dX", "transpose W8 (torch)"): timer(lambda: w8.t().contiguous()),
+            ("dX", "transpose W8 (Triton)"): timer(lambda: transpose_fp8(w8)),
         }
         for (direction, what), ms in timings.items():
             base = timings[(direction, "bf16 mm")]
             gemm = "mm" in what or "fp8 e" in what
             rows.append({"d_in": d_in, "d_out": d_out, "T": T, "direction": direction, "op": what, "ms": ms,
                          "vs_bf16_gemm": ms / base,
-                         "tflops": flops / ms / 1e9 if gemm else None})
+                         "tflops": flops / ms / 1e9 if gemm else None,
+                         "max_rel_diff_vs_scaled_mm": agreement[direction] if what.startswith("fp8") and "Triton" in what else None})
         torch.cuda.empty_cache()
-    paths = write_results("fp8_gemms", rows, args.out, {"command": "python bench/fp8_gemms.py " + " ".join(argv or sys.argv[1:])})
-    print_table(rows, ["d_in", "d_out", "direction", "op", "ms", "vs_bf16_gemm", "tflops"])
+    paths = write_results("fp8_gemms_smoke" if args.smoke else "fp8_gemms", rows, args.out, {"command": "python bench/fp8_gemms.py " + " ".join(argv or sys.argv[1:])})
+    print_table(rows, ["d_in", "d_out", "direction", "op", "ms", "vs_bf16_gemm", "tflops", "max_rel_diff_vs_scaled_mm"])
     print("wrote", *paths)
     return 0
 

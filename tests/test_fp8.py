@@ -174,6 +174,26 @@ def test_weight_transpose_kernel_is_bit_exact_under_interpreter(shape, dtype):
     assert torch.equal(out.view(torch.uint8), w8.t().contiguous().view(torch.uint8))
 
 
+@pytest.mark.parametrize("direction", ["forward", "dX"])
+def test_triton_fp8_matmul_equals_the_fp32_product_under_interpreter(direction):
+    """The Triton fp8 GEMM candidate: forward x8 W8ᵀ (W8 read K-major) and dX = dy8 W8 (W8 read as stored, no
+    transpose), odd sizes, against the fp32 product of the same fp8 values and scales."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreter runs only without a GPU")
+    torch.manual_seed(7)
+    w8, w_inv = F.quantize_weight(torch.randn(40, 72), "tensor")                       # (N, K)
+    if direction == "forward":
+        a8, b8 = (torch.randn(37, 72) * 20).to(F.E4M3), w8.t()
+    else:
+        a8, b8 = (torch.randn(37, 40) * 20).to(F.E5M2), w8
+    a_inv = torch.tensor([0.05])
+    out = F.triton_fp8_matmul(a8, b8, a_inv, w_inv, out_dtype=torch.float32)
+    want = (a8.float() @ b8.float()) * a_inv * w_inv
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="inner dimensions differ"):
+        F.triton_fp8_matmul(a8, b8[:5], a_inv, w_inv)
+
+
 def test_expand_add_kernel_under_interpreter():
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the interpreter runs only without a GPU")
@@ -615,3 +635,23 @@ def test_fp8_summary_reports_failed_arms_next_to_measured_ones(tmp_path, capsys)
     assert "sits:fp8 FAILED: RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED" in printed
     assert "8B sits+fp8: 400.0 ms/step = 0.769x the floor (target <= 0.8: met)" in printed
     assert json.loads((tmp_path / "fp8_summary.json").read_text()) == json.loads(json.dumps(summary))
+
+
+@pytest.mark.slow
+def test_fp8_gemms_bench_script_runs_and_its_triton_candidate_agrees(tmp_path):
+    """bench/fp8_gemms.py --smoke on the CPU (interpreter): every row, and the Triton fp8 GEMM equal to
+    torch._scaled_mm within bf16 rounding in both directions."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the smoke run uses the interpreter; the GPU run is bench/fp8_gemms.py itself")
+    import json
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(repo, "bench", "fp8_gemms.py"), "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "fp8_gemms_smoke.json").read_text())["rows"]
+    ops = {(r["direction"], r["op"]) for r in rows}
+    assert ("dX", "fp8 e5m2 Triton, W8 as stored") in ops and ("dX", "transpose W8 (Triton)") in ops
+    checked = [r["max_rel_diff_vs_scaled_mm"] for r in rows if r["max_rel_diff_vs_scaled_mm"] is not None]
+    assert len(checked) == 4 and all(d < 1e-2 for d in checked)

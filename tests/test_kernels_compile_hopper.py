@@ -73,7 +73,8 @@ FP8_VARIANTS = [("*fp8e4nv", 448.0), ("*fp8e5", 57344.0)]
 def _variant_ids() -> list[str]:
     lora = [f"{v[0].strip('_')}-" + "-".join(f"{k}={x}" for k, x in v[2].items()
                                             if k.startswith(("HAS", "ACC", "GROUP", "WRITE"))) for v in VARIANTS]
-    return lora + [f"fp8_cast-{t.strip('*')}" for t, _ in FP8_VARIANTS] + ["transpose_bytes"]
+    return (lora + [f"fp8_cast-{t.strip('*')}" for t, _ in FP8_VARIANTS] + ["transpose_bytes"]
+            + ["fp8_matmul-forward-e4m3", "fp8_matmul-dX-e5m2"])
 
 
 def compile_all() -> dict:
@@ -93,6 +94,11 @@ def compile_all() -> dict:
         jobs.append((fp8_ops._fp8_cast_kernel, pointers, constexprs, {"num_warps": 4}))
     jobs.append((fp8_ops._transpose_bytes_kernel, {"src_ptr": "*u8", "dst_ptr": "*u8"},
                  dict(BLOCK_R=128, BLOCK_C=128), {"num_warps": 8}))
+    for a_type in ("*fp8e4nv", "*fp8e5"):   # forward: x8 e4m3 × W8ᵀ; dX: dy8 e5m2 × W8 (the strides differ at run time)
+        pointers = {"a_ptr": a_type, "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "a_scale_ptr": "*fp32",
+                    "b_scale_ptr": "*fp32"}
+        jobs.append((fp8_ops._fp8_matmul_kernel, pointers, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8),
+                     {"num_warps": 8, "num_stages": 4}))
     results = {}
     for variant, job in zip(_variant_ids(), jobs):
         try:
