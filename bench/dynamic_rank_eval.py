@@ -39,9 +39,10 @@ def main(argv=None) -> int:
     parser.add_argument("--lr-grid", type=lambda s: tuple(float(v) for v in s.split(",")),
                         help="comma-separated learning rates tried for each adapter arm (default 5e-4,1e-3,2e-3)")
     parser.add_argument("--rank-budget-mode", choices=("target", "ceiling", "price"),
-                        help="SitsLoraConfig.rank_budget_mode of the routed arms (default target)")
+                        help="SitsLoraConfig.rank_budget_mode of the routed arms (default target, the rule of the "
+                             "published runs; the library's default is price)")
     parser.add_argument("--rank-budget-step-size", type=float,
-                        help="SitsLoraConfig.rank_budget_step_size of the routed arms (default 0.5)")
+                        help="SitsLoraConfig.rank_budget_step_size of the routed arms (default 0.5, the harness's)")
     parser.add_argument("--merge-partials", nargs="+", metavar="PARTIAL_JSON",
                         help="do not train: merge dynamic_rank_eval_partial.json files of runs cut short into one result")
     parser.add_argument("--environment-from", metavar="JSON",

@@ -246,6 +246,16 @@ def test_price_mode_shifts_router_biases_and_adds_no_gradient_term(tmp_path):
     budget.close()
 
 
+@pytest.mark.parametrize("mode, step, expected", [("price", None, 2.0), ("target", None, 0.5), ("ceiling", None, 0.5),
+                                                  ("price", 0.75, 0.75)])
+def test_budget_step_size_defaults_per_mode(mode, step, expected):
+    model = dyn_model("learned", rank_budget_mode=mode, rank_budget_step_size=step)
+    budget = RankBudget(model)
+    assert budget.mode == mode and budget.step_size == expected
+    budget.close()
+    assert SitsLoraConfig(r=8, target_modules=TARGETS).rank_budget_mode == "price"
+
+
 def test_compiled_routing_decision_equals_eager_in_values_and_gradients():
     """On a GPU the layer runs router.routing_decision through torch.compile (route()); compiled here on the CPU,
     with one dynamic graph over token counts, it gives the eager values and gradients."""

@@ -135,8 +135,11 @@ def test_resumed_run_continues_with_the_saved_lambda(tmp_path):
         assert callback.budget.steps == 4 and isinstance(callback.budget, RankBudget)
 
 
-def test_callback_state_holds_lambda_and_restores_it(caplog):
-    model = dyn_model("learned")
+@pytest.mark.parametrize("mode", ["target", "price"])
+def test_callback_state_holds_lambda_and_restores_it(caplog, mode):
+    """λ and the step count come back from the checkpoint; with "target" the layers get λ back for their gradient
+    term, with "price" they keep 0 (the price itself is in the router biases, restored with the weights)."""
+    model = dyn_model("learned", rank_budget_mode=mode)
     callback = DynamicRankCallback(write_jsonl=False)
     assert callback.state() == {"args": {"adapter_name": None, "write_jsonl": False}, "attributes": {"budget": None}}
 
@@ -147,7 +150,7 @@ def test_callback_state_holds_lambda_and_restores_it(caplog):
 
     callback.on_train_begin(None, State(), None, model=model)
     assert callback.budget.lam == 0.25 and callback.budget.steps == 6
-    assert all(layer.rank_lambda["default"] == 0.25 for layer in layers(model))
+    assert all(layer.rank_lambda["default"] == (0.25 if mode == "target" else 0.0) for layer in layers(model))
     assert callback.state()["attributes"]["budget"]["lam"] == 0.25
     State.stateful_callbacks = {}  # a checkpoint saved without the callback: λ restarts from 0, and says so
     fresh = DynamicRankCallback(write_jsonl=False)

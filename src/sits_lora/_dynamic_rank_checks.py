@@ -15,6 +15,8 @@ from typing import Any, Optional, Sequence
 
 RANK_SCHEDULERS = ("entropy-gated", "learned", "random", "static")
 RANK_BUDGET_MODES = ("target", "ceiling", "price")
+# rank_budget_step_size=None: the step size of each mode (price moves logits directly, target a gradient term)
+DEFAULT_BUDGET_STEP_SIZE = {"price": 2.0, "target": 0.5, "ceiling": 0.5}
 ROUTED_SCHEDULERS = ("entropy-gated", "learned")
 
 # A histogram given as fractions may be rounded when it is copied from a log; 1e-3 accepts three
@@ -58,8 +60,10 @@ def require_optional_positive_number(example: str):
     return check
 
 
-def require_positive_number(example: str):
+def require_positive_number(example: str, allow_none: bool = False):
     def check(value: Any) -> Optional[str]:
+        if value is None and allow_none:
+            return None
         if not _is_number(value) or value <= 0:
             return f"it must be a positive number, e.g. {example}"
         return None

@@ -3,7 +3,7 @@
 Lagrangian: task loss + λ·(mean active rank / r). The mean active rank is measured on the routers'
 decisions (their argmax: what inference does) since the previous step; in training the layers
 compute with buckets sampled around those decisions. After each optimizer step the multiplier follows
-    λ ← λ + η·(mean active rank − target_mean_rank) / r            (rank_budget_mode="target", "price")
+    λ ← λ + η·(mean active rank − target_mean_rank) / r            (rank_budget_mode="price", "target")
     λ ← max(0, λ + η·(mean active rank − target_mean_rank) / r)    (rank_budget_mode="ceiling")
 A fixed penalty drifts as the task gradient changes during training; the multiplier rises until the
 constraint holds and falls back when it is slack. One λ for the whole model (the budget is a global
@@ -19,7 +19,7 @@ How λ reaches the routers:
   gradient λ acts with a lag: in 80 steps on SmolLM2 "target" left the routers at 11.7-16.2
   (entropy-gated, by seed) and 21.5 ("learned", λ still rising) under a target of 16
   (…-session3/dynamic_rank_eval).
-- "price": into the decision itself (Lagrangian relaxation of the routing: each token picks
+- "price" (the default): into the decision itself (Lagrangian relaxation of the routing: each token picks
   argmax_k of logit_k − λ·b_k/r, the idea of DeepSeek-V3's bias-based load balancing). After each
   step every router's bucket bias c_k moves by −Δλ·b_k/r; no budget term in the gradient. The next
   forward's decisions respond at once, and the price lives in the biases, which save with the

@@ -26,7 +26,12 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..layer import SitsLoraLinear, autocast_inputs
-from .._dynamic_rank_checks import ROUTED_SCHEDULERS, histogram_mean, max_entropy_histogram
+from .._dynamic_rank_checks import (
+    DEFAULT_BUDGET_STEP_SIZE,
+    ROUTED_SCHEDULERS,
+    histogram_mean,
+    max_entropy_histogram,
+)
 from .budget import current_valid_tokens, in_token_scope, measuring_active
 from .reference import device_constant, dynamic_rank_lora_linear
 from .router import EntropyProbe, TokenRouter, add_budget_gradient, inverse_rms, route
@@ -50,7 +55,7 @@ class RankSpec:
     histogram: tuple
     temperature: float
     budget_step_size: float
-    budget_mode: str = "target"
+    budget_mode: str = "price"
 
     @classmethod
     def from_config(cls, config, r: int) -> "RankSpec":
@@ -71,8 +76,9 @@ class RankSpec:
             target_mean_rank=None if target is None else float(target),
             histogram=tuple(float(p) / total for p in histogram) if histogram is not None else (),
             temperature=float(config.router_temperature),
-            budget_step_size=float(config.rank_budget_step_size),
-            budget_mode=getattr(config, "rank_budget_mode", "target"),
+            budget_step_size=float(step if (step := config.rank_budget_step_size) is not None
+                                   else DEFAULT_BUDGET_STEP_SIZE[config.rank_budget_mode]),
+            budget_mode=config.rank_budget_mode,
         )
 
     @property
