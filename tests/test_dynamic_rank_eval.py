@@ -159,3 +159,22 @@ def test_rank_budget_trace_script_compares_rules_step_by_step(tmp_path):
     assert len(saved["runs_with_traces"]) == 2 and (tmp_path / "rank_budget_trace.png").stat().st_size > 5_000
     with pytest.raises(SystemExit):
         rank_budget_trace.main(["--rules", "sideways:1"])
+
+
+def test_router_learning_rate_scale_reaches_the_routers_only():
+    """EvalSettings.router_lr_scale (rank_budget_trace.py --router-lr-scale): 0 freezes the routers in training while
+    the adapter still learns."""
+    import torch
+    from peft import get_peft_model
+
+    from dynamic_rank_harness import arm_config, load_blocks, load_eval_model, train_model
+
+    settings = settings_for("tiny", steps=2, router_lr_scale=0.0)
+    base, tokenizer, _ = load_eval_model(settings.model, settings.seq_len)
+    train_blocks, _, _ = load_blocks(tokenizer, settings)
+    model = get_peft_model(base, arm_config("learned", settings))
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    train_model(model, train_blocks, settings, lr=1e-2, seed=0)
+    changed = {n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])}
+    assert changed and not any("lora_router" in n for n in changed)
+    assert any("lora_A" in n for n in changed)
