@@ -65,35 +65,48 @@ def main(argv=None) -> int:
         def mm8(a, b, fast):
             return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=fast)
 
-        # the Triton candidate must compute the same product before its time means anything
-        agreement = {
-            "forward": _rel_diff(triton_fp8_matmul(x8, w8.t(), one, one), mm8(x8, w8.t(), False)),
-            "dX": _rel_diff(triton_fp8_matmul(dy8, w8, one, one), mm8(dy8, w8t.t(), False)),
-        }
+        # the Triton candidate must compute the same product before its time means anything; a candidate that
+        # fails to compile or run on this GPU is recorded and the rest is still measured
+        triton_operands = {"forward": (x8, w8.t(), w8.t()), "dX": (dy8, w8, w8t.t())}
+        agreement, failed = {}, {}
+        for direction, (a, b, b_cublas) in triton_operands.items():
+            try:
+                agreement[direction] = _rel_diff(triton_fp8_matmul(a, b, one, one), mm8(a, b_cublas, False))
+            except Exception as error:  # noqa: BLE001 (reported in the results)
+                failed[direction] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         timings = {
             ("forward", "bf16 mm"): timer(lambda: x @ w.t()),
             ("forward", "fp8 e4m3 fast"): timer(lambda: mm8(x8, w8.t(), True)),
             ("forward", "fp8 e4m3 exact"): timer(lambda: mm8(x8, w8.t(), False)),
-            ("forward", "fp8 e4m3 Triton"): timer(lambda: triton_fp8_matmul(x8, w8.t(), one, one)),
+            ("forward", "fp8 e4m3 Triton"): None if "forward" in failed else timer(
+                lambda: triton_fp8_matmul(x8, w8.t(), one, one)),
             ("forward", "cast x"): timer(lambda: fp8_cast(x, scale, amax, E4M3)),
             ("dX", "bf16 mm"): timer(lambda: dy @ w),
             ("dX", "fp8 e5m2 exact"): timer(lambda: mm8(dy8, w8t.t(), False)),
             ("dX", "fp8 e5m2 fast"): timer(lambda: mm8(dy8, w8t.t(), True)),
-            ("dX", "fp8 e5m2 Triton, W8 as stored"): timer(lambda: triton_fp8_matmul(dy8, w8, one, one)),
+            ("dX", "fp8 e5m2 Triton, W8 as stored"): None if "dX" in failed else timer(
+                lambda: triton_fp8_matmul(dy8, w8, one, one)),
             ("dX", "cast dy"): timer(lambda: fp8_cast(dy, scale, amax, E5M2)),
             ("dX", "transpose W8 (torch)"): timer(lambda: w8.t().contiguous()),
             ("dX", "transpose W8 (Triton)"): timer(lambda: transpose_fp8(w8)),
         }
         for (direction, what), ms in timings.items():
-            base = timings[(direction, "bf16 mm")]
-            gemm = "mm" in what or "fp8 e" in what
-            rows.append({"d_in": d_in, "d_out": d_out, "T": T, "direction": direction, "op": what, "ms": ms,
-                         "vs_bf16_gemm": ms / base,
-                         "tflops": flops / ms / 1e9 if gemm else None,
-                         "max_rel_diff_vs_scaled_mm": agreement[direction] if what.startswith("fp8") and "Triton" in what else None})
-        torch.cuda.empty_cache()
-    paths = write_results("fp8_gemms_smoke" if args.smoke else "fp8_gemms", rows, args.out, {"command": "python bench/fp8_gemms.py " + " ".join(argv or sys.argv[1:])})
-    print_table(rows, ["d_in", "d_out", "direction", "op", "ms", "vs_bf16_gemm", "tflops", "max_rel_diff_vs_scaled_mm"])
+            row = {"d_in": d_in, "d_out": d_out, "T": T, "direction": direction, "op": what}
+            candidate = what.startswith("fp8") and "Triton" in what
+            if ms is None:
+                row["error"] = failed[direction]
+            else:
+                gemm = "mm" in what or "fp8 e" in what
+                row.update({"ms": ms, "vs_bf16_gemm": ms / timings[(direction, "bf16 mm")],
+                            "tflops": flops / ms / 1e9 if gemm else None,
+                            "max_rel_diff_vs_scaled_mm": agreement[direction] if candidate else None})
+            rows.append(row)
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    paths = write_results("fp8_gemms_smoke" if args.smoke else "fp8_gemms", rows, args.out,
+                          {"command": "python bench/fp8_gemms.py " + " ".join(argv or sys.argv[1:])})
+    print_table(rows, ["d_in", "d_out", "direction", "op", "ms", "vs_bf16_gemm", "tflops", "max_rel_diff_vs_scaled_mm",
+                       "error"])
     print("wrote", *paths)
     return 0
 
