@@ -95,10 +95,11 @@ def compile_all() -> dict:
     jobs.append((fp8_ops._transpose_bytes_kernel, {"src_ptr": "*u8", "dst_ptr": "*u8"},
                  dict(BLOCK_R=128, BLOCK_C=128), {"num_warps": 8}))
     for a_type in ("*fp8e4nv", "*fp8e5"):   # forward: x8 e4m3 × W8ᵀ; dX: dy8 e5m2 × W8 (the strides differ at run time)
-        pointers = {"a_ptr": a_type, "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "a_scale_ptr": "*fp32",
-                    "b_scale_ptr": "*fp32"}
-        jobs.append((fp8_ops._fp8_matmul_kernel, pointers, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8),
-                     {"num_warps": 8, "num_stages": 4}))
+        pointers = {"a_ptr": a_type, "b_ptr": "*fp8e4nv", "out_ptr": "*bf16", "l_ptr": "*fp32", "r_ptr": "*fp32",
+                    "bias_ptr": "*bf16", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32"}
+        jobs.append((fused._lora_gemm_kernel, pointers,
+                     dict(HAS_LORA=False, HAS_BIAS=False, HAS_SCALES=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128,
+                          BLOCK_R=16, GROUP_M=8, DOT_PRECISION="tf32"), {"num_warps": 8, "num_stages": 4}))
     results = {}
     for variant, job in zip(_variant_ids(), jobs):
         try:

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused import lora_dy_pass, lora_expand, lora_shrink, lora_x_pass
+from .fused import lora_dy_pass, lora_expand, lora_gemm, lora_shrink, lora_x_pass
 
 __all__ = [
     "E4M3",
@@ -218,59 +218,17 @@ def transpose_fp8(w8: torch.Tensor) -> torch.Tensor:
 # stored (no transpose per backward) and, later, the LoRA term in its epilogue (no expand launch).
 
 
-@triton.jit
-def _fp8_matmul_kernel(
-    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr,
-    M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """c = (a b) · a_scale · b_scale: a (M, K), b (K, N) fp8 with any strides, fp32 accumulation.
-
-    Programs walk the output in groups of GROUP_M row blocks so that neighbours share b tiles in L2.
-    """
-    pid = tl.program_id(0)
-    blocks_m = tl.cdiv(M, BLOCK_M)
-    blocks_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * blocks_n)
-    first_m = group * GROUP_M
-    rows = tl.minimum(blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % rows)
-    pid_n = (pid % (GROUP_M * blocks_n)) // rows
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        a = tl.load(a_ptr + offs_m[:, None].to(tl.int64) * stride_am + k[None, :] * stride_ak,
-                    mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)
-        b = tl.load(b_ptr + k[:, None].to(tl.int64) * stride_bk + offs_n[None, :] * stride_bn,
-                    mask=(k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
-        acc = tl.dot(a, b, acc)
-    acc = acc * tl.load(a_scale_ptr) * tl.load(b_scale_ptr)
-    tl.store(c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn,
-             acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
-
-
 def triton_fp8_matmul(a8: torch.Tensor, b8: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor,
                       out_dtype: torch.dtype = torch.bfloat16, config: Optional[dict] = None) -> torch.Tensor:
     """(a8 @ b8) · a_inv · b_inv in ``out_dtype``: a8 (M, K), b8 (K, N) fp8 of any strides (pass W8.t() for
     the forward x8 W8ᵀ, W8 itself for dX = dy8 W8), per-tensor scales a_inv, b_inv fp32 (1,)."""
-    M, K = a8.shape
-    K2, N = b8.shape
-    if K != K2:
+    if a8.shape[1] != b8.shape[0]:
         raise ValueError(f"inner dimensions differ: a8 is {tuple(a8.shape)}, b8 is {tuple(b8.shape)}")
-    out = torch.empty((M, N), device=a8.device, dtype=out_dtype)
     # 128 x 128 x 128 tiles on a GPU (fp8 tensor cores take K in steps of 32); 16-wide on the interpreter
     cfg = config or (dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4) if a8.is_cuda
                      else dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2))
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-    _fp8_matmul_kernel[grid](
-        a8, b8, out, a_inv, b_inv, M, N, K,
-        a8.stride(0), a8.stride(1), b8.stride(0), b8.stride(1), out.stride(0), out.stride(1), **cfg,
-    )
-    return out
+    # the LoRA GEMM of ``fused`` with its fp8 dequantization step; its epilogue could add the LoRA term too
+    return lora_gemm(a8, b8, None, None, 0.0, None, out_dtype, config=cfg, scales=(a_inv, b_inv))
 
 
 # ----------------------------------------------------------------------------- the weight, once

@@ -193,15 +193,18 @@ def lora_expand(h: torch.Tensor, lora_B: torch.Tensor, scale: float, bias: Optio
 
 @triton.jit
 def _lora_gemm_kernel(
-    a_ptr, b_ptr, out_ptr, l_ptr, r_ptr, bias_ptr,
+    a_ptr, b_ptr, out_ptr, l_ptr, r_ptr, bias_ptr, a_scale_ptr, b_scale_ptr,
     M, N, K, R, scale,
     stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on,
     stride_lm, stride_lr, stride_rr, stride_rn,
-    HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """out = a b + s·L Rw + bias; a (M, K), b (K, N), L (M, R) fp32, Rw (R, N)."""
+    """out = (a b)·[a_scale·b_scale] + s·L Rw + bias; a (M, K), b (K, N), L (M, R) fp32, Rw (R, N).
+
+    HAS_SCALES: a and b are fp8 codes and the base product is dequantized by the two per-tensor scales
+    (fp32 (1,) each) before the epilogue (ops.fp8.triton_fp8_matmul)."""
     # 1. tile order grouped along M so that consecutive programs reuse b tiles in L2
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -223,6 +226,8 @@ def _lora_gemm_kernel(
         b = tl.load(b_ptr + k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
                     mask=(k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    if HAS_SCALES:
+        acc = acc * tl.load(a_scale_ptr) * tl.load(b_scale_ptr)
     # 3. epilogue: the low-rank term and the bias, added while the tile is in registers
     if HAS_LORA:
         offs_r = tl.arange(0, BLOCK_R)
@@ -247,8 +252,10 @@ def _gemm_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
 
 def lora_gemm(a: torch.Tensor, b: torch.Tensor, lora_left: Optional[torch.Tensor], lora_right: Optional[torch.Tensor],
               scale: float, bias: Optional[torch.Tensor], out_dtype: torch.dtype,
-              config: Optional[dict] = None) -> torch.Tensor:
-    """a (M, K) @ b (K, N) + s·L (M, R) @ Rw (R, N) + bias, any strides, out (M, N) contiguous."""
+              config: Optional[dict] = None, scales: Optional[tuple] = None) -> torch.Tensor:
+    """a (M, K) @ b (K, N) + s·L (M, R) @ Rw (R, N) + bias, any strides, out (M, N) contiguous.
+
+    ``scales`` (a_inv, b_inv): fp32 (1,) tensors multiplying a @ b (fp8 a and b, see ops.fp8)."""
     M, K = a.shape
     N = b.shape[1]
     out = torch.empty((M, N), device=a.device, dtype=out_dtype)
@@ -260,11 +267,12 @@ def lora_gemm(a: torch.Tensor, b: torch.Tensor, lora_left: Optional[torch.Tensor
     _lora_gemm_kernel[grid](
         a, b, out, lora_left if has_lora else dummy, lora_right if has_lora else dummy,
         bias if bias is not None else dummy,
+        scales[0] if scales is not None else dummy, scales[1] if scales is not None else dummy,
         M, N, K, R, scale,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         lora_left.stride(0) if has_lora else 0, lora_left.stride(1) if has_lora else 0,
         lora_right.stride(0) if has_lora else 0, lora_right.stride(1) if has_lora else 0,
-        HAS_LORA=has_lora, HAS_BIAS=bias is not None, BLOCK_R=block_rank(max(R, 1)),
+        HAS_LORA=has_lora, HAS_BIAS=bias is not None, HAS_SCALES=scales is not None, BLOCK_R=block_rank(max(R, 1)),
         DOT_PRECISION=_dot_precision(a.dtype), **cfg,
     )
     return out
