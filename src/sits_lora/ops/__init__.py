@@ -177,6 +177,29 @@ def _input_grads(ctx, lead, K: int, dx, dx_lora, dA, dB, lora_A, lora_B) -> tupl
     )
 
 
+def _forward_2d(x, x_lora, weight, bias, lora_A, lora_B, scaling: float, gemm: str, **limits):
+    """(y with x's leading dims, h): ``fused.lora_linear_forward`` on x flattened to 2-D."""
+    from .fused import lora_linear_forward
+
+    K = x.shape[-1]
+    y, h = lora_linear_forward(x.reshape(-1, K), None if x_lora is None else x_lora.reshape(-1, K),
+                               weight, bias, lora_A, lora_B, scaling, gemm, **limits)
+    return y.view(*x.shape[:-1], weight.shape[0]), h
+
+
+def _backward_2d(ctx, grad_y, x, x_lora, weight, lora_A, lora_B, h, gemm: str, rank_limit=None):
+    """(gradients of the LoRA Functions' first six inputs, g): ``fused.lora_linear_backward`` on 2-D views."""
+    from .fused import lora_linear_backward
+
+    N, K = weight.shape
+    dx, dx_lora, dA, dB, g = lora_linear_backward(
+        grad_y.reshape(-1, N), None if x is None else x.reshape(-1, K),
+        None if x_lora is None else x_lora.reshape(-1, K),
+        weight, lora_A, lora_B, h, ctx.scaling, gemm, ctx.needs_input_grad[0], rank_limit=rank_limit,
+    )
+    return _input_grads(ctx, grad_y.shape[:-1], K, dx, dx_lora, dA, dB, lora_A, lora_B), g
+
+
 class LoraLinearFunction(torch.autograd.Function):
     """The same forward and backward as the custom op, without the op dispatcher in between.
 
@@ -187,30 +210,15 @@ class LoraLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, x_lora, weight, bias, lora_A, lora_B, scaling, gemm):
-        from .fused import lora_linear_forward
-
-        K = x.shape[-1]
-        y, h = lora_linear_forward(
-            x.reshape(-1, K), None if x_lora is None else x_lora.reshape(-1, K),
-            weight, bias, lora_A, lora_B, scaling, gemm,
-        )
+        y, h = _forward_2d(x, x_lora, weight, bias, lora_A, lora_B, scaling, gemm)
         _setup_context(ctx, (x, x_lora, weight, bias, lora_A, lora_B, scaling, gemm), (None, h))
-        return y.view(*x.shape[:-1], weight.shape[0])
+        return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        from .fused import lora_linear_backward
-
         x, x_lora, weight, lora_A, lora_B, h = ctx.saved_tensors
-        need_dx = ctx.needs_input_grad[0]
-        N, K = weight.shape
-        lead = grad_y.shape[:-1]
-        dx, dx_lora, dA, dB, _ = lora_linear_backward(
-            grad_y.reshape(-1, N), None if x is None else x.reshape(-1, K),
-            None if x_lora is None else x_lora.reshape(-1, K),
-            weight, lora_A, lora_B, h, ctx.scaling, ctx.gemm, need_dx,
-        )
-        return (*_input_grads(ctx, lead, K, dx, dx_lora, dA, dB, lora_A, lora_B), None, None)
+        grads, _ = _backward_2d(ctx, grad_y, x, x_lora, weight, lora_A, lora_B, h, ctx.gemm)
+        return (*grads, None, None)
 
 
 class LoraSiblingsFunction(torch.autograd.Function):
@@ -263,36 +271,22 @@ class DynamicRankLoraFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, x_lora, weight, bias, lora_A, lora_B, bucket_weights, scaling, rank_limit, bucket_ends,
                 token_order):
-        from .fused import lora_linear_forward
-
-        K = x.shape[-1]
-        y, h = lora_linear_forward(
-            x.reshape(-1, K), None if x_lora is None else x_lora.reshape(-1, K),
-            weight, bias, lora_A, lora_B, scaling, "cublas", rank_limit=rank_limit, token_order=token_order,
-        )
+        y, h = _forward_2d(x, x_lora, weight, bias, lora_A, lora_B, scaling, "cublas", rank_limit=rank_limit,
+                           token_order=token_order)
         ctx.save_for_backward(x if x_lora is None else None, x_lora, weight, lora_A, lora_B, h, rank_limit, bucket_ends)
         ctx.scaling = scaling
-        return y.view(*x.shape[:-1], weight.shape[0])
+        return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        from .fused import lora_linear_backward
-
         x, x_lora, weight, lora_A, lora_B, h, rank_limit, bucket_ends = ctx.saved_tensors
-        need_dx = ctx.needs_input_grad[0]
-        N, K = weight.shape
-        lead = grad_y.shape[:-1]
-        dx, dx_lora, dA, dB, g = lora_linear_backward(
-            grad_y.reshape(-1, N), None if x is None else x.reshape(-1, K),
-            None if x_lora is None else x_lora.reshape(-1, K),
-            weight, lora_A, lora_B, h, ctx.scaling, "cublas", need_dx, rank_limit=rank_limit,
-        )
+        grads, g = _backward_2d(ctx, grad_y, x, x_lora, weight, lora_A, lora_B, h, "cublas", rank_limit=rank_limit)
         d_weights = None
         if ctx.needs_input_grad[6]:
             # prefix sums of h ⊙ g at each bucket's end; a leading zero column serves a bucket of rank 0
             prefix = torch.nn.functional.pad(torch.cumsum(h * g, dim=1), (1, 0))           # (T, R + 1)
             d_weights = (prefix.index_select(1, bucket_ends) * ctx.scaling)                  # (T, K)
-        return (*_input_grads(ctx, lead, K, dx, dx_lora, dA, dB, lora_A, lora_B), d_weights, None, None, None, None)
+        return (*grads, d_weights, None, None, None, None)
 
 
 def lora_linear_dynamic_rank_triton(x, x_lora, weight, bias, lora_A, lora_B, scaling: float, rank_limit: Tensor,
