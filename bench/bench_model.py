@@ -39,7 +39,10 @@ ARMS = ["frozen", "frozen+compile", "peft", "peft+compile", "sits", "sits+compil
 # "+cg": torch.compile(mode="reduce-overhead"), CUDA graphs over the compiled forward and backward: the fp8
 # layers are launch-bound (bench/NOTES.md, session 3); the frozen floor is measured the same way next to them
 OPTIONAL_ARMS = ["peft+liger", "sits+liger", "sits+gc", "peft+gc", "sits+fp8", "sits+fp8+compile",
-                 "frozen+compile+cg", "sits+compile+cg", "sits+fp8+compile+cg"]
+                 "frozen+compile+cg", "sits+compile+cg", "sits+fp8+compile+cg",
+                 # Liger's fused RMSNorm / SwiGLU / linear cross-entropy under the fp8 base, and the frozen
+                 # model with Liger: the floor for a run that uses Liger, reported next to the issue's floor
+                 "sits+fp8+liger", "frozen+liger"]
 
 
 def build(model_name: str, arm: str, device: str, dtype):

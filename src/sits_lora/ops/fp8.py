@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused import lora_dy_pass, lora_expand, lora_gemm, lora_shrink, lora_x_pass
+from .fused import cdiv, lora_dy_pass, lora_expand, lora_gemm, lora_shrink, lora_x_pass
 
 __all__ = [
     "E4M3",
@@ -126,7 +126,7 @@ def fp8_cast(x: torch.Tensor, scale: torch.Tensor, amax: Optional[torch.Tensor],
     T, C = x.shape
     out = torch.empty((T, C), device=x.device, dtype=dtype)
     cfg = _cast_config(x.device)
-    _fp8_cast_kernel[(triton.cdiv(T, cfg["BLOCK_T"]),)](
+    _fp8_cast_kernel[(cdiv(T, cfg["BLOCK_T"]),)](
         x, out, scale, amax if amax is not None else scale, colscale if colscale is not None else scale,
         T, C, x.stride(0), x.stride(1), out.stride(0),
         FP8_MAX=FP8_MAX[dtype], HAS_COLSCALE=colscale is not None, WRITE_OUT=True, RECORD_AMAX=amax is not None,
@@ -140,7 +140,7 @@ def fp8_amax(x: torch.Tensor, colscale: Optional[torch.Tensor] = None) -> torch.
     T, C = x.shape
     amax = torch.zeros(1, device=x.device, dtype=torch.float32)
     cfg = _cast_config(x.device)
-    _fp8_cast_kernel[(triton.cdiv(T, cfg["BLOCK_T"]),)](
+    _fp8_cast_kernel[(cdiv(T, cfg["BLOCK_T"]),)](
         x, amax, amax, amax, colscale if colscale is not None else amax,
         T, C, x.stride(0), x.stride(1), 0,
         FP8_MAX=448.0, HAS_COLSCALE=colscale is not None, WRITE_OUT=False, RECORD_AMAX=True, **cfg,
@@ -206,7 +206,7 @@ def transpose_fp8(w8: torch.Tensor) -> torch.Tensor:
     out = torch.empty((C, R), device=w8.device, dtype=torch.uint8)
     # 64 x 64 bytes on the CPU interpreter (quick); 128 x 128 (16 KiB) per program on a GPU
     block = 128 if w8.is_cuda else 64
-    _transpose_bytes_kernel[(triton.cdiv(R, block), triton.cdiv(C, block))](
+    _transpose_bytes_kernel[(cdiv(R, block), cdiv(C, block))](
         w8.view(torch.uint8), out, R, C, BLOCK_R=block, BLOCK_C=block, num_warps=8 if w8.is_cuda else 4)
     return out.view(w8.dtype)
 

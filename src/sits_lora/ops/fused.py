@@ -37,10 +37,19 @@ from . import tuning
 # ----------------------------------------------------------------------------- helpers
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of host integers (grids, splits).
+
+    Not triton.cdiv: newer Triton makes it a ConstexprFunction whose host call costs microseconds,
+    and a layer step computes a dozen of these on the path that issues its kernels.
+    """
+    return -(-a // b)
+
+
 def block_rank(r: int) -> int:
     """The rank block the kernels run rank ``r`` at (the R in the tuning cache's dims)."""
     # tl.dot needs every dimension >= 16; ranks that are not powers of two are masked.
-    return max(16, triton.next_power_of_2(r))
+    return max(16, 1 << (r - 1).bit_length())
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -52,9 +61,9 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def _split(length: int, block: int, other_programs: int, target_programs: int) -> tuple[int, int]:
     """(splits, per_split): cut ``length`` into whole blocks so that splits x other_programs is
     about ``target_programs`` (enough programs to keep every SM streaming), at least one split."""
-    splits = max(1, min(triton.cdiv(length, block), triton.cdiv(target_programs, other_programs)))
-    per_split = triton.cdiv(triton.cdiv(length, splits), block) * block
-    return triton.cdiv(length, per_split), per_split
+    splits = max(1, min(cdiv(length, block), cdiv(target_programs, other_programs)))
+    per_split = cdiv(cdiv(length, splits), block) * block
+    return cdiv(length, per_split), per_split
 
 
 # ----------------------------------------------------------------------------- shrink: h = x Aᵀ
@@ -91,7 +100,7 @@ def lora_shrink(x: torch.Tensor, lora_A: torch.Tensor, config: Optional[dict] = 
     h = torch.empty((T, R), device=x.device, dtype=torch.float32)
     BLOCK_R = block_rank(R)
     cfg = config or tuning.config_for("shrink", x.device, (K, BLOCK_R), x.dtype)
-    _lora_shrink_kernel[(triton.cdiv(T, cfg["BLOCK_T"]),)](
+    _lora_shrink_kernel[(cdiv(T, cfg["BLOCK_T"]),)](
         x, lora_A, h, T, K, R,
         x.stride(0), x.stride(1), lora_A.stride(0), lora_A.stride(1), h.stride(0), h.stride(1),
         BLOCK_R=BLOCK_R, DOT_PRECISION=_dot_precision(x.dtype), **cfg,
@@ -175,7 +184,7 @@ def lora_expand(h: torch.Tensor, lora_B: torch.Tensor, scale: float, bias: Optio
     c = torch.empty((T, N), device=h.device, dtype=out_dtype) if add_to is None else add_to
     BLOCK_R = block_rank(R)
     cfg = config or tuning.config_for("expand", h.device, (N, BLOCK_R), out_dtype)
-    grid = (triton.cdiv(T, cfg["BLOCK_T"]), triton.cdiv(N, cfg["BLOCK_N"]))
+    grid = (cdiv(T, cfg["BLOCK_T"]), cdiv(N, cfg["BLOCK_N"]))
     _lora_expand_kernel[grid](
         h, lora_B, bias if bias is not None else h, c,
         rank_limit if rank_limit is not None else h, token_order if token_order is not None else h,
@@ -262,7 +271,7 @@ def lora_gemm(a: torch.Tensor, b: torch.Tensor, lora_left: Optional[torch.Tensor
     cfg = dict(config or _gemm_config(M, N, K, a.dtype))
     has_lora = lora_left is not None
     R = lora_left.shape[1] if has_lora else 0
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
     dummy = a
     _lora_gemm_kernel[grid](
         a, b, out, lora_left if has_lora else dummy, lora_right if has_lora else dummy,
@@ -333,7 +342,7 @@ def lora_dy_pass(dy: torch.Tensor, lora_B: torch.Tensor, h: torch.Tensor, scale:
     # dB partials cost (T / BLOCK_T)·N·R·4 bytes: a tall token block keeps them small against dy.
     cfg = config or tuning.config_for("dy_pass", dy.device, (N, BLOCK_R), dy.dtype)
     BLOCK_T, BLOCK_N = cfg["BLOCK_T"], cfg["BLOCK_N"]
-    t_blocks = triton.cdiv(T, BLOCK_T)
+    t_blocks = cdiv(T, BLOCK_T)
     # About two programs per SM of an H100 / H200 (132 SMs): split N when there are few token blocks.
     splits, n_per_split = _split(N, BLOCK_N, t_blocks, 264)
     g_part = torch.empty((splits, T, R), device=dy.device, dtype=torch.float32)
@@ -403,7 +412,7 @@ def lora_x_pass(x: torch.Tensor, lora_A: torch.Tensor, g: torch.Tensor, scale: f
     BLOCK_R = block_rank(R)
     cfg = config or tuning.config_for("x_pass", x.device, (K, BLOCK_R), x.dtype)
     BLOCK_T, BLOCK_K = cfg["BLOCK_T"], cfg["BLOCK_K"]
-    k_blocks = triton.cdiv(K, BLOCK_K)
+    k_blocks = cdiv(K, BLOCK_K)
     # About four programs per SM in all, each summing its own token range: a few partial sums of
     # dA instead of one per token block.
     splits, t_per_split = _split(T, BLOCK_T, k_blocks, 528)

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused import cdiv
+
 QBLOCK = 64
 
 
@@ -86,7 +88,7 @@ def int4_dequantize(packed: torch.Tensor, absmax: torch.Tensor, dtype: torch.dty
     # 2048 bytes a program with 4 warps: 16 bytes a thread, one 128-bit load when the address allows it.
     # The interpreter runs programs one by one in Python: small blocks keep it quick.
     block = block_bytes or (256 if packed.device.type == "cpu" else 2048)
-    _int4_dequant_kernel[(triton.cdiv(n_bytes, block),)](
+    _int4_dequant_kernel[(cdiv(n_bytes, block),)](
         packed, absmax, out, n_bytes, BLOCK_BYTES=block, QBLOCK=QBLOCK, num_warps=4,
     )
     return out

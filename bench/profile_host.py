@@ -1,0 +1,151 @@
+"""Where the host (Python) time of one LoRA layer step goes: per launcher, and by cProfile.
+
+    python bench/profile_host.py --out OUT        # on a GPU; --smoke on a CPU (emulated fp8, no launches)
+
+Session 3 measured the eager fp8 layer at 1.99 ms of host time per fwd+bwd step against 0.76 ms of
+GPU time (bench/NOTES.md): below the MLP shapes the layer is launch-bound, and on the 8B model the
+224 adapted layers can keep the GPU waiting. This script runs a small token count (the GPU finishes
+each kernel long before the host issues the next), so the timings are host costs:
+
+1. each launcher alone (fp8 cast, shrink, expand, dy pass, x pass, W8 transpose, _scaled_mm,
+   an empty Triton kernel for Triton's own dispatch cost), µs per call;
+2. a whole layer step per arm, µs per step, and the cProfile table of 100 steps (top by own time).
+
+Writes OUT/host.json and OUT/host_profile.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_layer import build  # noqa: E402
+from harness import environment  # noqa: E402
+
+
+def _host_us(fn, calls: int) -> float:
+    """Mean host time of fn() in µs; the GPU is synchronized before and after, not in between."""
+    for _ in range(5):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - t) / calls * 1e6
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return us
+
+
+def launchers(T: int, K: int, N: int, R: int, calls: int) -> dict:
+    import triton
+    import triton.language as tl
+
+    from sits_lora.ops import fp8 as fp8_ops
+    from sits_lora.ops import fused
+
+    @triton.jit
+    def _empty_kernel(a_ptr, b_ptr, n, BLOCK: tl.constexpr):
+        pass
+
+    dev = "cuda"
+    x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
+    dy = torch.randn(T, N, device=dev, dtype=torch.bfloat16)
+    A = torch.randn(R, K, device=dev) * 0.01
+    B = torch.randn(N, R, device=dev) * 0.01
+    w8, w_inv = fp8_ops.quantize_weight(torch.randn(N, K, device=dev, dtype=torch.bfloat16), "tensor")
+    scale = torch.ones(8, device=dev)
+    amax = torch.zeros(8, device=dev)
+    x8 = fp8_ops.fp8_cast(x, scale[:1], None, fp8_ops.E4M3)
+    h = fused.lora_shrink(x, A)
+    g, _ = fused.lora_dy_pass(dy, B, h, 2.0)
+    y = torch.empty(T, N, device=dev, dtype=torch.bfloat16)
+    pieces = {
+        "triton_empty_kernel": lambda: _empty_kernel[(1,)](x, y, T, BLOCK=16),
+        "fp8_cast": lambda: fp8_ops.fp8_cast(x, scale[:1], amax[:1], fp8_ops.E4M3),
+        "lora_shrink": lambda: fused.lora_shrink(x, A),
+        "lora_expand_add": lambda: fp8_ops.lora_expand_add_(y, h, B, 2.0, None),
+        "lora_dy_pass": lambda: fused.lora_dy_pass(dy, B, h, 2.0),
+        "lora_x_pass": lambda: fused.lora_x_pass(x, A, g, 2.0, write_dx=False),
+        "transpose_fp8": lambda: fp8_ops.transpose_fp8(w8),
+        "scaled_mm": lambda: torch._scaled_mm(x8, w8.t(), scale_a=scale[:1], scale_b=scale[:1],
+                                              out_dtype=torch.bfloat16, use_fast_accum=True),
+        "torch_mm_bf16": lambda: torch.mm(x, x.t()),
+        "torch_empty": lambda: torch.empty(T, N, device=dev, dtype=torch.bfloat16),
+    }
+    return {name: _host_us(fn, calls) for name, fn in pieces.items()}
+
+
+def layer_steps(arms, T: int, K: int, N: int, R: int, steps: int, device: str, dtype) -> tuple[dict, str]:
+    results, text = {}, io.StringIO()
+    for arm in arms:
+        model = build(arm, K, N, R, dtype, device)
+        x = torch.randn(T, K, device=device, dtype=dtype, requires_grad=True)
+        dy = torch.randn(T, N, device=device, dtype=dtype)
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def step():
+            x.grad = None
+            for p in params:
+                p.grad = None
+            model(x).backward(dy)
+
+        results[arm] = _host_us(step, steps)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(100):
+            step()
+        prof.disable()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        text.write(f"== {arm}: {results[arm]:.1f} us host per step (T = {T}, {K} x {N}, r {R}); cProfile of 100 steps\n")
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    return results, text.getvalue()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=256, help="small: the host, not the GPU, sets the pace")
+    parser.add_argument("--d-in", type=int, default=2048)
+    parser.add_argument("--d-out", type=int, default=8192)
+    parser.add_argument("--r", type=int, default=16)
+    parser.add_argument("--arms", nargs="+", default=["frozen", "sits:cublas", "sits:fp8"])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--out", default="bench/results/host")
+    parser.add_argument("--smoke", action="store_true", help="CPU: tiny sizes, layer steps only")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.smoke
+    if not cuda and not args.smoke:
+        parser.error("needs a CUDA GPU (or --smoke on a CPU)")
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    T, K, N, steps = (args.tokens, args.d_in, args.d_out, args.steps) if cuda else (32, 64, 96, 5)
+    os.makedirs(args.out, exist_ok=True)
+    report = {"environment": environment(), "command": "python " + " ".join(sys.argv),
+              "tokens": T, "d_in": K, "d_out": N, "r": args.r}
+    if cuda:
+        report["launcher_host_us"] = launchers(T, K, N, args.r, steps)
+        for name, us in report["launcher_host_us"].items():
+            print(f"{name:22s} {us:8.1f} us host per call", flush=True)
+    report["layer_step_host_us"], table = layer_steps(args.arms, T, K, N, args.r, steps, device, dtype)
+    for arm, us in report["layer_step_host_us"].items():
+        print(f"layer step {arm:12s} {us:8.1f} us host", flush=True)
+    with open(os.path.join(args.out, "host.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    with open(os.path.join(args.out, "host_profile.txt"), "w") as f:
+        f.write(table)
+    print(table[:6000])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
