@@ -173,3 +173,27 @@ def test_autocast_trains_like_peft(kernel, dtype):
         if p.requires_grad:
             assert p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all(), n
             assert rel_err(p.grad, peft_params[n].grad) < 5e-2, n
+
+
+def test_config_for_remembers_its_answer_until_a_tuning_result_replaces_it(monkeypatch):
+    # every launcher asks config_for on every call: the answer comes from memory (host time per launch),
+    # and a new tuning result must still reach the next launch
+    import triton.testing
+
+    from sits_lora.ops import tuning
+
+    monkeypatch.setattr(tuning, "_device_name", lambda device: "FakeGPU")
+    monkeypatch.setattr(tuning, "_cache", {})
+    monkeypatch.setattr(tuning, "_answers", {})
+    gpu = torch.device("cuda", 0)
+    default = tuning.CONFIG_SPACE["shrink"][0]
+    assert tuning.config_for("shrink", gpu, (4096, 16), torch.bfloat16) == default
+    lookups, config_key = [], tuning.config_key
+    monkeypatch.setattr(tuning, "config_key", lambda *a: lookups.append(a) or config_key(*a))
+    assert tuning.config_for("shrink", gpu, (4096, 16), torch.bfloat16) == default and lookups == []
+    faster = tuning.CONFIG_SPACE["shrink"][5]
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn())
+    best, _ = tuning.tune("shrink", gpu, (4096, 16), torch.bfloat16, lambda cfg: 1.0 if cfg == faster else 2.0,
+                          save=False)
+    assert best == faster and tuning.config_for("shrink", gpu, (4096, 16), torch.bfloat16) == faster
+    assert tuning.config_for("shrink", gpu, (2048, 16), torch.bfloat16) == default  # other dims: untouched

@@ -52,6 +52,10 @@ INTERPRETER_CONFIG = {
 
 _lock = threading.Lock()
 _cache: Optional[dict] = None
+# config_for's answers by (kernel, device, dims, dtype). Every launcher asks on every call, and the key
+# (device name, string formatting) cost ~15-25 µs of host time per launch on the H200's host
+# (bench/profile_host.py): a layer step issues 4-8 launches. Cleared whenever a tuning result is stored.
+_answers: dict = {}
 
 
 def cache_path() -> str:
@@ -94,8 +98,12 @@ def config_for(kernel: str, device: torch.device, dims: tuple, dtype: torch.dtyp
     """The launch configuration for ``kernel`` on ``device`` at ``dims`` (K, N, R-block...)."""
     if device.type != "cuda" or dtype == torch.float32:
         return INTERPRETER_CONFIG[kernel]
-    found = _load().get(config_key(kernel, device, dims, dtype))
-    return found if found is not None else CONFIG_SPACE[kernel][0]
+    answer_key = (kernel, device, dims, dtype)
+    found = _answers.get(answer_key)
+    if found is None:
+        found = _load().get(config_key(kernel, device, dims, dtype)) or CONFIG_SPACE[kernel][0]
+        _answers[answer_key] = found
+    return found
 
 
 def tune(kernel: str, device: torch.device, dims: tuple, dtype: torch.dtype,
@@ -115,6 +123,7 @@ def tune(kernel: str, device: torch.device, dims: tuple, dtype: torch.dtype,
     best = min(timings, key=lambda t: t[0])[1]
     key = config_key(kernel, device, dims, dtype)
     _load()[key] = best
+    _answers.clear()
     if save:
         save_cache()
     return best, timings
