@@ -23,6 +23,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dynamic_rank_harness import PRESETS, results_from_partials, run_evaluation, settings_for, write_results  # noqa: E402
 
 
+def _lr_by_arm(text: str) -> dict:
+    pairs = {}
+    for item in text.split(","):
+        arm, _, value = item.partition("=")
+        try:
+            pairs[arm.strip()] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is not ARM=LR (e.g. static-r16=1e-3)") from None
+    return pairs
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = parser.add_mutually_exclusive_group()
@@ -38,6 +49,9 @@ def main(argv=None) -> int:
                                             "~/.cache/sits_lora/token_entropy)")
     parser.add_argument("--lr-grid", type=lambda s: tuple(float(v) for v in s.split(",")),
                         help="comma-separated learning rates tried for each adapter arm (default 5e-4,1e-3,2e-3)")
+    parser.add_argument("--lr", type=_lr_by_arm, metavar="ARM=LR[,ARM=LR...]",
+                        help="a fixed learning rate for these arms instead of their grid, e.g. static-r16=1e-3 (the "
+                             "pick of an earlier run's grid: each arm at its own tuned rate, one run per seed)")
     parser.add_argument("--rank-budget-mode", choices=("target", "ceiling", "price"),
                         help="SitsLoraConfig.rank_budget_mode of the routed arms (default target, the rule of the "
                              "published runs; the library's default is price)")
@@ -49,7 +63,7 @@ def main(argv=None) -> int:
                         help="with --merge-partials: take the environment stamp from this result file")
     args = parser.parse_args(argv)
     settings = settings_for(args.size or "budget", model=args.model, steps=args.steps, seeds=args.seeds,
-                            arms=args.arms, cache_dir=args.cache_dir, lr_grid_lora=args.lr_grid,
+                            arms=args.arms, cache_dir=args.cache_dir, lr_grid_lora=args.lr_grid, lr_by_arm=args.lr,
                             rank_budget_step_size=args.rank_budget_step_size, rank_budget_mode=args.rank_budget_mode)
     if args.merge_partials:
         results = results_from_partials(args.merge_partials, settings, args.environment_from)

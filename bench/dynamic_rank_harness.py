@@ -58,6 +58,8 @@ class EvalSettings:
     seeds: tuple = field(default=(0, 1, 2), metadata={"help": "seeds; the learning rate is tuned at the first"})
     lr_grid_lora: tuple = field(default=(5e-4, 1e-3, 2e-3), metadata={"help": "learning rates tried for each adapter arm"})
     lr_grid_full: tuple = field(default=(2e-5, 5e-5, 1e-4), metadata={"help": "learning rates tried for full fine-tuning"})
+    lr_by_arm: dict = field(default_factory=dict, metadata={
+        "help": "a fixed learning rate for some arms (e.g. the pick of an earlier run's grid), instead of their grid"})
     val_blocks: int = field(default=16, metadata={"help": "validation blocks (from the training split, never trained on)"})
     test_blocks: int = field(default=64, metadata={"help": "test blocks (held-out modules)"})
     eval_batch_size: int = field(default=8, metadata={"help": "blocks per evaluation batch"})
@@ -88,6 +90,12 @@ class EvalSettings:
         unknown = [a for a in self.arms if a not in ARMS]
         if unknown:
             raise ValueError(f"EvalSettings.arms has unknown arms {unknown}; choose from {list(ARMS)}")
+        for arm, lr in self.lr_by_arm.items():
+            if arm not in ARMS + ("full-ft",):
+                raise ValueError(f"EvalSettings.lr_by_arm names an unknown arm {arm!r}; choose from "
+                                 f"{list(ARMS) + ['full-ft']}")
+            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+                raise ValueError(f"EvalSettings.lr_by_arm[{arm!r}]={lr!r} is invalid: it must be a positive number")
         if "random" in self.arms and "entropy-gated" not in self.arms:
             raise ValueError("EvalSettings.arms: 'random' uses the histogram of 'entropy-gated'; run both")
         if not self.buckets[-1] == self.nested_buckets[-1] == self.r_max:
@@ -429,6 +437,8 @@ def run_evaluation(settings: EvalSettings, out_dir: Optional[str] = None) -> dic
     order = ["full-ft"] + [a for a in ARMS if a in settings.arms]  # full-ft first (the KL reference), random after entropy-gated
     for arm in order:
         grid = settings.lr_grid_full if arm == "full-ft" else settings.lr_grid_lora
+        if arm in settings.lr_by_arm:
+            grid = (float(settings.lr_by_arm[arm]),)
         first = settings.seeds[0]
         candidates = []
         for lr in grid:

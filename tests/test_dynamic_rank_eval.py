@@ -22,7 +22,8 @@ def test_bench_script_runs_every_arm_and_writes_json_csv_png(tmp_path):
     proc = subprocess.run(
         # every arm runs in the notebook test (notebooks/dynamic_rank.ipynb, tiny preset); here the command line
         [sys.executable, os.path.join(REPO_ROOT, "bench", "dynamic_rank_eval.py"), "--size", "tiny", "--steps", "2",
-         "--arms", "nested-r64,entropy-gated,random", "--lr-grid", "3e-3,1e-3", "--out", str(tmp_path),
+         "--arms", "nested-r64,entropy-gated,random", "--lr-grid", "3e-3,1e-3", "--lr", "full-ft=5e-4",
+         "--out", str(tmp_path),
          "--cache-dir", str(tmp_path / "cache")],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
         # a copy of the tree without .git (the GPU machine's) names its revision so; the results must carry it
@@ -39,6 +40,7 @@ def test_bench_script_runs_every_arm_and_writes_json_csv_png(tmp_path):
     assert all(0 <= r["active_rank"] <= 64 and abs(sum(r["test_histogram"].values()) - 1) < 1e-9 for r in routed)
     assert all(r["kl_vs_full_ft"] >= 0 for r in results["runs"])
     assert {t["lr"] for t in results["tuning"] if t["arm"] == "random"} == {3e-3, 1e-3}  # --lr-grid reached the arms
+    assert {t["lr"] for t in results["tuning"] + results["runs"] if t["arm"] == "full-ft"} == {5e-4}  # --lr: no grid
     counts = results["router"]["parameter_counts"]["entropy-gated"]
     assert counts["router"] > 0 and counts["entropy_probe"] > 0 and counts["layers"] == 7
     # entropy-gated runs at both rates of seed 0, then seed 1: every run after the first reads the entropy cache
@@ -58,6 +60,11 @@ def test_presets_and_bad_settings():
         settings_for("huge")
     with pytest.raises(ValueError, match="EvalSettings.arms has unknown arms \\['moe'\\]"):
         EvalSettings(arms=("static-r16", "moe"))
+    with pytest.raises(ValueError, match="lr_by_arm names an unknown arm 'static-r8'"):
+        EvalSettings(lr_by_arm={"static-r8": 1e-3})
+    with pytest.raises(ValueError, match="lr_by_arm\\['learned'\\]=0 is invalid: it must be a positive number"):
+        EvalSettings(lr_by_arm={"learned": 0})
+    assert settings_for("budget", lr_by_arm={"static-r16": 1e-3}).lr_by_arm == {"static-r16": 1e-3}
     with pytest.raises(ValueError, match="'random' uses the histogram of 'entropy-gated'"):
         EvalSettings(arms=("random",))
     with pytest.raises(ValueError, match="EvalSettings.steps=0 is invalid"):
