@@ -56,7 +56,8 @@ def main(argv=None) -> int:
                         help="SitsLoraConfig.rank_budget_mode of the routed arms (default target, the rule of the "
                              "published runs; the library's default is price)")
     parser.add_argument("--rank-budget-step-size", type=float,
-                        help="SitsLoraConfig.rank_budget_step_size of the routed arms (default 0.5, the harness's)")
+                        help="SitsLoraConfig.rank_budget_step_size of the routed arms (default: the library's for the "
+                             "mode, 0.5 for target, 6 for price)")
     parser.add_argument("--merge-partials", nargs="+", metavar="PARTIAL_JSON",
                         help="do not train: merge dynamic_rank_eval_partial.json files of runs cut short into one result")
     parser.add_argument("--environment-from", metavar="JSON",

@@ -69,7 +69,8 @@ class EvalSettings:
     nested_buckets: tuple = field(default=(16, 32, 48, 64), metadata={"help": "buckets (and truncations) of the nested arm"})
     lora_alpha: float = field(default=16.0, metadata={"help": "alpha of every adapter (rsLoRA: scale alpha/sqrt(r))"})
     router_temperature: float = field(default=1.0, metadata={"help": "Gumbel-softmax temperature of the routers"})
-    rank_budget_step_size: float = field(default=0.5, metadata={"help": "dual-ascent step size of the rank budget"})
+    rank_budget_step_size: Optional[float] = field(default=None, metadata={
+        "help": "dual-ascent step size of the rank budget (default: the library's for the mode: target 0.5, price 6)"})
     router_lr_scale: float = field(default=1.0, metadata={"help": "the routers' learning rate as a multiple of the arm's"})
     rank_budget_mode: str = field(default="target", metadata={
         "help": "'target' (λ of either sign: the mean rank held at the target), 'ceiling' (λ ≥ 0, the rule of the "
@@ -106,6 +107,13 @@ class EvalSettings:
                              f"(the nested arm is truncated to it)")
         self.seeds = tuple(self.seeds)
         self.arms = tuple(self.arms)
+        from sits_lora._dynamic_rank_checks import DEFAULT_BUDGET_STEP_SIZE
+
+        if self.rank_budget_mode not in DEFAULT_BUDGET_STEP_SIZE:
+            raise ValueError(f"EvalSettings.rank_budget_mode={self.rank_budget_mode!r} is invalid: allowed values are "
+                             f"{', '.join(map(repr, DEFAULT_BUDGET_STEP_SIZE))}")
+        if self.rank_budget_step_size is None:  # recorded as the number the runs used
+            self.rank_budget_step_size = DEFAULT_BUDGET_STEP_SIZE[self.rank_budget_mode]
 
 
 PRESETS = {

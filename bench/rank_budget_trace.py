@@ -112,8 +112,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", help="model spec for sits_lora.loading (default SmolLM2-135M) or 'tiny-random'")
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--arm", default="entropy-gated", choices=["entropy-gated", "learned"])
-    parser.add_argument("--rules", nargs="+", type=_rule, default=[("target", 0.5), ("price", 2.0)],
-                        metavar="MODE:STEP", help="budget rules to compare (default target:0.5 price:2)")
+    parser.add_argument("--rules", nargs="+", type=_rule, default=[("price", 2.0), ("price", 6.0)],
+                        metavar="MODE:STEP", help="budget rules to compare (default price:2 price:6: the old and the new default step)")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--router-lr-scale", type=float, default=1.0, help="the routers' lr as a multiple of --lr")
     parser.add_argument("--seed", type=int, default=0)

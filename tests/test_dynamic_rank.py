@@ -246,7 +246,7 @@ def test_price_mode_shifts_router_biases_and_adds_no_gradient_term(tmp_path):
     budget.close()
 
 
-@pytest.mark.parametrize("mode, step, expected", [("price", None, 2.0), ("target", None, 0.5), ("ceiling", None, 0.5),
+@pytest.mark.parametrize("mode, step, expected", [("price", None, 6.0), ("target", None, 0.5), ("ceiling", None, 0.5),
                                                   ("price", 0.75, 0.75)])
 def test_budget_step_size_defaults_per_mode(mode, step, expected):
     model = dyn_model("learned", rank_budget_mode=mode, rank_budget_step_size=step)
@@ -397,6 +397,17 @@ def test_budget_target_mode_raises_a_mean_rank_below_target_and_ceiling_mode_doe
     assert ceiling_mean < 13.5 and ceiling_lam == 0.0
     assert abs(target_mean - 14.0) < 0.75 and target_lam < 0
     assert state["mode"] == "target"
+
+
+@pytest.mark.slow
+def test_budget_price_mode_at_its_default_step_holds_the_target_from_both_sides():
+    """The price (the default mode, η 6): the rank-16 change pushes the mean up, the price holds it at 8; the rank-2
+    change leaves it below 14, the price turns negative and lifts it (η 2 sat at 8.71 and 13.87: it lags)."""
+    high_mean, high_lam, state = _toy_router_run(16, 8, mode="price")
+    low_mean, low_lam, _ = _toy_router_run(2, 14, mode="price")
+    assert state["mode"] == "price" and state["step_size"] == 6.0
+    assert abs(high_mean - 8.0) < 0.5 and high_lam > 0
+    assert abs(low_mean - 14.0) < 0.5 and low_lam < 0
 
 
 def test_callback_logs_every_step_in_a_trainer(tmp_path):

@@ -65,6 +65,10 @@ def test_presets_and_bad_settings():
     with pytest.raises(ValueError, match="lr_by_arm\\['learned'\\]=0 is invalid: it must be a positive number"):
         EvalSettings(lr_by_arm={"learned": 0})
     assert settings_for("budget", lr_by_arm={"static-r16": 1e-3}).lr_by_arm == {"static-r16": 1e-3}
+    # the budget's step size: the library's default for the mode, recorded as a number
+    assert budget.rank_budget_step_size == 0.5 and settings_for("budget", rank_budget_mode="price").rank_budget_step_size == 6.0
+    with pytest.raises(ValueError, match="EvalSettings.rank_budget_mode='cap' is invalid"):
+        EvalSettings(rank_budget_mode="cap")
     with pytest.raises(ValueError, match="'random' uses the histogram of 'entropy-gated'"):
         EvalSettings(arms=("random",))
     with pytest.raises(ValueError, match="EvalSettings.steps=0 is invalid"):

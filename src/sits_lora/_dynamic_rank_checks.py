@@ -15,8 +15,12 @@ from typing import Any, Optional, Sequence
 
 RANK_SCHEDULERS = ("entropy-gated", "learned", "random", "static")
 RANK_BUDGET_MODES = ("target", "ceiling", "price")
-# rank_budget_step_size=None: the step size of each mode (price moves logits directly, target a gradient term)
-DEFAULT_BUDGET_STEP_SIZE = {"price": 2.0, "target": 0.5, "ceiling": 0.5}
+# rank_budget_step_size=None: the step size of each mode (price moves logits directly, target a gradient term).
+# price 6.0: at 2.0 the H200 evaluation's routers sat 1.3 ranks over a target of 16; fitted on its traces the
+# lag is drift·r/(sensitivity·η) and the loop gain sensitivity·η/r is at most ~0.25 at 2.0, so 6.0 cuts the lag
+# threefold at a gain below 1 (bench/NOTES.md, fourth run); on SmolLM2 on the CPU 6.0 halved the mean error
+# without more swing (bench/results/2026-11-30-cpu-rank-budget-trace, run 4)
+DEFAULT_BUDGET_STEP_SIZE = {"price": 6.0, "target": 0.5, "ceiling": 0.5}
 ROUTED_SCHEDULERS = ("entropy-gated", "learned")
 
 # A histogram given as fractions may be rounded when it is copied from a log; 1e-3 accepts three

@@ -191,7 +191,7 @@ class SitsLoraConfig(LoraConfig):
             "help": (
                 "Dual-ascent step size η of the rank budget: after each optimizer step "
                 "λ ← λ + η·(mean active rank − target_mean_rank) / r (clamped at 0 with rank_budget_mode='ceiling')."
-                " None: 2.0 with rank_budget_mode='price' (λ moves the routers' logits directly), 0.5 otherwise."
+                " None: 6.0 with rank_budget_mode='price' (λ moves the routers' logits directly), 0.5 otherwise."
             )
         },
     )

@@ -25,6 +25,9 @@ How λ reaches the routers:
   forward's decisions respond at once, and the price lives in the biases, which save with the
   adapter: inference routes with the price training ended at. On SmolLM2 (CPU, 60 steps of 2 × 32
   tokens) it held 13-19 where "target" swung from 9 to 21 (bench/results/2026-11-30-cpu-rank-budget-trace).
+  On the H200 evaluation (8 × 512 tokens a step, η 2) every routed arm held 17.3 ± 0.05 for a target of 16:
+  steady but late, because the routers' demand for rank keeps growing while they learn, and an integral
+  rule lags a growing demand by drift·r/(sensitivity·η); hence η 6 by default (…-session4, bench/NOTES.md).
 
 Padding: a forward pre-hook on the model reads ``attention_mask`` and the layers skip tokens where
 it is 0, in the statistics and in the λ term. Tokens with label -100 count (they are not padding).
