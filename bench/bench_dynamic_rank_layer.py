@@ -41,7 +41,7 @@ def _ids(hist: str, tokens: int, device) -> torch.Tensor:
 
 
 def arms(d_in, d_out, T, dtype, device, smoke):
-    """{name: (step function, the tensors whose .grad it fills)}"""
+    """({name: step function}, the leaf tensors whose .grad the steps fill)"""
     from sits_lora import ops
     from sits_lora.dynamic_rank import dynamic_rank_lora_linear_reference
 
@@ -53,6 +53,7 @@ def arms(d_in, d_out, T, dtype, device, smoke):
     B = (torch.randn(d_out, 64, device=device) * 0.02).requires_grad_(True)
     A16, B16 = A[:16].detach().clone().requires_grad_(True), B[:, :16].detach().clone().requires_grad_(True)
     ends = torch.tensor(BUCKETS, device=device)
+    leaves = [x, A, B, A16, B16]
     out = {
         "frozen": lambda: torch.nn.functional.linear(x, W).backward(dy),
         "static-r16": lambda: ops.lora_linear(x, x, W, None, A16, B16, 2.0, "triton").backward(dy),
@@ -67,14 +68,17 @@ def arms(d_in, d_out, T, dtype, device, smoke):
                        if mode == "router" else None)
             for grouped in (True, False):
                 name = f"dyn:{hist}:{mode}" + ("" if grouped else "-ungrouped")
+                if weights is not None:
+                    leaves.append(weights)
                 out[name] = (lambda limit=limit, weights=weights, grouped=grouped:
                              ops.lora_linear_dynamic_rank_triton(x, None, W, None, A, B, 2.0, limit, ends, weights,
                                                                  group_tokens=grouped).backward(dy))
     ids_mixed = _ids("mixed", T, device)
     out["reference:mixed"] = lambda: dynamic_rank_lora_linear_reference(
         x, x, W, None, A, B, 2.0, ids_mixed, BUCKETS).backward(dy)
-    out["layer:learned"] = _layer_arm(d_in, d_out, T, dtype, device, x, dy)
-    return out, (x, A, B, A16, B16)
+    out["layer:learned"], layer_params = _layer_arm(d_in, d_out, T, dtype, device, x, dy)
+    leaves += layer_params
+    return out, leaves
 
 
 def _layer_arm(d_in, d_out, T, dtype, device, x, dy):
@@ -93,7 +97,7 @@ def _layer_arm(d_in, d_out, T, dtype, device, x, dy):
     with torch.no_grad():
         layer.lora_B["default"].weight.normal_(0, 0.02)
     model.train()
-    return lambda: layer(x).backward(dy)
+    return (lambda: layer(x).backward(dy)), [p for p in layer.parameters() if p.requires_grad]
 
 
 def main(argv=None) -> int:
@@ -113,11 +117,21 @@ def main(argv=None) -> int:
     shapes, T = (SHAPES, args.tokens) if not args.smoke else ([(80, 72)], 64)
     rows = []
     for d_in, d_out in shapes:
-        fns, _ = arms(d_in, d_out, T, dtype, device, args.smoke)
+        fns, leaves = arms(d_in, d_out, T, dtype, device, args.smoke)
+
+        def fresh(fn, leaves=leaves):
+            # each step writes its gradients anew (as in training after zero_grad), not x.grad += dx: an
+            # accumulate is a T x d_in read and write every arm would pay (to session 4 they all did)
+            def step():
+                for t in leaves:
+                    t.grad = None
+                fn()
+            return step
+
         rounds = {name: [] for name in fns}
         for _ in range(max(1, args.rounds)):
             for name, fn in fns.items():
-                rounds[name].append(median_ms(fn, rep_ms=200 if not args.smoke else 1))
+                rounds[name].append(median_ms(fresh(fn), rep_ms=200 if not args.smoke else 1))
         timed = {name: statistics.median(values) for name, values in rounds.items()}
         for name, ms in timed.items():
             rows.append({"d_in": d_in, "d_out": d_out, "T": T, "arm": name, "full_ms": ms,
