@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Issue 5 (per-token dynamic rank) on one H200, one phase per GPU call (each call is limited to 10 minutes):
+#
+#     bash bench/run_dynamic_rank_gpu.sh OUT MODEL PHASE
+#
+# MODEL: the SmolLM2-135M-Instruct GGUF (or any spec sits_lora.loading takes). PHASE:
+#   trace   the budget rule at the evaluation's batch: price with η 2 (the H200 evaluation of session 4 sat
+#           at 17.3 for a target of 16) against η 6 (the default since), entropy-gated and learned
+#           (4 runs of 80 steps; ~45 s each measured in session 3, plus the model load and entropy pass)
+#   static  the evaluation's static arms at the rates their grid picked in session 2 (static r16 and r64 1e-3)
+#           and nested r64 at 2e-3 and 4e-3 (2e-3 was the top of its grid there)
+#   routed  entropy-gated, random and learned at 2e-3 (picked in sessions 2 and 3), price mode, default step
+# Each phase writes OUT/PHASE/ and then packs it into OUT/PHASE.tgz (a call returns only a few files).
+# Merge the two evaluation phases on any machine:
+#   python bench/dynamic_rank_eval.py --budget --merge-partials DIR/routed/dynamic_rank_eval_partial.json \
+#       DIR/static/dynamic_rank_eval_partial.json --out DIR/eval
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ $# -ne 3 ]; then
+    echo "usage: bash bench/run_dynamic_rank_gpu.sh OUT MODEL trace|static|routed" >&2
+    exit 2
+fi
+OUT="$1"; MODEL="$2"; PHASE="$3"
+mkdir -p "$OUT/$PHASE"
+status=0
+case "$PHASE" in
+    trace)
+        for arm in entropy-gated learned; do
+            python bench/rank_budget_trace.py --size budget --steps 80 --model "$MODEL" --arm "$arm" \
+                --rules price:2 price:6 --out "$OUT/trace/$arm" || status=1
+        done ;;
+    static)
+        python bench/dynamic_rank_eval.py --budget --model "$MODEL" --arms static-r16,static-r64,nested-r64 \
+            --lr static-r16=1e-3,static-r64=1e-3 --lr-grid 2e-3,4e-3 --out "$OUT/static" || status=1 ;;
+    routed)
+        python bench/dynamic_rank_eval.py --budget --model "$MODEL" --arms entropy-gated,random,learned \
+            --lr-grid 2e-3 --rank-budget-mode price --out "$OUT/routed" || status=1 ;;
+    *)
+        echo "PHASE must be trace, static or routed, not '$PHASE'" >&2
+        exit 2 ;;
+esac
+tar czf "$OUT/$PHASE.tgz" -C "$OUT" "$PHASE" && rm -rf "${OUT:?}/$PHASE"
+exit $status
