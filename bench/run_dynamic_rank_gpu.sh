@@ -21,6 +21,7 @@ if [ $# -ne 3 ]; then
     exit 2
 fi
 OUT="$1"; MODEL="$2"; PHASE="$3"
+case "$PHASE" in trace|static|routed) ;; *) echo "PHASE must be trace, static or routed, not '$PHASE'" >&2; exit 2 ;; esac
 mkdir -p "$OUT/$PHASE"
 status=0
 case "$PHASE" in
@@ -35,9 +36,6 @@ case "$PHASE" in
     routed)
         python bench/dynamic_rank_eval.py --budget --model "$MODEL" --arms entropy-gated,random,learned \
             --lr-grid 2e-3 --rank-budget-mode price --out "$OUT/routed" || status=1 ;;
-    *)
-        echo "PHASE must be trace, static or routed, not '$PHASE'" >&2
-        exit 2 ;;
 esac
 tar czf "$OUT/$PHASE.tgz" -C "$OUT" "$PHASE" && rm -rf "${OUT:?}/$PHASE"
 exit $status
