@@ -621,7 +621,8 @@ def test_fp8_summary_reports_failed_arms_next_to_measured_ones(tmp_path, capsys)
     layer = [{"d_in": 64, "d_out": 96, "r": 16, "arm": "frozen", "full_ms": 1.0, "vs_frozen": 1.0},
              {"d_in": 64, "d_out": 96, "r": 16, "arm": "sits:fp8", "error": "RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED"}]
     model = [{"arm": "frozen", "step_s": 0.57}, {"arm": "frozen+compile", "step_s": 0.52},
-             {"arm": "sits+fp8", "step_s": 0.40}, {"arm": "sits+fp8+compile", "error": "RuntimeError: alias"}]
+             {"arm": "sits+fp8", "step_s": 0.40}, {"arm": "sits+fp8+compile", "error": "RuntimeError: alias"},
+             {"arm": "frozen+liger", "step_s": 0.45}, {"arm": "sits+fp8+liger", "step_s": 0.38}]
     for name, rows in (("layer.json", layer), ("model_8b.json", model)):
         (tmp_path / name).write_text(json.dumps({"rows": rows}))
     summary = fp8_summary.summarize(str(tmp_path))
@@ -630,10 +631,17 @@ def test_fp8_summary_reports_failed_arms_next_to_measured_ones(tmp_path, capsys)
     assert summary["model"]["sits+fp8"]["vs_floor"] == pytest.approx(0.40 / 0.52)
     assert summary["model"]["sits+fp8"]["meets_0.80"] is True
     assert summary["model"]["sits+fp8+compile"] == {"error": "RuntimeError: alias"}
+    # frozen+liger is reported, not taken as the issue's floor; the Liger fp8 arm is given against both
+    assert summary["model"]["frozen+liger"]["vs_floor"] == pytest.approx(0.45 / 0.52)
+    assert summary["model"]["sits+fp8+liger"]["vs_floor"] == pytest.approx(0.38 / 0.52)
+    assert summary["model"]["sits+fp8+liger"]["vs_liger_floor"] == pytest.approx(0.38 / 0.45)
+    assert "vs_liger_floor" not in summary["model"]["sits+fp8"]
     assert fp8_summary.main([str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     assert "sits:fp8 FAILED: RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED" in printed
     assert "8B sits+fp8: 400.0 ms/step = 0.769x the floor (target <= 0.8: met)" in printed
+    assert "8B frozen+liger (not the issue's floor): 450.0 ms/step = 0.865x" in printed
+    assert "0.844x the frozen model with Liger" in printed
     assert json.loads((tmp_path / "fp8_summary.json").read_text()) == json.loads(json.dumps(summary))
 
 
@@ -655,3 +663,21 @@ def test_fp8_gemms_bench_script_runs_and_its_triton_candidate_agrees(tmp_path):
     assert ("dX", "fp8 e5m2 Triton, W8 as stored") in ops and ("dX", "transpose W8 (Triton)") in ops
     checked = [r["max_rel_diff_vs_scaled_mm"] for r in rows if r["max_rel_diff_vs_scaled_mm"] is not None]
     assert len(checked) == 4 and all(d < 1e-2 for d in checked)
+
+
+@pytest.mark.slow
+def test_profile_host_smoke_times_every_arm_and_writes_its_profiles(tmp_path):
+    """bench/profile_host.py --smoke on the CPU: a host time per layer arm and a cProfile table for each."""
+    import json
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(repo, "bench", "profile_host.py"), "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "host.json").read_text())
+    assert set(report["layer_step_host_us"]) == {"frozen", "sits:cublas", "sits:fp8"}
+    assert all(us > 0 for us in report["layer_step_host_us"].values())
+    assert "launcher_host_us" not in report  # the launchers need a GPU
+    table = (tmp_path / "host_profile.txt").read_text()
+    assert all(f"== {arm}:" in table for arm in report["layer_step_host_us"]) and "tottime" in table
