@@ -17,12 +17,20 @@ import sys
 import yaml
 
 
+def _true_or_false(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+
+
 def _parser(fields) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML file with any of the options below (recipes/configs/*.yaml)")
     for f in fields:
         flag = "--" + f.name.replace("_", "-")
-        kind = {int: int, float: float}.get(type(f.default), str)
+        kind = {bool: _true_or_false, int: int, float: float}.get(type(f.default), str)
         parser.add_argument(flag, dest=f.name, type=kind, default=None, help=f.metadata.get("help"))
     return parser
 
@@ -45,6 +53,7 @@ def main(argv=None) -> int:
         values.update({f.name: getattr(args, f.name) for f in fields if getattr(args, f.name) is not None})
         recipe = TrainRecipe(**values)
         resolve_model_source(recipe.model)  # fail now, in one line, not after minutes of loading
+        recipe.check_machine()
         if recipe.dataset is not None and not os.path.isfile(recipe.dataset):
             raise FileNotFoundError(f"--dataset {recipe.dataset}: no such file")
     except (ModelNotFoundError, FileNotFoundError, ValueError) as error:

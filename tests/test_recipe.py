@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 
 from sits_lora.loading import ModelNotFoundError, resolve_model_source
@@ -61,6 +62,8 @@ def test_recipe_default_model_and_corpus_one_step(tmp_path):
         (["--config", "missing.yaml"], "error: --config missing.yaml: no such file"),
         (["--r", "0"], "error: r=0 is invalid"),
         (["--dtype", "float8"], "error: dtype='float8' is invalid"),
+        (["--fp8", "fp16"], "error: fp8='fp16' is invalid: allowed values are off, hybrid, e4m3"),
+        (["--liger", "maybe"], "train.py: error: argument --liger: 'maybe' is not true or false"),
     ],
 )
 def test_bad_paths_and_values_give_one_line(args, needle, tmp_path, tiny_model_dir):
@@ -70,6 +73,46 @@ def test_bad_paths_and_values_give_one_line(args, needle, tmp_path, tiny_model_d
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == needle or needle in proc.stderr.strip().splitlines()[-1]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusals of a machine without a GPU")
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--fp8", "hybrid"], "error: fp8='hybrid': SitsLoraConfig.fp8 needs an NVIDIA GPU of compute capability 8.9"),
+        (["--liger", "true"], "error: liger=true needs a CUDA GPU"),
+    ],
+)
+def test_gpu_options_are_refused_before_loading_on_a_cpu(args, needle, tmp_path, tiny_model_dir):
+    proc = _train(*args, "--model", str(tiny_model_dir), "--output-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(needle)
+    assert "Traceback" not in proc.stderr and "held-out perplexity" not in proc.stdout  # nothing was loaded or run
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_recipe_fp8_emulated_trains_and_saves_an_fp8_adapter(tiny_model_dir, tmp_path):
+    """--fp8 hybrid --fp8-emulate true: the fp8 path of the main job on a CPU (k / v are 24 wide, not a multiple
+    of 16, so they are left out)."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"def f{i}(x): return x * {i} + {i % 7}\n" * 8}) + "\n" for i in range(40)))
+    out = tmp_path / "run"
+    proc = _train("--model", str(tiny_model_dir), "--dataset", str(corpus), "--output-dir", str(out),
+                  "--max-steps", "12", "--batch-size", "4", "--seq-len", "32", "--eval-blocks", "4",
+                  "--learning-rate", "0.01", "--r", "4", "--logging-steps", "4", "--fp8", "hybrid", "--fp8-emulate",
+                  "true", "--target-modules", "q_proj,o_proj,gate_proj,up_proj,down_proj", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["heldout_perplexity_after"] < metrics["heldout_perplexity_before"]
+    assert metrics["recipe"]["fp8"] == "hybrid" and metrics["recipe"]["fp8_emulate"] is True
+    saved = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert saved["fp8"] == "hybrid" and saved["fp8_emulate"] is True
+
+
+def test_yaml_off_is_the_string_off():
+    assert TrainRecipe(fp8=False).fp8 == "off"  # YAML 1.1 reads an unquoted `fp8: off` as false
+    with pytest.raises(ValueError, match="liger='yes' is invalid: it must be true or false"):
+        TrainRecipe(liger="yes")
 
 
 def test_unknown_config_key_is_named(tmp_path):

@@ -38,6 +38,13 @@ class TrainRecipe:
     lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input"})
     target_modules: list = field(default_factory=lambda: list(LLAMA_PROJECTIONS), metadata={"help": "modules to adapt"})
     kernel: str = field(default="auto", metadata={"help": "auto | triton | torch"})
+    fp8: str = field(default="off", metadata={
+        "help": "off | hybrid | e4m3: the frozen base in fp8 (SitsLoraConfig.fp8); needs a GPU of compute capability >= 8.9"})
+    fp8_emulate: bool = field(default=False, metadata={
+        "help": "run the fp8 numerics in plain PyTorch on any device (slow; for checks without such a GPU)"})
+    liger: bool = field(default=False, metadata={
+        "help": "Liger-Kernel's fused RMSNorm / SwiGLU / cross-entropy around the adapter (Llama models, CUDA, "
+                "pip install liger-kernel): the measured fastest fp8 setup"})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16"})
     seed: int = field(default=0, metadata={"help": "random seed"})
     logging_steps: int = field(default=5, metadata={"help": "log every N steps"})
@@ -54,8 +61,35 @@ class TrainRecipe:
             raise ValueError(f"learning_rate={self.learning_rate!r} is invalid: it must be positive")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is invalid: allowed values are {', '.join(_DTYPES)}")
+        from .fp8._checks import FP8_RECIPES
+
+        if self.fp8 is False:  # YAML 1.1 reads an unquoted `fp8: off` as false
+            self.fp8 = "off"
+        if self.fp8 not in FP8_RECIPES:
+            raise ValueError(f"fp8={self.fp8!r} is invalid: allowed values are {', '.join(FP8_RECIPES)}")
+        for name in ("fp8_emulate", "liger"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: it must be true or false")
         if isinstance(self.target_modules, str):
             self.target_modules = [m.strip() for m in self.target_modules.split(",") if m.strip()]
+
+    def check_machine(self) -> None:
+        """Refuse, before anything is loaded, what this machine cannot run (ValueError naming the field)."""
+        if self.fp8 != "off" and not self.fp8_emulate:
+            from .fp8.layer import Fp8UnsupportedError, check_fp8_hardware
+
+            try:
+                check_fp8_hardware(torch.device("cuda" if torch.cuda.is_available() else "cpu"), emulate=False)
+            except Fp8UnsupportedError as error:
+                raise ValueError(f"fp8={self.fp8!r}: {error}") from None
+        if self.liger:
+            if not torch.cuda.is_available():
+                raise ValueError("liger=true needs a CUDA GPU (Liger-Kernel's kernels are Triton GPU kernels); "
+                                 "set liger: false on this machine")
+            import importlib.util
+
+            if importlib.util.find_spec("liger_kernel") is None:
+                raise ValueError("liger=true needs Liger-Kernel: pip install liger-kernel (or set liger: false)")
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -128,7 +162,16 @@ def run(recipe: TrainRecipe) -> dict:
     set_seed(recipe.seed)
     threads = _set_cpu_threads(recipe.cpu_threads) if not torch.cuda.is_available() else None
     dtype = _torch_dtype(recipe.dtype)
+    recipe.check_machine()
+    if recipe.liger:
+        # patches transformers' Llama classes, so it must run before the model is built
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama()
     model, tokenizer, source = load_model_and_tokenizer(recipe.model, dtype=dtype)
+    if recipe.liger and model.config.model_type != "llama":
+        raise ValueError(f"liger=true applies Liger-Kernel's Llama kernels (apply_liger_kernel_to_llama), but the "
+                         f"model is {model.config.model_type!r}; set liger: false")
     print(f"[sits_lora] model: {source.describe()} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
           f"parameters, {dtype})" + (f", {threads} CPU threads" if threads else ""))
     train_text, heldout_text = load_text_splits(recipe.dataset)
@@ -145,6 +188,7 @@ def run(recipe: TrainRecipe) -> dict:
     config = SitsLoraConfig(
         r=recipe.r, lora_alpha=recipe.lora_alpha, lora_dropout=recipe.lora_dropout,
         target_modules=list(recipe.target_modules), kernel=recipe.kernel, task_type="CAUSAL_LM",
+        fp8=recipe.fp8, fp8_emulate=recipe.fp8_emulate,
     )
     model = get_peft_model(model, config)
     model.print_trainable_parameters()
