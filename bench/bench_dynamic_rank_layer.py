@@ -13,6 +13,7 @@ passes (median kept), ratios to the frozen floor and to the static fused layer a
                         that trains the router); "-ungrouped" = tokens not sorted by bucket
     reference:mixed     the mask-multiply reference (sits_lora.dynamic_rank), the CPU path
     layer:learned       a whole DynamicRankLinear in training (router, Gumbel sampling, budget term)
+    layer:learned-eager-router   the same with the router's decision eager (SITS_LORA_COMPILE_ROUTER=0)
 """
 
 from __future__ import annotations
@@ -78,7 +79,24 @@ def arms(d_in, d_out, T, dtype, device, smoke):
         x, x, W, None, A, B, 2.0, ids_mixed, BUCKETS).backward(dy)
     out["layer:learned"], layer_params = _layer_arm(d_in, d_out, T, dtype, device, x, dy)
     leaves += layer_params
+    out["layer:learned-eager-router"] = _eager_routing(out["layer:learned"])
     return out, leaves
+
+
+def _eager_routing(step):
+    """The same layer step with the router's decision eager (SITS_LORA_COMPILE_ROUTER=0): does compiling it pay
+    on a host-bound layer? (The compiled call has its own Python cost; on a CPU both are eager.)"""
+    def run():
+        before = os.environ.get("SITS_LORA_COMPILE_ROUTER")
+        os.environ["SITS_LORA_COMPILE_ROUTER"] = "0"
+        try:
+            step()
+        finally:
+            if before is None:
+                del os.environ["SITS_LORA_COMPILE_ROUTER"]
+            else:
+                os.environ["SITS_LORA_COMPILE_ROUTER"] = before
+    return run
 
 
 def _layer_arm(d_in, d_out, T, dtype, device, x, dy):

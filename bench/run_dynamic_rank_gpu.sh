@@ -10,6 +10,8 @@
 #   static  the evaluation's static arms at the rates their grid picked in session 2 (static r16 and r64 1e-3)
 #           and nested r64 at 2e-3 and 4e-3 (2e-3 was the top of its grid there)
 #   routed  entropy-gated, random and learned at 2e-3 (picked in sessions 2 and 3), price mode, default step
+#   layer   the per-token-rank layer against the static kernel, with the router's decision compiled and eager
+#           (MODEL unused; 121 s measured in session 4, before the eager-router arm)
 # Each phase writes OUT/PHASE/ and then packs it into OUT/PHASE.tgz (a call returns only a few files).
 # Merge the two evaluation phases on any machine:
 #   python bench/dynamic_rank_eval.py --budget --merge-partials DIR/routed/dynamic_rank_eval_partial.json \
@@ -17,11 +19,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -ne 3 ]; then
-    echo "usage: bash bench/run_dynamic_rank_gpu.sh OUT MODEL trace|static|routed" >&2
+    echo "usage: bash bench/run_dynamic_rank_gpu.sh OUT MODEL trace|static|routed|layer" >&2
     exit 2
 fi
 OUT="$1"; MODEL="$2"; PHASE="$3"
-case "$PHASE" in trace|static|routed) ;; *) echo "PHASE must be trace, static or routed, not '$PHASE'" >&2; exit 2 ;; esac
+case "$PHASE" in trace|static|routed|layer) ;; *) echo "PHASE must be trace, static, routed or layer, not '$PHASE'" >&2; exit 2 ;; esac
 mkdir -p "$OUT/$PHASE"
 status=0
 case "$PHASE" in
@@ -36,6 +38,8 @@ case "$PHASE" in
     routed)
         python bench/dynamic_rank_eval.py --budget --model "$MODEL" --arms entropy-gated,random,learned \
             --lr-grid 2e-3 --rank-budget-mode price --out "$OUT/routed" || status=1 ;;
+    layer)
+        python bench/bench_dynamic_rank_layer.py --out "$OUT/layer" || status=1 ;;
 esac
 tar czf "$OUT/$PHASE.tgz" -C "$OUT" "$PHASE" && rm -rf "${OUT:?}/$PHASE"
 exit $status

@@ -281,6 +281,17 @@ def test_compiled_routing_decision_equals_eager_in_values_and_gradients():
     assert torch.equal(out[2], results[0][2])
 
 
+def test_compiled_routing_switch(monkeypatch):
+    from sits_lora.dynamic_rank.router import compiled_routing_wanted
+
+    monkeypatch.delenv("SITS_LORA_COMPILE_ROUTER", raising=False)
+    assert compiled_routing_wanted()
+    monkeypatch.setenv("SITS_LORA_COMPILE_ROUTER", "0")
+    assert not compiled_routing_wanted()
+    monkeypatch.setenv("SITS_LORA_COMPILE_ROUTER", "1")
+    assert compiled_routing_wanted()
+
+
 def test_eval_mode_routes_with_hard_buckets_deterministically():
     model = dyn_model("entropy-gated").eval()
     layer = layers(model)[0]

@@ -118,7 +118,9 @@ def test_dynamic_rank_layer_bench_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "dynamic_rank_layer_smoke.json").read_text())["rows"]
     arms = {r["arm"] for r in rows}
-    assert {"frozen", "static-r64", "dyn:mixed:router", "dyn:mixed:hard-ungrouped", "layer:learned"} <= arms
+    assert {"frozen", "static-r64", "dyn:mixed:router", "dyn:mixed:hard-ungrouped", "layer:learned",
+            "layer:learned-eager-router"} <= arms
+    assert "SITS_LORA_COMPILE_ROUTER" not in os.environ  # the eager arm restores the environment
     assert all(r["full_ms"] > 0 and r["vs_static_r64"] > 0 and r["rounds"] == 3 and r["spread"] >= 0 for r in rows)
 
 
@@ -194,7 +196,7 @@ def test_router_learning_rate_scale_reaches_the_routers_only():
 def test_gpu_phase_script_refuses_a_bad_phase_before_creating_anything(tmp_path):
     script = os.path.join(REPO_ROOT, "bench", "run_dynamic_rank_gpu.sh")
     proc = subprocess.run(["bash", script, str(tmp_path / "out"), "model.gguf", "evaluate"], capture_output=True, text=True)
-    assert proc.returncode == 2 and "PHASE must be trace, static or routed, not 'evaluate'" in proc.stderr
+    assert proc.returncode == 2 and "PHASE must be trace, static, routed or layer, not 'evaluate'" in proc.stderr
     assert not (tmp_path / "out").exists()
     proc = subprocess.run(["bash", script, str(tmp_path / "out")], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.startswith("usage: bash bench/run_dynamic_rank_gpu.sh OUT MODEL")

@@ -23,6 +23,7 @@ argmax decisions at the target, so inference keeps the mean rank training was he
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -201,13 +202,22 @@ def routing_decision(raw: Tensor, inv_rms: Tensor, bias: Tensor, entropy: Option
 _COMPILED_ROUTING = {}
 
 
+def compiled_routing_wanted() -> bool:
+    """False when ``SITS_LORA_COMPILE_ROUTER=0``: the decision runs eagerly on a GPU too. A switch for profiling:
+    on a host-bound layer the compiled call's own Python cost may outweigh the ~20 eager launches it replaces
+    (bench/NOTES.md, fourth run; bench_dynamic_rank_layer.py times both)."""
+    return os.environ.get("SITS_LORA_COMPILE_ROUTER", "1") != "0"
+
+
 def route(raw: Tensor, inv_rms: Tensor, bias: Tensor, entropy: Optional[Tensor], entropy_weight: Optional[Tensor],
           uniform: Optional[Tensor], temperature: float):
     """:func:`routing_decision`, compiled by torch.compile on a GPU (eager elsewhere, and inside a model that
     is itself being compiled, which fuses it anyway). In eager training on a GPU the router's elementwise
     work is ~20 small kernels per layer call, launch-bound at any width (bench/NOTES.md); compiled, it is
-    a few. If compilation fails the eager function runs, after one warning."""
-    if not raw.is_cuda or torch.compiler.is_compiling() or _COMPILED_ROUTING.get("failed"):
+    a few. If compilation fails the eager function runs, after one warning; SITS_LORA_COMPILE_ROUTER=0 asks
+    for eager (:func:`compiled_routing_wanted`)."""
+    if (not raw.is_cuda or torch.compiler.is_compiling() or _COMPILED_ROUTING.get("failed")
+            or not compiled_routing_wanted()):
         return routing_decision(raw, inv_rms, bias, entropy, entropy_weight, uniform, temperature)
     compiled = _COMPILED_ROUTING.get("fn")
     if compiled is None:
