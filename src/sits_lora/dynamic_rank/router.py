@@ -149,29 +149,25 @@ class TokenRouter(nn.Module):
     def from_raw(self, x: Tensor, inv_rms: Tensor, entropy: Optional[Tensor] = None) -> Tensor:
         """The same logits (fp32) from the raw input x (T, d_in) and its :func:`inverse_rms`, without an fp32
         copy of x kept for the gradient (see _RawRouterLinear)."""
-        if self.entropy_weight is not None and entropy is None:
-            raise ValueError("this router reads the predicted entropy: pass entropy=(T,) values")
+        self._require_entropy(entropy)
         logits, _, _, _ = routing_decision(self.raw(x), inv_rms, self.bias, entropy, self.entropy_weight, None, 1.0)
         return logits
 
+    def _require_entropy(self, entropy: Optional[Tensor]) -> None:
+        if self.entropy_weight is not None and entropy is None:
+            raise ValueError("this router reads the predicted entropy: pass entropy=(T,) values")
+
     def _add_entropy(self, logits: Tensor, entropy: Optional[Tensor]) -> Tensor:
+        self._require_entropy(entropy)
         if self.entropy_weight is not None:
-            if entropy is None:
-                raise ValueError("this router reads the predicted entropy: pass entropy=(T,) values")
             logits = logits + entropy.to(logits.dtype).unsqueeze(-1) * self.entropy_weight
         return logits
 
 
-def gumbel_straight_through(logits: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """(bucket_ids (T,), bucket_weights (T, K)): hard Gumbel-max choice, softmax gradient.
-
-    bucket_weights equals one_hot(bucket_ids) in value; its gradient is that of
-    softmax((logits + Gumbel noise) / temperature).
-    """
-    return _gumbel_from_uniform(logits, torch.rand_like(logits, dtype=torch.float32), temperature)
-
-
 def _gumbel_from_uniform(logits: Tensor, uniform: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """(bucket_ids (T,), bucket_weights (T, K)): hard Gumbel-max choice from ``uniform`` noise in [0, 1),
+    softmax gradient: bucket_weights equals one_hot(bucket_ids) in value; its gradient is that of
+    softmax((logits + Gumbel noise) / temperature)."""
     noisy = logits.float() - torch.log(-torch.log(uniform.clamp(1e-9, 1.0 - 1e-9)))
     soft = torch.softmax(noisy / temperature, dim=-1)                           # (T, K)
     ids = noisy.argmax(-1)                                                      # (T,)

@@ -20,9 +20,9 @@ absolute maximum for the next scale; the base GEMMs run through ``torch._scaled_
 multiples of 16, the second operand column-major); the LoRA output is added to the GEMM's output
 in place by one more pass (``lora_expand_add_``), the traffic of the bf16 path's cuBLAS epilogue.
 fp8 tensor cores read both operands K-major, so dX needs W8 transposed: one copy of N·K bytes per
-backward call, by a tiled Triton transpose (``transpose_fp8``). ``w8.t().contiguous()`` did it at
-0.35 TB/s on the H200 (88-340 µs, a quarter of the dX GEMM it feeds: bench/results/
-2026-11-30-h200-session3/fp8_gemms); keeping both layouts would double the frozen weight's memory.
+backward call, by a tiled Triton transpose (``transpose_fp8``): 13-35 µs on the H200 where
+``w8.t().contiguous()`` took 92-341 µs (0.35 TB/s, a quarter of the dX GEMM it feeds; bench/results/
+2026-11-30-h200-session4/callA/fp8_gemms.log); keeping both layouts would double the frozen weight's memory.
 
 Emulation (``emulate=True``): the same casts in plain PyTorch, products in fp32 on dequantized
 values; runs anywhere, used by CPU tests.
@@ -326,8 +326,9 @@ def _cublas_scale(scale: torch.Tensor) -> torch.Tensor:
     """The scale as torch._scaled_mm may pass it to cuBLAS: 16-byte aligned.
 
     cuBLAS (CUDA 13, measured on the H200) rejects an fp8 GEMM whose scale pointer is not 16-byte
-    aligned with CUBLAS_STATUS_NOT_SUPPORTED; a layer's scale is one entry of the model's batched
-    (L, 2) state, so most sit at 4- or 8-byte offsets. Those are copied (4 bytes, no host sync).
+    aligned with CUBLAS_STATUS_NOT_SUPPORTED. The scaling state pads its 1/scale entries to 16 bytes
+    (Fp8ScalingState.scale_inv), so the layer's scales pass as they are; any other scale at a 4- or
+    8-byte offset is copied here (4 bytes, no host sync).
     """
     return scale if scale.data_ptr() % 16 == 0 else scale.clone()
 
