@@ -7,9 +7,11 @@
 #   trace   the budget rule at the evaluation's batch: price with η 2 (the H200 evaluation of session 4 sat
 #           at 17.3 for a target of 16) against η 6 (the default since), entropy-gated and learned
 #           (4 runs of 80 steps; ~45 s each measured in session 3, plus the model load and entropy pass)
-#   static  the evaluation's static arms at the rates their grid picked in session 2 (static r16 and r64 1e-3)
-#           and nested r64 at 2e-3 and 4e-3 (2e-3 was the top of its grid there)
-#   routed  entropy-gated, random and learned at 2e-3 (picked in sessions 2 and 3), price mode, default step
+#   static  the evaluation's static arms at the rates their grid picked in session 2 (static r16 and r64 1e-3,
+#           inside the grid 5e-4..2e-3), nested r64 and learned tuned on 2e-3 and 4e-3 (2e-3 was the top of
+#           their grid in session 2: the tuned rate may lie above it)
+#   routed  entropy-gated and random (which takes entropy-gated's histogram, so both run in one call) tuned
+#           on 2e-3 and 4e-3, price mode, the library's default step
 #   layer   the per-token-rank layer against the static kernel, with the router's decision compiled and eager
 #           (MODEL unused; 121 s measured in session 4, before the eager-router arm)
 # Each phase writes OUT/PHASE/ and then packs it into OUT/PHASE.tgz (a call returns only a few files).
@@ -33,11 +35,12 @@ case "$PHASE" in
                 --rules price:2 price:6 --out "$OUT/trace/$arm" || status=1
         done ;;
     static)
-        python bench/dynamic_rank_eval.py --budget --model "$MODEL" --arms static-r16,static-r64,nested-r64 \
-            --lr static-r16=1e-3,static-r64=1e-3 --lr-grid 2e-3,4e-3 --out "$OUT/static" || status=1 ;;
+        python bench/dynamic_rank_eval.py --budget --model "$MODEL" --arms static-r16,static-r64,nested-r64,learned \
+            --lr static-r16=1e-3,static-r64=1e-3 --lr-grid 2e-3,4e-3 --rank-budget-mode price \
+            --out "$OUT/static" || status=1 ;;
     routed)
-        python bench/dynamic_rank_eval.py --budget --model "$MODEL" --arms entropy-gated,random,learned \
-            --lr-grid 2e-3 --rank-budget-mode price --out "$OUT/routed" || status=1 ;;
+        python bench/dynamic_rank_eval.py --budget --model "$MODEL" --arms entropy-gated,random \
+            --lr-grid 2e-3,4e-3 --rank-budget-mode price --out "$OUT/routed" || status=1 ;;
     layer)
         python bench/bench_dynamic_rank_layer.py --out "$OUT/layer" || status=1 ;;
 esac
