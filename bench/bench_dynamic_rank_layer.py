@@ -4,7 +4,9 @@
     python bench/bench_dynamic_rank_layer.py --smoke    # seconds on a CPU (Triton interpreter): checks the script
 
 Arms, all timed forward + backward in one process (bench/harness.py), interleaved over --rounds
-passes (median kept), ratios to the frozen floor and to the static fused layer at r_max:
+passes (median kept), ratios to the frozen floor and to the static fused layer at r_max; on a GPU
+also each arm's kernel time alone (gpu_ms: the profiler's summed GPU activity per step, host left
+out), the measure that separates a slower kernel from a slower launch at the narrow shapes:
     frozen              the base nn.Linear alone (frozen weight, input requires grad)
     static-r16/r64      the fused static LoRA kernels (sits_lora.ops.lora_linear, cuBLAS design)
     dyn:<hist>:<mode>   sits_lora.ops.lora_linear_dynamic_rank_triton with buckets 16/32/48/64 and
@@ -26,10 +28,22 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import median_ms, print_table, write_results  # noqa: E402
+from harness import gpu_kernel_ms, median_ms, print_table, write_results  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (2048, 8192)]
 BUCKETS = (16, 32, 48, 64)
+
+
+def _shapes(text: str) -> list:
+    """'4096x4096,2048x8192' -> [(4096, 4096), (2048, 8192)]"""
+    shapes = []
+    for part in text.split(","):
+        dims = part.strip().lower().split("x")
+        if len(dims) != 2 or not all(d.isdigit() and int(d) > 0 for d in dims):
+            raise argparse.ArgumentTypeError(f"--shapes: {part!r} is not DINxDOUT with two positive integers "
+                                             f"(e.g. 4096x4096)")
+        shapes.append((int(dims[0]), int(dims[1])))
+    return shapes
 
 
 def _ids(hist: str, tokens: int, device) -> torch.Tensor:
@@ -127,12 +141,17 @@ def main(argv=None) -> int:
                         help="time every arm once per round, arms interleaved, and keep the median over rounds "
                              "(adjacent arms differed by up to 5 %% within one pass on the H200; spread = "
                              "(max - min) / median over rounds, per arm)")
+    parser.add_argument("--shapes", type=_shapes, metavar="DINxDOUT[,DINxDOUT...]",
+                        help="only these layer shapes, e.g. 4096x4096,2048x8192 (default: "
+                             + ",".join(f"{i}x{o}" for i, o in SHAPES) + ")")
+    parser.add_argument("--gpu-steps", type=int, default=20,
+                        help="steps profiled per arm for gpu_ms (0: skip the kernel-time measurement)")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("without a GPU the kernels need the Triton interpreter: TRITON_INTERPRET=1 python ... --smoke")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    shapes, T = (SHAPES, args.tokens) if not args.smoke else ([(80, 72)], 64)
+    shapes, T = (args.shapes or SHAPES, args.tokens) if not args.smoke else ([(80, 72)], 64)
     rows = []
     for d_in, d_out in shapes:
         fns, leaves = arms(d_in, d_out, T, dtype, device, args.smoke)
@@ -151,17 +170,22 @@ def main(argv=None) -> int:
             for name, fn in fns.items():
                 rounds[name].append(median_ms(fresh(fn), rep_ms=200 if not args.smoke else 1))
         timed = {name: statistics.median(values) for name, values in rounds.items()}
+        kernels = {name: gpu_kernel_ms(fresh(fn), steps=args.gpu_steps) if args.gpu_steps > 0 else None
+                   for name, fn in fns.items()}
         for name, ms in timed.items():
+            gpu_ms, gpu_static = kernels[name], kernels["static-r64"]
             rows.append({"d_in": d_in, "d_out": d_out, "T": T, "arm": name, "full_ms": ms,
                          "vs_frozen": ms / timed["frozen"], "vs_static_r64": ms / timed["static-r64"],
-                         "spread": (max(rounds[name]) - min(rounds[name])) / ms, "rounds": len(rounds[name])})
+                         "spread": (max(rounds[name]) - min(rounds[name])) / ms, "rounds": len(rounds[name]),
+                         "gpu_ms": gpu_ms, "gpu_vs_static_r64": gpu_ms / gpu_static if gpu_ms and gpu_static else None})
         if device == "cuda":
             torch.cuda.empty_cache()
     name = "dynamic_rank_layer_smoke" if args.smoke else "dynamic_rank_layer"
     paths = write_results(name, rows, args.out,
                           {"command": "python bench/bench_dynamic_rank_layer.py " + " ".join(argv or sys.argv[1:]),
                            "buckets": list(BUCKETS)})
-    print_table(rows, ["d_in", "d_out", "arm", "full_ms", "vs_frozen", "vs_static_r64", "spread"])
+    print_table(rows, ["d_in", "d_out", "arm", "full_ms", "vs_frozen", "vs_static_r64", "spread", "gpu_ms",
+                       "gpu_vs_static_r64"])
     print("wrote", *paths)
     return 0
 

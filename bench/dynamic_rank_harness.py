@@ -518,27 +518,40 @@ def summarize(runs: list[dict]) -> list[dict]:
 def results_from_partials(paths: list[str], settings: EvalSettings, environment_from: Optional[str] = None) -> dict:
     """One result from the partial files of runs cut short (each GPU call has a 10-minute limit).
 
-    Each arm's runs come from the first file that has it: a later call repeats full-ft (its KL
-    reference, same seeds and rates) and its arms' KL is measured against that call's own full-ft.
+    Each (arm, seed) run comes from the first file that has it, so a call cut after an arm's second
+    seed can be finished by a later call that runs only the missing seed. Every call repeats full-ft
+    (its KL reference, same seeds and rates) and its arms' KL is measured against that call's own
+    full-ft. An arm's seeds taken from different files must share one learning rate (else ValueError).
     ``environment_from``: a result file written on the same machine in the same session, for partial
     files older than the environment stamp they now carry.
     """
     runs: list[dict] = []
     tuning: list[dict] = []
-    seen: set = set()
+    run_source: dict = {}  # (arm, seed) -> file
+    arm_rate: dict = {}  # arm -> (lr, file)
+    tuned: set = set()
     environment_stamp, model = None, settings.model
     for path in paths:
         with open(path) as f:
             part = json.load(f)
         environment_stamp = environment_stamp or part.get("environment")
         model = part.get("model", model)
-        arms = list(dict.fromkeys(r["arm"] for r in part["runs"]))
-        for arm in arms:
-            if arm in seen:
+        for run in part["runs"]:
+            key = (run["arm"], run["seed"])
+            if key in run_source:
                 continue
-            runs.extend(r for r in part["runs"] if r["arm"] == arm)
-            tuning.extend(r for r in part["tuning"] if r["arm"] == arm)
-        seen.update(arms)
+            lr, first_path = arm_rate.setdefault(run["arm"], (run["lr"], path))
+            if not math.isclose(run["lr"], lr):
+                raise ValueError(f"--merge-partials: arm {run['arm']!r} ran at lr {lr:g} in {first_path} and at "
+                                 f"lr {run['lr']:g} in {path} (seed {run['seed']}); merge only runs of one rate "
+                                 f"per arm (rerun the missing seeds with --lr {run['arm']}={lr:g})")
+            run_source[key] = path
+            runs.append(run)
+        for entry in part["tuning"]:
+            key = (entry["arm"], entry["seed"], entry["lr"])
+            if key not in tuned:
+                tuned.add(key)
+                tuning.append(entry)
     if environment_from is not None:
         with open(environment_from) as f:
             environment_stamp = json.load(f)["environment"]
@@ -548,26 +561,30 @@ def results_from_partials(paths: list[str], settings: EvalSettings, environment_
 
 
 def plot_loss_vs_rank(results: dict, path: Optional[str] = None):
-    """Test loss (mean ± std over seeds) against mean active rank; the nested truncations as a line."""
+    """Left: test loss (mean ± std over seeds) against mean active rank, the nested truncations as a line.
+    Right: the arms near the target mean rank side by side on a scale that resolves them (a nested
+    adapter at full rank can sit 0.25 nats higher and flatten the left panel), with each arm's KL."""
     from matplotlib.figure import Figure  # not pyplot: no global backend state, works headless and in notebooks
 
     rows = {r["arm"]: r for r in results["rows"]}
-    fig = Figure(figsize=(6.4, 4.2))
-    ax = fig.subplots()
+    fig = Figure(figsize=(11.5, 4.4))
+    ax, near = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.1, 1.0]})
     nested = sorted((r for a, r in rows.items() if a.startswith("nested-r64@")), key=lambda r: r["active_rank_mean"])
     if nested:
         ax.errorbar([r["active_rank_mean"] for r in nested], [r["test_loss_mean"] for r in nested],
                     yerr=[r["test_loss_std"] or 0.0 for r in nested], marker="o", linestyle="-", capsize=3,
-                    label="nested r=64, truncated to k")
+                    color="C0", label="nested r=64, truncated to k")
     markers = {"static-r16": "s", "static-r64": "s", "entropy-gated": "*", "learned": "^", "random": "x"}
+    colors = {arm: f"C{i + 1}" for i, arm in enumerate(markers)}  # one colour per arm in both panels
     for arm, marker in markers.items():
         if arm in rows:
             r = rows[arm]
             ax.errorbar([r["active_rank_mean"]], [r["test_loss_mean"]], yerr=[r["test_loss_std"] or 0.0],
                         xerr=[r["active_rank_std"] or 0.0], marker=marker, markersize=9, capsize=3, linestyle="none",
-                        label=arm)
+                        color=colors[arm], label=arm)
     if "full-ft" in rows:
-        ax.axhline(rows["full-ft"]["test_loss_mean"], color="gray", linestyle="--", label="full fine-tune")
+        for axis in (ax, near):
+            axis.axhline(rows["full-ft"]["test_loss_mean"], color="gray", linestyle="--", label="full fine-tune")
     ax.set_xlabel("mean active rank (test tokens)")
     ax.set_ylabel("held-out loss (nats / token)")
     env = results["environment"]
@@ -575,6 +592,23 @@ def plot_loss_vs_rank(results: dict, path: Optional[str] = None):
     ax.set_title(f"{os.path.basename(results['model'])[:60]}\n{results['settings']['steps']} steps, {seeds} "
                  f"seed{'s' if seeds > 1 else ''}, {env['gpu'] or env['cpu']}", fontsize=9)
     ax.legend(fontsize=8)
+
+    # the right panel: every adapter arm within 25 % of the target mean rank, and static r_max for scale
+    target = results["settings"]["mean_rank"]
+    close = [a for a, r in rows.items() if a != "full-ft" and r["active_rank_mean"] is not None
+             and (abs(r["active_rank_mean"] - target) <= 0.25 * target or a == "static-r64")]
+    close.sort(key=lambda a: rows[a]["test_loss_mean"])
+    for i, arm in enumerate(close):
+        r = rows[arm]
+        near.errorbar([i], [r["test_loss_mean"]], yerr=[r["test_loss_std"] or 0.0], marker=markers.get(arm, "o"),
+                      markersize=9, capsize=4, linestyle="none", color=colors.get(arm, "C0"))
+    kl = [rows[a]["kl_vs_full_ft_mean"] for a in close]
+    near.set_xticks(range(len(close)), [f"{a}\nrank {rows[a]['active_rank_mean']:.1f}"
+                                        + (f"\nKL {k:.3f}" if k is not None else "") for a, k in zip(close, kl)],
+                    fontsize=7)
+    near.set_xlim(-0.6, len(close) - 0.4)
+    near.set_title(f"arms near mean rank {target} (and r = {results['settings']['r_max']}), best first", fontsize=9)
+    near.set_ylabel("held-out loss (nats / token)")
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=120)

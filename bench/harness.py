@@ -46,6 +46,33 @@ def median_ms(fn: Callable[[], object], warmup_ms: int = 100, rep_ms: int = 400)
     return statistics.median(times)
 
 
+def gpu_kernel_ms(fn: Callable[[], object], steps: int = 20, warmup: int = 3) -> Optional[float]:
+    """GPU time of one fn() call in milliseconds: the summed durations of the GPU activities (kernels,
+    memsets, copies) the profiler records over ``steps`` calls, divided by ``steps``. None without a GPU.
+
+    Unlike median_ms it leaves out the host: a ~1 ms layer step on the H200 host launches its kernels
+    at 30-100 µs each, so a wall-clock or event timing mixes host and GPU time, with round-to-round
+    spreads up to 25 % (bench/results/2026-11-30-h200-session5/callA). Gaps between kernels are not
+    counted, so this is the kernels' cost, not the step's.
+    """
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    gpu = torch.autograd.DeviceType.CUDA
+    total_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == gpu)
+    if total_us == 0:  # a profiler build that attaches kernels to their launching ops only
+        total_us = sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages())
+    return total_us / steps / 1000
+
+
 def peak_memory_gib(fn: Callable[[], object]) -> Optional[float]:
     """Peak allocated memory during fn(), in GiB above what was allocated before (None on the CPU)."""
     if not torch.cuda.is_available():

@@ -12,8 +12,9 @@
 #           their grid in session 2: the tuned rate may lie above it)
 #   routed  entropy-gated and random (which takes entropy-gated's histogram, so both run in one call) tuned
 #           on 2e-3 and 4e-3, price mode, the library's default step
-#   layer   the per-token-rank layer against the static kernel, with the router's decision compiled and eager
-#           (MODEL unused; 121 s measured in session 4, before the eager-router arm)
+#   layer   the per-token-rank layer against the static kernel, with the router's decision compiled and eager,
+#           and each arm's GPU kernel time alone (gpu_ms; the narrow shapes' wall-clock ratios are host-noisy)
+#           (MODEL unused; 138 s measured in session 5 before gpu_ms was added)
 # Each phase writes OUT/PHASE/ and then packs it into OUT/PHASE.tgz (a call returns only a few files).
 # Merge the two evaluation phases on any machine:
 #   python bench/dynamic_rank_eval.py --budget --merge-partials DIR/routed/dynamic_rank_eval_partial.json \

@@ -14,7 +14,8 @@ import pytest
 from conftest import REPO_ROOT
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
-from dynamic_rank_harness import ARMS, ByteTokenizer, EvalSettings, pack_blocks, settings_for, summarize  # noqa: E402
+from dynamic_rank_harness import (  # noqa: E402
+    ARMS, ByteTokenizer, EvalSettings, pack_blocks, results_from_partials, settings_for, summarize)
 
 
 @pytest.mark.slow
@@ -96,6 +97,37 @@ def test_summary_is_mean_and_sample_std_over_seeds():
     assert row[1]["test_loss_std"] is None and row[1]["kl_vs_full_ft_mean"] is None  # one seed: no spread
 
 
+def _partial(path, runs):
+    path.write_text(json.dumps({"environment": {"git_revision": "abc1234"}, "model": "m", "runs": runs,
+                                "tuning": [dict(r) for r in runs if r["seed"] == 0]}))
+    return str(path)
+
+
+def test_merged_partials_take_each_arm_and_seed_from_the_first_file_that_has_it(tmp_path):
+    def run(arm, seed, lr, loss):
+        return {"arm": arm, "seed": seed, "lr": lr, "test_loss": loss, "test_ppl": 1.0, "kl_vs_full_ft": 0.1,
+                "active_rank": 16.0}
+
+    # call A cut after learned seed 1; call B ran the missing seed 2 (and repeats full-ft, its KL reference)
+    a = _partial(tmp_path / "a.json", [run("full-ft", s, 1e-4, 2.0 + s) for s in (0, 1, 2)]
+                 + [run("learned", 0, 2e-3, 3.0), run("learned", 1, 2e-3, 3.2)])
+    b = _partial(tmp_path / "b.json", [run("full-ft", 2, 1e-4, 9.0), run("learned", 1, 2e-3, 9.0),
+                                       run("learned", 2, 2e-3, 3.4)])
+    merged = results_from_partials([a, b], settings_for("tiny"))
+    taken = sorted((r["arm"], r["seed"], r["test_loss"]) for r in merged["runs"])
+    assert taken == [("full-ft", 0, 2.0), ("full-ft", 1, 3.0), ("full-ft", 2, 4.0),
+                     ("learned", 0, 3.0), ("learned", 1, 3.2), ("learned", 2, 3.4)]
+    rows = {r["arm"]: r for r in merged["rows"]}
+    assert rows["learned"]["seeds"] == 3 and rows["learned"]["test_loss_mean"] == pytest.approx(3.2)
+    assert merged["merged_from"] == [a, b] and merged["environment"]["git_revision"] == "abc1234"
+
+    # one arm's seeds at two rates are not one arm: refused, naming the arm, both rates and the fix
+    c = _partial(tmp_path / "c.json", [run("learned", 2, 4e-3, 3.4)])
+    with pytest.raises(ValueError, match=r"arm 'learned' ran at lr 0.002 in .*a.json and at lr 0.004 in .*c.json "
+                                         r"\(seed 2\).*--lr learned=0.002"):
+        results_from_partials([a, c], settings_for("tiny"))
+
+
 def test_partial_results_are_written_after_every_run(tmp_path):
     """A run cut short by the GPU session's time limit still leaves the finished runs on disk."""
     from dynamic_rank_harness import run_evaluation
@@ -122,6 +154,17 @@ def test_dynamic_rank_layer_bench_smoke(tmp_path):
             "layer:learned-eager-router"} <= arms
     assert "SITS_LORA_COMPILE_ROUTER" not in os.environ  # the eager arm restores the environment
     assert all(r["full_ms"] > 0 and r["vs_static_r64"] > 0 and r["rounds"] == 3 and r["spread"] >= 0 for r in rows)
+    assert all(r["gpu_ms"] is None and r["gpu_vs_static_r64"] is None for r in rows)  # kernel time: GPU only
+
+
+def test_dynamic_rank_layer_bench_shapes_option(capsys):
+    import bench_dynamic_rank_layer
+
+    assert bench_dynamic_rank_layer._shapes("4096x4096, 2048X8192") == [(4096, 4096), (2048, 8192)]
+    with pytest.raises(SystemExit) as exit_info:
+        bench_dynamic_rank_layer.main(["--shapes", "4096x0", "--smoke"])
+    assert exit_info.value.code == 2
+    assert "--shapes: '4096x0' is not DINxDOUT with two positive integers" in capsys.readouterr().err
 
 
 @pytest.mark.slow
