@@ -14,8 +14,9 @@ out), the measure that separates a slower kernel from a slower launch at the nar
                         gradient: eval, 'random', 'static') or "router" (the bucket-weight gradient
                         that trains the router); "-ungrouped" = tokens not sorted by bucket
     reference:mixed     the mask-multiply reference (sits_lora.dynamic_rank), the CPU path
-    layer:learned       a whole DynamicRankLinear in training (router, Gumbel sampling, budget term)
-    layer:learned-eager-router   the same with the router's decision eager (SITS_LORA_COMPILE_ROUTER=0)
+    layer:learned       a whole DynamicRankLinear in training (router, Gumbel sampling, budget term),
+                        the router's decision eager (the default since session 5)
+    layer:learned-compiled-router   the same with the decision compiled (SITS_LORA_COMPILE_ROUTER=1)
 """
 
 from __future__ import annotations
@@ -93,16 +94,16 @@ def arms(d_in, d_out, T, dtype, device, smoke):
         x, x, W, None, A, B, 2.0, ids_mixed, BUCKETS).backward(dy)
     out["layer:learned"], layer_params = _layer_arm(d_in, d_out, T, dtype, device, x, dy)
     leaves += layer_params
-    out["layer:learned-eager-router"] = _eager_routing(out["layer:learned"])
+    out["layer:learned-compiled-router"] = _compiled_routing(out["layer:learned"])
     return out, leaves
 
 
-def _eager_routing(step):
-    """The same layer step with the router's decision eager (SITS_LORA_COMPILE_ROUTER=0): does compiling it pay
-    on a host-bound layer? (The compiled call has its own Python cost; on a CPU both are eager.)"""
+def _compiled_routing(step):
+    """The same layer step with the router's decision compiled (SITS_LORA_COMPILE_ROUTER=1): does compiling
+    it pay? (The compiled call has its own Python cost; on a CPU both are eager.)"""
     def run():
         before = os.environ.get("SITS_LORA_COMPILE_ROUTER")
-        os.environ["SITS_LORA_COMPILE_ROUTER"] = "0"
+        os.environ["SITS_LORA_COMPILE_ROUTER"] = "1"
         try:
             step()
         finally:

@@ -53,8 +53,8 @@ def main(argv=None) -> int:
                         help="a fixed learning rate for these arms instead of their grid, e.g. static-r16=1e-3 (the "
                              "pick of an earlier run's grid: each arm at its own tuned rate, one run per seed)")
     parser.add_argument("--rank-budget-mode", choices=("target", "ceiling", "price"),
-                        help="SitsLoraConfig.rank_budget_mode of the routed arms (default target, the rule of the "
-                             "published runs; the library's default is price)")
+                        help="SitsLoraConfig.rank_budget_mode of the routed arms (default price, the library's and "
+                             "the latest evaluation's; sessions 2 and 3 ran ceiling and target)")
     parser.add_argument("--rank-budget-step-size", type=float,
                         help="SitsLoraConfig.rank_budget_step_size of the routed arms (default: the library's for the "
                              "mode, 0.5 for target, 6 for price)")

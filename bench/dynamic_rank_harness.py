@@ -72,9 +72,10 @@ class EvalSettings:
     rank_budget_step_size: Optional[float] = field(default=None, metadata={
         "help": "dual-ascent step size of the rank budget (default: the library's for the mode: target 0.5, price 6)"})
     router_lr_scale: float = field(default=1.0, metadata={"help": "the routers' learning rate as a multiple of the arm's"})
-    rank_budget_mode: str = field(default="target", metadata={
-        "help": "'target' (λ of either sign: the mean rank held at the target), 'ceiling' (λ ≥ 0, the rule of the "
-                "first H200 run, 2026-11-30-h200-session2) or 'price' (λ shifts the routers' biases)"})
+    rank_budget_mode: str = field(default="price", metadata={
+        "help": "'price' (λ shifts the routers' biases: the library's default and the rule of the session-5 "
+                "evaluation), 'target' (λ of either sign through the routers' gradient, session 3) or 'ceiling' "
+                "(λ ≥ 0, session 2)"})
     target_modules: tuple = field(default=LLAMA_PROJECTIONS, metadata={"help": "adapted projections"})
     arms: tuple = field(default=ARMS, metadata={"help": "arms to run (full-ft always runs: it is the KL reference)"})
     cache_dir: Optional[str] = field(default=None, metadata={

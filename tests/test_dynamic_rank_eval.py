@@ -67,7 +67,8 @@ def test_presets_and_bad_settings():
         EvalSettings(lr_by_arm={"learned": 0})
     assert settings_for("budget", lr_by_arm={"static-r16": 1e-3}).lr_by_arm == {"static-r16": 1e-3}
     # the budget's step size: the library's default for the mode, recorded as a number
-    assert budget.rank_budget_step_size == 0.5 and settings_for("budget", rank_budget_mode="price").rank_budget_step_size == 6.0
+    assert budget.rank_budget_mode == "price" and budget.rank_budget_step_size == 6.0
+    assert settings_for("budget", rank_budget_mode="target").rank_budget_step_size == 0.5
     with pytest.raises(ValueError, match="EvalSettings.rank_budget_mode='cap' is invalid"):
         EvalSettings(rank_budget_mode="cap")
     with pytest.raises(ValueError, match="'random' uses the histogram of 'entropy-gated'"):
@@ -151,8 +152,8 @@ def test_dynamic_rank_layer_bench_smoke(tmp_path):
     rows = json.loads((tmp_path / "dynamic_rank_layer_smoke.json").read_text())["rows"]
     arms = {r["arm"] for r in rows}
     assert {"frozen", "static-r64", "dyn:mixed:router", "dyn:mixed:hard-ungrouped", "layer:learned",
-            "layer:learned-eager-router"} <= arms
-    assert "SITS_LORA_COMPILE_ROUTER" not in os.environ  # the eager arm restores the environment
+            "layer:learned-compiled-router"} <= arms
+    assert "SITS_LORA_COMPILE_ROUTER" not in os.environ  # the compiled-router arm restores the environment
     assert all(r["full_ms"] > 0 and r["vs_static_r64"] > 0 and r["rounds"] == 3 and r["spread"] >= 0 for r in rows)
     assert all(r["gpu_ms"] is None and r["gpu_vs_static_r64"] is None for r in rows)  # kernel time: GPU only
 
