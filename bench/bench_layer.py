@@ -67,20 +67,28 @@ def build(arm: str, d_in: int, d_out: int, r: int, dtype, device):
     return model
 
 
-def measure(arm, d_in, d_out, r, T, dtype, device) -> dict:
+def layer_step(arm, d_in, d_out, r, T, dtype, device):
+    """(model, x, step): the arm's layer, a (T, d_in) input that requires grad, and one forward + backward
+    that writes every gradient anew (as training does after zero_grad), not an accumulate into .grad."""
     model = build(arm, d_in, d_out, r, dtype, device)
     x = torch.randn(T, d_in, device=device, dtype=dtype, requires_grad=True)
     dy = torch.randn(T, d_out, device=device, dtype=dtype)
     params = [p for p in model.parameters() if p.requires_grad]
 
-    def forward():
-        return model(x)
-
-    def full():
+    def step():
         x.grad = None
         for p in params:
             p.grad = None
         model(x).backward(dy)
+
+    return model, x, step
+
+
+def measure(arm, d_in, d_out, r, T, dtype, device) -> dict:
+    model, x, full = layer_step(arm, d_in, d_out, r, T, dtype, device)
+
+    def forward():
+        return model(x)
 
     y = forward()
     fwd = median_ms(lambda: forward())

@@ -28,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_layer import build  # noqa: E402
+from bench_layer import layer_step  # noqa: E402
 from harness import environment  # noqa: E402
 
 
@@ -81,17 +81,7 @@ def launchers(T: int, K: int, N: int, R: int, calls: int) -> dict:
 def layer_steps(arms, T: int, K: int, N: int, R: int, steps: int, device: str, dtype) -> tuple[dict, str]:
     results, text = {}, io.StringIO()
     for arm in arms:
-        model = build(arm, K, N, R, dtype, device)
-        x = torch.randn(T, K, device=device, dtype=dtype, requires_grad=True)
-        dy = torch.randn(T, N, device=device, dtype=dtype)
-        params = [p for p in model.parameters() if p.requires_grad]
-
-        def step():
-            x.grad = None
-            for p in params:
-                p.grad = None
-            model(x).backward(dy)
-
+        _, _, step = layer_step(arm, K, N, R, T, dtype, device)
         results[arm] = _host_us(step, steps)
         prof = cProfile.Profile()
         prof.enable()

@@ -15,7 +15,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_layer import build  # noqa: E402
+from bench_layer import layer_step  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -27,17 +27,7 @@ def main(argv=None) -> int:
     parser.add_argument("--arms", nargs="+", default=["frozen", "peft", "sits:cublas"])
     args = parser.parse_args(argv)
     for arm in args.arms:
-        model = build(arm, args.d_in, args.d_out, args.r, torch.bfloat16, "cuda")
-        x = torch.randn(args.tokens, args.d_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        dy = torch.randn(args.tokens, args.d_out, device="cuda", dtype=torch.bfloat16)
-        params = [p for p in model.parameters() if p.requires_grad]
-
-        def full():
-            x.grad = None
-            for p in params:
-                p.grad = None
-            model(x).backward(dy)
-
+        _, _, full = layer_step(arm, args.d_in, args.d_out, args.r, args.tokens, torch.bfloat16, "cuda")
         for _ in range(5):
             full()
         torch.cuda.synchronize()
