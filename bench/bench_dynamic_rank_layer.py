@@ -29,7 +29,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import gpu_kernel_ms, median_ms, print_table, write_results  # noqa: E402
+from harness import gpu_kernels_ms, median_ms, print_table, write_results  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (2048, 8192)]
 BUCKETS = (16, 32, 48, 64)
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
         parser.error("without a GPU the kernels need the Triton interpreter: TRITON_INTERPRET=1 python ... --smoke")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes, T = (args.shapes or SHAPES, args.tokens) if not args.smoke else ([(80, 72)], 64)
-    rows = []
+    rows, kernel_breakdown = [], {}
     for d_in, d_out in shapes:
         fns, leaves = arms(d_in, d_out, T, dtype, device, args.smoke)
 
@@ -171,8 +171,12 @@ def main(argv=None) -> int:
             for name, fn in fns.items():
                 rounds[name].append(median_ms(fresh(fn), rep_ms=200 if not args.smoke else 1))
         timed = {name: statistics.median(values) for name, values in rounds.items()}
-        kernels = {name: gpu_kernel_ms(fresh(fn), steps=args.gpu_steps) if args.gpu_steps > 0 else None
-                   for name, fn in fns.items()}
+        breakdown = {name: gpu_kernels_ms(fresh(fn), steps=args.gpu_steps) if args.gpu_steps > 0 else None
+                     for name, fn in fns.items()}
+        kernels = {name: sum(per.values()) if per else None for name, per in breakdown.items()}
+        if any(breakdown.values()):
+            # which kernel a kernel-time excess comes from, without another GPU call
+            kernel_breakdown[f"{d_in}x{d_out}"] = breakdown
         for name, ms in timed.items():
             gpu_ms, gpu_static = kernels[name], kernels["static-r64"]
             rows.append({"d_in": d_in, "d_out": d_out, "T": T, "arm": name, "full_ms": ms,
@@ -184,7 +188,7 @@ def main(argv=None) -> int:
     name = "dynamic_rank_layer_smoke" if args.smoke else "dynamic_rank_layer"
     paths = write_results(name, rows, args.out,
                           {"command": "python bench/bench_dynamic_rank_layer.py " + " ".join(argv or sys.argv[1:]),
-                           "buckets": list(BUCKETS)})
+                           "buckets": list(BUCKETS), "gpu_kernels_ms": kernel_breakdown})
     print_table(rows, ["d_in", "d_out", "arm", "full_ms", "vs_frozen", "vs_static_r64", "spread", "gpu_ms",
                        "gpu_vs_static_r64"])
     print("wrote", *paths)

@@ -46,9 +46,10 @@ def median_ms(fn: Callable[[], object], warmup_ms: int = 100, rep_ms: int = 400)
     return statistics.median(times)
 
 
-def gpu_kernel_ms(fn: Callable[[], object], steps: int = 20, warmup: int = 3) -> Optional[float]:
-    """GPU time of one fn() call in milliseconds: the summed durations of the GPU activities (kernels,
-    memsets, copies) the profiler records over ``steps`` calls, divided by ``steps``. None without a GPU.
+def gpu_kernels_ms(fn: Callable[[], object], steps: int = 20, warmup: int = 3) -> Optional[dict]:
+    """GPU time of one fn() call per kernel name, in milliseconds: the summed durations of the GPU activities
+    (kernels, memsets, copies) the profiler records over ``steps`` calls, divided by ``steps``, largest first.
+    None without a GPU.
 
     Unlike median_ms it leaves out the host: a ~1 ms layer step on the H200 host launches its kernels
     at 30-100 µs each, so a wall-clock or event timing mixes host and GPU time, with round-to-round
@@ -66,11 +67,15 @@ def gpu_kernel_ms(fn: Callable[[], object], steps: int = 20, warmup: int = 3) ->
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
+    per_name: dict = {}
     gpu = torch.autograd.DeviceType.CUDA
-    total_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == gpu)
-    if total_us == 0:  # a profiler build that attaches kernels to their launching ops only
-        total_us = sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages())
-    return total_us / steps / 1000
+    for event in prof.events():
+        if event.device_type == gpu:
+            per_name[event.name] = per_name.get(event.name, 0.0) + event.time_range.elapsed_us()
+    if not per_name:  # a profiler build that attaches kernels to their launching ops only
+        per_name = {e.key: e.self_device_time_total for e in prof.key_averages()
+                    if getattr(e, "self_device_time_total", 0) > 0}
+    return {name: us / steps / 1000 for name, us in sorted(per_name.items(), key=lambda kv: -kv[1])}
 
 
 def peak_memory_gib(fn: Callable[[], object]) -> Optional[float]:
