@@ -12,7 +12,7 @@ import torch
 
 from sits_lora import DynamicRankLinear, ops
 from sits_lora.dynamic_rank import dynamic_rank_lora_linear, dynamic_rank_lora_linear_reference
-from sits_lora.ops.fused import lora_expand
+from sits_lora.ops.fused import bucket_weight_grad, lora_expand
 
 from conftest import rel_err
 from test_dynamic_rank import dyn_model, ids, layers
@@ -106,7 +106,7 @@ def test_dropout_input_and_ungrouped_tokens(group):
 
 
 def test_expand_skips_rank_tiles_above_each_token_limit():
-    """A token's h beyond its limit is never read: filling it with NaN changes nothing."""
+    """A token's h beyond its limit never reaches the output: filling it with NaN changes nothing."""
     g = torch.Generator().manual_seed(1)
     T, R, N = 33, 64, 40
     h = torch.randn(T, R, generator=g).to(DEVICE)
@@ -118,6 +118,19 @@ def test_expand_skips_rank_tiles_above_each_token_limit():
     got = lora_expand(poisoned, B, 0.5, None, torch.float32, rank_limit=limit, token_order=order)
     masked = h * (torch.arange(R, device=DEVICE)[None, :] < limit[:, None].long())
     assert rel_err(got, 0.5 * masked @ B.t()) < 1e-5
+
+
+@pytest.mark.parametrize("T,R,ends", [(70, 64, (16, 32, 48, 64)), (19, 40, (0, 5, 17, 40)), (1, 8, (8,))])
+def test_bucket_weight_grad_is_the_prefix_sum_formula(T, R, ends):
+    """The fused kernel against s · cumsum(h ⊙ g) read at each bucket's end (0 for a bucket of rank 0)."""
+    gen = torch.Generator().manual_seed(3)
+    h, g = (torch.randn(T, R, generator=gen).to(DEVICE) for _ in range(2))
+    bucket_ends = torch.tensor(ends, device=DEVICE)
+    prefix = torch.nn.functional.pad(torch.cumsum(h * g, dim=1), (1, 0))
+    want = 0.25 * prefix.index_select(1, bucket_ends)
+    got = bucket_weight_grad(h, g, bucket_ends, 0.25)
+    assert got.shape == (T, len(ends)) and got.dtype == torch.float32
+    assert rel_err(got, want) < 1e-5
 
 
 @pytest.mark.parametrize("scheduler", ["learned", "entropy-gated", "random", "static"])

@@ -283,9 +283,9 @@ class DynamicRankLoraFunction(torch.autograd.Function):
         grads, g = _backward_2d(ctx, grad_y, x, x_lora, weight, lora_A, lora_B, h, "cublas", rank_limit=rank_limit)
         d_weights = None
         if ctx.needs_input_grad[6]:
-            # prefix sums of h ⊙ g at each bucket's end; a leading zero column serves a bucket of rank 0
-            prefix = torch.nn.functional.pad(torch.cumsum(h * g, dim=1), (1, 0))           # (T, R + 1)
-            d_weights = (prefix.index_select(1, bucket_ends) * ctx.scaling)                  # (T, K)
+            from .fused import bucket_weight_grad
+
+            d_weights = bucket_weight_grad(h, g, bucket_ends, ctx.scaling)                   # (T, K)
         return (*grads, d_weights, None, None, None, None)
 
 

@@ -125,7 +125,10 @@ def _lora_expand_kernel(
     HAS_LIMIT (per-token rank): token t uses the first limit[t] columns of h only. A block whose
     largest limit is below R runs the 16-wide rank tiles up to it, skipping the rest; a block with a
     token at the full rank runs one full-width dot, as the static kernel does (four 16-wide dots in
-    a loop instead cost 6-9 % of the whole layer on the H200 at 4096², r = 64).
+    a loop instead cost 6-9 % of the whole layer on the H200 at 4096², r = 64). The limit is applied
+    by a select after a load under the static kernel's mask, not as the load's mask: a mask that varies
+    along the contiguous rank axis can keep the compiler from vectorizing the load (the masked expand / dy
+    / x passes took 19 / 5 / 19 % longer than the static ones at 4096², H200, session 6).
     GROUPED: the block's tokens are order[block's range] (tokens sorted by limit), so that most
     blocks hold one limit and skip every tile above it.
     """
@@ -143,7 +146,8 @@ def _lora_expand_kernel(
         if r_hi >= R:
             offs_r = tl.arange(0, BLOCK_R)
             h = tl.load(h_ptr + rows[:, None] * stride_ht + offs_r[None, :] * stride_hr,
-                        mask=t_ok[:, None] & (offs_r[None, :] < limit[:, None]), other=0.0)  # (BT, BR) fp32
+                        mask=t_ok[:, None] & (offs_r[None, :] < R), other=0.0)              # (BT, BR) fp32
+            h = tl.where(offs_r[None, :] < limit[:, None], h, 0.0)
             b = tl.load(b_ptr + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
                         mask=(offs_r[:, None] < R) & (offs_n[None, :] < N), other=0.0)     # (BR, BN)
             acc = tl.dot(h, b.to(tl.float32), input_precision=DOT_PRECISION)
@@ -152,7 +156,8 @@ def _lora_expand_kernel(
             for r0 in range(0, r_hi, 16):
                 offs_r = r0 + tl.arange(0, 16)
                 h = tl.load(h_ptr + rows[:, None] * stride_ht + offs_r[None, :] * stride_hr,
-                            mask=t_ok[:, None] & (offs_r[None, :] < limit[:, None]), other=0.0)  # (BT, 16) fp32
+                            mask=t_ok[:, None] & (offs_r[None, :] < R), other=0.0)          # (BT, 16) fp32
+                h = tl.where(offs_r[None, :] < limit[:, None], h, 0.0)
                 b = tl.load(b_ptr + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
                             mask=(offs_r[:, None] < R) & (offs_n[None, :] < N), other=0.0)     # (16, BN)
                 acc = tl.dot(h, b.to(tl.float32), acc, input_precision=DOT_PRECISION)
@@ -309,11 +314,10 @@ def _lora_dy_pass_kernel(
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_r = tl.arange(0, BLOCK_R)
     offs_nb = tl.arange(0, BLOCK_N)
-    h_ok = (offs_t[:, None] < T) & (offs_r[None, :] < R)
-    if HAS_LIMIT:
-        h_ok = h_ok & (offs_r[None, :] < tl.load(limit_ptr + offs_t, mask=offs_t < T, other=0)[:, None])
     h = tl.load(h_ptr + offs_t[:, None] * stride_ht + offs_r[None, :] * stride_hr,
-                mask=h_ok, other=0.0) * scale                                              # (BT, BR) fp32
+                mask=(offs_t[:, None] < T) & (offs_r[None, :] < R), other=0.0) * scale   # (BT, BR) fp32
+    if HAS_LIMIT:  # a select, not a load mask (see the expand kernel)
+        h = tl.where(offs_r[None, :] < tl.load(limit_ptr + offs_t, mask=offs_t < T, other=0)[:, None], h, 0.0)
     g = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
     n_start = pid_s * N_PER_SPLIT
     n_stop = tl.minimum(n_start + N_PER_SPLIT, N)
@@ -389,11 +393,10 @@ def _lora_x_pass_kernel(
         t_ok = offs_t < t_stop
         x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xk,
                     mask=t_ok[:, None] & k_ok[None, :], other=0.0)                        # (BT, BK)
-        g_ok = t_ok[:, None] & r_ok[None, :]
-        if HAS_LIMIT:
-            g_ok = g_ok & (offs_r[None, :] < tl.load(limit_ptr + offs_t, mask=t_ok, other=0)[:, None])
         g = tl.load(g_ptr + offs_t[:, None] * stride_gt + offs_r[None, :] * stride_gr,
-                    mask=g_ok, other=0.0)                                                  # (BT, BR) fp32
+                    mask=t_ok[:, None] & r_ok[None, :], other=0.0)                        # (BT, BR) fp32
+        if HAS_LIMIT:  # a select, not a load mask (see the expand kernel)
+            g = tl.where(offs_r[None, :] < tl.load(limit_ptr + offs_t, mask=t_ok, other=0)[:, None], g, 0.0)
         da = tl.dot(tl.trans(g.to(x.dtype)), x, da, input_precision=DOT_PRECISION)
         if WRITE_DX:
             dx = tl.dot(g, a, input_precision=DOT_PRECISION) * scale
@@ -426,6 +429,46 @@ def lora_x_pass(x: torch.Tensor, lora_A: torch.Tensor, g: torch.Tensor, scale: f
         WRITE_DX=write_dx, HAS_LIMIT=rank_limit is not None, BLOCK_R=BLOCK_R, DOT_PRECISION=_dot_precision(x.dtype), **cfg,
     )
     return (da_part[0] if splits == 1 else da_part.sum(0)), dx
+
+
+# ----------------------------------------------------------------------------- backward: the router's bucket weights
+
+
+@triton.jit
+def _bucket_weight_grad_kernel(
+    h_ptr, g_ptr, ends_ptr, out_ptr, T, R, K, scale,
+    stride_ht, stride_hr, stride_gt, stride_gr, stride_ot, stride_ok,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """out[t, k] = s · Σ_{r < ends[k]} h[t, r] g[t, r]: one read of h and g per token block."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_r = tl.arange(0, BLOCK_R)
+    ok = (offs_t[:, None] < T) & (offs_r[None, :] < R)
+    h = tl.load(h_ptr + offs_t[:, None] * stride_ht + offs_r[None, :] * stride_hr, mask=ok, other=0.0)
+    g = tl.load(g_ptr + offs_t[:, None] * stride_gt + offs_r[None, :] * stride_gr, mask=ok, other=0.0)
+    hg = h * g                                                                             # (BT, BR) fp32
+    for k in range(0, K):
+        end = tl.load(ends_ptr + k)
+        total = tl.sum(tl.where(offs_r[None, :] < end, hg, 0.0), 1) * scale                 # (BT,)
+        tl.store(out_ptr + offs_t * stride_ot + k * stride_ok, total, mask=offs_t < T)
+
+
+def bucket_weight_grad(h: torch.Tensor, g: torch.Tensor, bucket_ends: torch.Tensor, scale: float) -> torch.Tensor:
+    """(T, K) fp32: s · Σ_{r < bucket_ends[k]} h[t, r] g[t, r], the gradient of the router's bucket weights.
+
+    One kernel in place of the prefix-sum formula's six (multiply, cumsum, pad, index_select, scale and a
+    copy): those cost ~16 µs per layer call on the H200 at T = 8192, r = 64, about the whole excess of the
+    router's training path over the static kernel (session 6)."""
+    T, R = h.shape
+    K = bucket_ends.shape[0]
+    out = torch.empty((T, K), device=h.device, dtype=torch.float32)
+    BLOCK_T = 64
+    _bucket_weight_grad_kernel[(cdiv(T, BLOCK_T),)](
+        h, g, bucket_ends, out, T, R, K, scale,
+        h.stride(0), h.stride(1), g.stride(0), g.stride(1), out.stride(0), out.stride(1),
+        BLOCK_T=BLOCK_T, BLOCK_R=block_rank(R),
+    )
+    return out
 
 
 # ----------------------------------------------------------------------------- the layer, forward and backward
