@@ -12,7 +12,7 @@ import torch
 
 from sits_lora import DynamicRankLinear, ops
 from sits_lora.dynamic_rank import dynamic_rank_lora_linear, dynamic_rank_lora_linear_reference
-from sits_lora.ops.fused import bucket_weight_grad, lora_expand
+from sits_lora.ops.fused import limit_grad, lora_expand, lora_shrink, lora_shrink_limited
 
 from conftest import rel_err
 from test_dynamic_rank import dyn_model, ids, layers
@@ -121,16 +121,37 @@ def test_expand_skips_rank_tiles_above_each_token_limit():
 
 
 @pytest.mark.parametrize("T,R,ends", [(70, 64, (16, 32, 48, 64)), (19, 40, (0, 5, 17, 40)), (1, 8, (8,))])
-def test_bucket_weight_grad_is_the_prefix_sum_formula(T, R, ends):
-    """The fused kernel against s · cumsum(h ⊙ g) read at each bucket's end (0 for a bucket of rank 0)."""
+def test_limit_grad_limits_g_and_gives_the_prefix_sum_formula(T, R, ends):
+    """g zeroed from each token's limit on; the bucket gradient s · cumsum(h ⊙ g) read at each bucket's
+    end (0 for a bucket of rank 0), over the unlimited h and g; without h, no bucket gradient."""
     gen = torch.Generator().manual_seed(3)
     h, g = (torch.randn(T, R, generator=gen).to(DEVICE) for _ in range(2))
     bucket_ends = torch.tensor(ends, device=DEVICE)
+    limit = bucket_ends[torch.randint(0, len(ends), (T,), generator=gen).to(DEVICE)].to(torch.int32)
+    keep = torch.arange(R, device=DEVICE)[None, :] < limit[:, None].long()
     prefix = torch.nn.functional.pad(torch.cumsum(h * g, dim=1), (1, 0))
-    want = 0.25 * prefix.index_select(1, bucket_ends)
-    got = bucket_weight_grad(h, g, bucket_ends, 0.25)
-    assert got.shape == (T, len(ends)) and got.dtype == torch.float32
-    assert rel_err(got, want) < 1e-5
+    g_limited, d_weights = limit_grad(g, limit, 0.25, h, bucket_ends)
+    assert torch.equal(g_limited, g * keep)
+    assert d_weights.shape == (T, len(ends)) and d_weights.dtype == torch.float32
+    assert rel_err(d_weights, 0.25 * prefix.index_select(1, bucket_ends)) < 1e-5
+    g_only, none = limit_grad(g, limit, 0.25)
+    assert none is None and torch.equal(g_only, g_limited)
+    with pytest.raises(ValueError, match="h_full needs bucket_ends"):
+        limit_grad(g, limit, 0.25, h)
+
+
+@pytest.mark.parametrize("keep_full", [True, False])
+def test_shrink_limited_zeroes_h_from_each_limit_and_keeps_the_full_h_on_request(keep_full):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(37, 48, generator=gen).to(DEVICE)
+    A = torch.randn(40, 48, generator=gen).to(DEVICE)
+    limit = torch.tensor([0, 5, 17, 40] * 9 + [40], dtype=torch.int32, device=DEVICE)
+    h, h_full = lora_shrink_limited(x, A, limit, keep_full)
+    full = lora_shrink(x, A)
+    assert torch.equal(h, full * (torch.arange(40, device=DEVICE)[None, :] < limit[:, None].long()))
+    assert (h_full is None) != keep_full
+    if keep_full:
+        assert torch.equal(h_full, full)
 
 
 @pytest.mark.parametrize("scheduler", ["learned", "entropy-gated", "random", "static"])
@@ -163,16 +184,3 @@ def test_dynamic_rank_kernel_name_is_checked():
     with pytest.raises(ValueError, match="unknown dynamic-rank kernel 'cuda'; available: torch, triton"):
         dynamic_rank_lora_linear(x, x, torch.randn(4, 8), None, torch.randn(2, 8), torch.randn(4, 2), 1.0,
                                  torch.zeros(3, dtype=torch.long), [2], kernel="cuda")
-
-
-def test_rank_limit_with_the_triton_gemm_is_a_clear_error():
-    """The per-token limit lives in the expand kernel, which only the cuBLAS design runs."""
-    from sits_lora.ops.fused import lora_linear_backward, lora_linear_forward
-
-    x, W, A, B = torch.randn(8, 32), torch.randn(16, 32), torch.randn(16, 32), torch.randn(16, 16)
-    limit = torch.full((8,), 16, dtype=torch.int32)
-    with pytest.raises(ValueError, match="per-token rank limit runs on the cuBLAS design"):
-        lora_linear_forward(x, None, W, None, A, B, 1.0, "triton", rank_limit=limit)
-    with pytest.raises(ValueError, match="per-token rank limit runs on the cuBLAS design"):
-        lora_linear_backward(torch.randn(8, 16), x, None, W, A, B, torch.randn(8, 16), 1.0, "triton", True,
-                             rank_limit=limit)

@@ -177,17 +177,17 @@ def _input_grads(ctx, lead, K: int, dx, dx_lora, dA, dB, lora_A, lora_B) -> tupl
     )
 
 
-def _forward_2d(x, x_lora, weight, bias, lora_A, lora_B, scaling: float, gemm: str, **limits):
+def _forward_2d(x, x_lora, weight, bias, lora_A, lora_B, scaling: float, gemm: str):
     """(y with x's leading dims, h): ``fused.lora_linear_forward`` on x flattened to 2-D."""
     from .fused import lora_linear_forward
 
     K = x.shape[-1]
     y, h = lora_linear_forward(x.reshape(-1, K), None if x_lora is None else x_lora.reshape(-1, K),
-                               weight, bias, lora_A, lora_B, scaling, gemm, **limits)
+                               weight, bias, lora_A, lora_B, scaling, gemm)
     return y.view(*x.shape[:-1], weight.shape[0]), h
 
 
-def _backward_2d(ctx, grad_y, x, x_lora, weight, lora_A, lora_B, h, gemm: str, rank_limit=None):
+def _backward_2d(ctx, grad_y, x, x_lora, weight, lora_A, lora_B, h, gemm: str):
     """(gradients of the LoRA Functions' first six inputs, g): ``fused.lora_linear_backward`` on 2-D views."""
     from .fused import lora_linear_backward
 
@@ -195,7 +195,7 @@ def _backward_2d(ctx, grad_y, x, x_lora, weight, lora_A, lora_B, h, gemm: str, r
     dx, dx_lora, dA, dB, g = lora_linear_backward(
         grad_y.reshape(-1, N), None if x is None else x.reshape(-1, K),
         None if x_lora is None else x_lora.reshape(-1, K),
-        weight, lora_A, lora_B, h, ctx.scaling, gemm, ctx.needs_input_grad[0], rank_limit=rank_limit,
+        weight, lora_A, lora_B, h, ctx.scaling, gemm, ctx.needs_input_grad[0],
     )
     return _input_grads(ctx, grad_y.shape[:-1], K, dx, dx_lora, dA, dB, lora_A, lora_B), g
 
@@ -264,28 +264,36 @@ class DynamicRankLoraFunction(torch.autograd.Function):
 
     Token t uses the first rank_limit[t] rank dimensions. With ``bucket_weights`` (T, K) (the
     router's straight-through one-hot; value ignored here, rank_limit carries the choice) its
-    gradient s·Σ_{i < b_k} h[t, i] g[t, i] is returned, which is why h and g are kept over every
-    rank column. Eager only: under torch.compile the layer runs the PyTorch reference.
+    gradient s·Σ_{i < b_k} h[t, i] g[t, i] is returned, which reads h and g beyond each token's
+    limit: only then is the unlimited h kept as well (one more (T, r) fp32 tensor per layer). Eager
+    only: under torch.compile the layer runs the PyTorch reference.
     """
 
     @staticmethod
     def forward(ctx, x, x_lora, weight, bias, lora_A, lora_B, bucket_weights, scaling, rank_limit, bucket_ends,
                 token_order):
-        y, h = _forward_2d(x, x_lora, weight, bias, lora_A, lora_B, scaling, "cublas", rank_limit=rank_limit,
-                           token_order=token_order)
-        ctx.save_for_backward(x if x_lora is None else None, x_lora, weight, lora_A, lora_B, h, rank_limit, bucket_ends)
+        from .fused import dynamic_rank_forward
+
+        K = x.shape[-1]
+        y, h, h_full = dynamic_rank_forward(x.reshape(-1, K), None if x_lora is None else x_lora.reshape(-1, K),
+                                            weight, bias, lora_A, lora_B, scaling, rank_limit,
+                                            keep_full=ctx.needs_input_grad[6], token_order=token_order)
+        ctx.save_for_backward(x if x_lora is None else None, x_lora, weight, lora_A, lora_B, h, h_full, rank_limit,
+                              bucket_ends)
         ctx.scaling = scaling
-        return y
+        return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, x_lora, weight, lora_A, lora_B, h, rank_limit, bucket_ends = ctx.saved_tensors
-        grads, g = _backward_2d(ctx, grad_y, x, x_lora, weight, lora_A, lora_B, h, "cublas", rank_limit=rank_limit)
-        d_weights = None
-        if ctx.needs_input_grad[6]:
-            from .fused import bucket_weight_grad
+        from .fused import dynamic_rank_backward
 
-            d_weights = bucket_weight_grad(h, g, bucket_ends, ctx.scaling)                   # (T, K)
+        x, x_lora, weight, lora_A, lora_B, h, h_full, rank_limit, bucket_ends = ctx.saved_tensors
+        N, K = weight.shape
+        dx, dx_lora, dA, dB, d_weights = dynamic_rank_backward(
+            grad_y.reshape(-1, N), None if x is None else x.reshape(-1, K),
+            None if x_lora is None else x_lora.reshape(-1, K), weight, lora_A, lora_B, h, ctx.scaling,
+            ctx.needs_input_grad[0], rank_limit, h_full, bucket_ends)
+        grads = _input_grads(ctx, grad_y.shape[:-1], K, dx, dx_lora, dA, dB, lora_A, lora_B)
         return (*grads, d_weights, None, None, None, None)
 
 

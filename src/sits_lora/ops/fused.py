@@ -71,12 +71,15 @@ def _split(length: int, block: int, other_programs: int, target_programs: int) -
 
 @triton.jit
 def _lora_shrink_kernel(
-    x_ptr, a_ptr, h_ptr,
+    x_ptr, a_ptr, h_ptr, h_full_ptr, limit_ptr,
     T, K, R,
     stride_xt, stride_xk, stride_ar, stride_ak, stride_ht, stride_hr,
+    HAS_LIMIT: tl.constexpr, WRITE_FULL: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    """h = x Aᵀ; with HAS_LIMIT h[t, r] = 0 for r >= limit[t] (and the unlimited h to h_full with
+    WRITE_FULL, same strides), so that the passes after it run the static kernels unchanged."""
     pid_t = tl.program_id(0)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_r = tl.arange(0, BLOCK_R)
@@ -89,23 +92,42 @@ def _lora_shrink_kernel(
         a = tl.load(a_ptr + k[:, None] * stride_ak + offs_r[None, :] * stride_ar,
                     mask=(k[:, None] < K) & (offs_r[None, :] < R), other=0.0)             # (BK, BR)
         acc = tl.dot(x, a.to(x.dtype), acc, input_precision=DOT_PRECISION)
-    tl.store(h_ptr + offs_t[:, None] * stride_ht + offs_r[None, :] * stride_hr, acc,
-             mask=(offs_t[:, None] < T) & (offs_r[None, :] < R))
+    out = offs_t[:, None] * stride_ht + offs_r[None, :] * stride_hr
+    ok = (offs_t[:, None] < T) & (offs_r[None, :] < R)
+    if HAS_LIMIT:
+        if WRITE_FULL:
+            tl.store(h_full_ptr + out, acc, mask=ok)
+        limit = tl.load(limit_ptr + offs_t, mask=offs_t < T, other=0)
+        acc = tl.where(offs_r[None, :] < limit[:, None], acc, 0.0)
+    tl.store(h_ptr + out, acc, mask=ok)
 
 
 def lora_shrink(x: torch.Tensor, lora_A: torch.Tensor, config: Optional[dict] = None) -> torch.Tensor:
     """h = x Aᵀ in fp32. x (T, K) any strides, A (R, K)."""
+    return _shrink(x, lora_A, config, None, False)[0]
+
+
+def lora_shrink_limited(x: torch.Tensor, lora_A: torch.Tensor, rank_limit: torch.Tensor, keep_full: bool,
+                        config: Optional[dict] = None) -> tuple:
+    """(h limited, h or None) in fp32: h = x Aᵀ with h[t, r] = 0 for r >= rank_limit[t] ((T,) int32), and
+    the unlimited h as well when ``keep_full`` (the router's gradient reads it beyond each limit)."""
+    return _shrink(x, lora_A, config, rank_limit, keep_full)
+
+
+def _shrink(x, lora_A, config, rank_limit, keep_full):
     T, K = x.shape
     R = lora_A.shape[0]
     h = torch.empty((T, R), device=x.device, dtype=torch.float32)
+    h_full = torch.empty_like(h) if rank_limit is not None and keep_full else None
     BLOCK_R = block_rank(R)
     cfg = config or tuning.config_for("shrink", x.device, (K, BLOCK_R), x.dtype)
     _lora_shrink_kernel[(cdiv(T, cfg["BLOCK_T"]),)](
-        x, lora_A, h, T, K, R,
+        x, lora_A, h, h_full if h_full is not None else h, rank_limit if rank_limit is not None else h, T, K, R,
         x.stride(0), x.stride(1), lora_A.stride(0), lora_A.stride(1), h.stride(0), h.stride(1),
+        HAS_LIMIT=rank_limit is not None, WRITE_FULL=h_full is not None,
         BLOCK_R=BLOCK_R, DOT_PRECISION=_dot_precision(x.dtype), **cfg,
     )
-    return h
+    return h, h_full
 
 
 # ----------------------------------------------------------------------------- expand: C = s·h Bᵀ + bias
@@ -127,8 +149,9 @@ def _lora_expand_kernel(
     token at the full rank runs one full-width dot, as the static kernel does (four 16-wide dots in
     a loop instead cost 6-9 % of the whole layer on the H200 at 4096², r = 64). The limit is applied
     by a select after a load under the static kernel's mask, not as the load's mask: a mask that varies
-    along the contiguous rank axis can keep the compiler from vectorizing the load (the masked expand / dy
-    / x passes took 19 / 5 / 19 % longer than the static ones at 4096², H200, session 6).
+    along the contiguous rank axis can keep the compiler from vectorizing the load (as the load's mask,
+    the expand took 19 % longer than the static one at 4096², H200, session 6). dynamic_rank_forward
+    passes the limit only with grouped tokens: in token order h comes limited from the shrink.
     GROUPED: the block's tokens are order[block's range] (tokens sorted by limit), so that most
     blocks hold one limit and skip every tile above it.
     """
@@ -297,17 +320,15 @@ def lora_gemm(a: torch.Tensor, b: torch.Tensor, lora_left: Optional[torch.Tensor
 
 @triton.jit
 def _lora_dy_pass_kernel(
-    dy_ptr, b_ptr, h_ptr, g_part_ptr, db_part_ptr, limit_ptr,
+    dy_ptr, b_ptr, h_ptr, g_part_ptr, db_part_ptr,
     T, N, R, N_PER_SPLIT, scale,
     stride_dyt, stride_dyn, stride_bn, stride_br, stride_ht, stride_hr,
-    HAS_LIMIT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One read of dy: g partials (per N split) and dB partials (per token block).
 
     g_part[split, t, r]   = Σ_{n in split} dy[t, n] B[n, r]
-    db_part[tblock, n, r] = s · Σ_{t in tblock} dy[t, n] h[t, r]   (h[t, r] = 0 for r >= limit[t])
-    g is over every rank column even with a limit: the router's gradient needs all of it.
+    db_part[tblock, n, r] = s · Σ_{t in tblock} dy[t, n] h[t, r]
     """
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -316,8 +337,6 @@ def _lora_dy_pass_kernel(
     offs_nb = tl.arange(0, BLOCK_N)
     h = tl.load(h_ptr + offs_t[:, None] * stride_ht + offs_r[None, :] * stride_hr,
                 mask=(offs_t[:, None] < T) & (offs_r[None, :] < R), other=0.0) * scale   # (BT, BR) fp32
-    if HAS_LIMIT:  # a select, not a load mask (see the expand kernel)
-        h = tl.where(offs_r[None, :] < tl.load(limit_ptr + offs_t, mask=offs_t < T, other=0)[:, None], h, 0.0)
     g = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
     n_start = pid_s * N_PER_SPLIT
     n_stop = tl.minimum(n_start + N_PER_SPLIT, N)
@@ -336,10 +355,8 @@ def _lora_dy_pass_kernel(
              mask=(offs_t[:, None] < T) & (offs_r[None, :] < R))
 
 
-def lora_dy_pass(dy: torch.Tensor, lora_B: torch.Tensor, h: torch.Tensor, scale: float, config: Optional[dict] = None,
-                 rank_limit: Optional[torch.Tensor] = None):
-    """(g, dB) from one read of dy: g = dy B (T, R) fp32, dB = s·dyᵀ h (N, R) fp32, with h[t, :] zero
-    from rank_limit[t] on when a (T,) int32 ``rank_limit`` is given (g is not limited)."""
+def lora_dy_pass(dy: torch.Tensor, lora_B: torch.Tensor, h: torch.Tensor, scale: float, config: Optional[dict] = None):
+    """(g, dB) from one read of dy: g = dy B (T, R) fp32, dB = s·dyᵀ h (N, R) fp32."""
     T, N = dy.shape
     R = h.shape[1]
     BLOCK_R = block_rank(R)
@@ -352,9 +369,9 @@ def lora_dy_pass(dy: torch.Tensor, lora_B: torch.Tensor, h: torch.Tensor, scale:
     g_part = torch.empty((splits, T, R), device=dy.device, dtype=torch.float32)
     db_part = torch.empty((t_blocks, N, R), device=dy.device, dtype=torch.float32)
     _lora_dy_pass_kernel[(t_blocks, splits)](
-        dy, lora_B, h, g_part, db_part, rank_limit if rank_limit is not None else h, T, N, R, n_per_split, scale,
+        dy, lora_B, h, g_part, db_part, T, N, R, n_per_split, scale,
         dy.stride(0), dy.stride(1), lora_B.stride(0), lora_B.stride(1), h.stride(0), h.stride(1),
-        HAS_LIMIT=rank_limit is not None, BLOCK_R=BLOCK_R, DOT_PRECISION=_dot_precision(dy.dtype), **cfg,
+        BLOCK_R=BLOCK_R, DOT_PRECISION=_dot_precision(dy.dtype), **cfg,
     )
     g = g_part[0] if splits == 1 else g_part.sum(0)
     return g, db_part[0] if t_blocks == 1 else db_part.sum(0)
@@ -365,15 +382,15 @@ def lora_dy_pass(dy: torch.Tensor, lora_B: torch.Tensor, h: torch.Tensor, scale:
 
 @triton.jit
 def _lora_x_pass_kernel(
-    x_ptr, a_ptr, g_ptr, da_part_ptr, dx_ptr, limit_ptr,
+    x_ptr, a_ptr, g_ptr, da_part_ptr, dx_ptr,
     T, K, R, T_PER_SPLIT, scale,
     stride_xt, stride_xk, stride_ar, stride_ak, stride_gt, stride_gr, stride_dxt, stride_dxk,
-    WRITE_DX: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    WRITE_DX: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One read of x: dA partials per token split, and optionally dx_lora = s·g A.
 
-    da_part[split, r, k] = s · Σ_{t in split} g[t, r] x[t, k]   (g[t, r] = 0 for r >= limit[t])
+    da_part[split, r, k] = s · Σ_{t in split} g[t, r] x[t, k]
     """
     pid_s = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -395,8 +412,6 @@ def _lora_x_pass_kernel(
                     mask=t_ok[:, None] & k_ok[None, :], other=0.0)                        # (BT, BK)
         g = tl.load(g_ptr + offs_t[:, None] * stride_gt + offs_r[None, :] * stride_gr,
                     mask=t_ok[:, None] & r_ok[None, :], other=0.0)                        # (BT, BR) fp32
-        if HAS_LIMIT:  # a select, not a load mask (see the expand kernel)
-            g = tl.where(offs_r[None, :] < tl.load(limit_ptr + offs_t, mask=t_ok, other=0)[:, None], g, 0.0)
         da = tl.dot(tl.trans(g.to(x.dtype)), x, da, input_precision=DOT_PRECISION)
         if WRITE_DX:
             dx = tl.dot(g, a, input_precision=DOT_PRECISION) * scale
@@ -407,9 +422,8 @@ def _lora_x_pass_kernel(
 
 
 def lora_x_pass(x: torch.Tensor, lora_A: torch.Tensor, g: torch.Tensor, scale: float, write_dx: bool,
-                config: Optional[dict] = None, rank_limit: Optional[torch.Tensor] = None):
-    """(dA, dx_lora or None): dA = s·gᵀ x (R, K) fp32; dx_lora = s·g A (T, K) in x's dtype; with a (T,)
-    int32 ``rank_limit``, g[t, :] counts as zero from rank_limit[t] on."""
+                config: Optional[dict] = None):
+    """(dA, dx_lora or None): dA = s·gᵀ x (R, K) fp32; dx_lora = s·g A (T, K) in x's dtype."""
     T, K = x.shape
     R = g.shape[1]
     BLOCK_R = block_rank(R)
@@ -422,53 +436,68 @@ def lora_x_pass(x: torch.Tensor, lora_A: torch.Tensor, g: torch.Tensor, scale: f
     da_part = torch.empty((splits, R, K), device=x.device, dtype=torch.float32)
     dx = torch.empty((T, K), device=x.device, dtype=x.dtype) if write_dx else None
     _lora_x_pass_kernel[(splits, k_blocks)](
-        x, lora_A, g, da_part, dx if write_dx else x, rank_limit if rank_limit is not None else g,
+        x, lora_A, g, da_part, dx if write_dx else x,
         T, K, R, t_per_split, scale,
         x.stride(0), x.stride(1), lora_A.stride(0), lora_A.stride(1), g.stride(0), g.stride(1),
         dx.stride(0) if write_dx else 0, dx.stride(1) if write_dx else 0,
-        WRITE_DX=write_dx, HAS_LIMIT=rank_limit is not None, BLOCK_R=BLOCK_R, DOT_PRECISION=_dot_precision(x.dtype), **cfg,
+        WRITE_DX=write_dx, BLOCK_R=BLOCK_R, DOT_PRECISION=_dot_precision(x.dtype), **cfg,
     )
     return (da_part[0] if splits == 1 else da_part.sum(0)), dx
 
 
-# ----------------------------------------------------------------------------- backward: the router's bucket weights
+# ----------------------------------------------------------------------------- backward: the per-token rank limit
 
 
 @triton.jit
-def _bucket_weight_grad_kernel(
-    h_ptr, g_ptr, ends_ptr, out_ptr, T, R, K, scale,
-    stride_ht, stride_hr, stride_gt, stride_gr, stride_ot, stride_ok,
-    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+def _limit_grad_kernel(
+    g_ptr, limit_ptr, g_out_ptr, h_ptr, ends_ptr, dw_ptr, T, R, K, scale,
+    stride_gt, stride_gr, stride_ht, stride_hr, stride_wt, stride_wk,
+    BUCKET_GRAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """out[t, k] = s · Σ_{r < ends[k]} h[t, r] g[t, r]: one read of h and g per token block."""
+    """g_out[t, r] = g[t, r] for r < limit[t], else 0 (g_out has g's strides); with BUCKET_GRAD also
+    dw[t, k] = s · Σ_{r < ends[k]} h[t, r] g[t, r], the router's bucket-weight gradient (h unlimited)."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_r = tl.arange(0, BLOCK_R)
     ok = (offs_t[:, None] < T) & (offs_r[None, :] < R)
-    h = tl.load(h_ptr + offs_t[:, None] * stride_ht + offs_r[None, :] * stride_hr, mask=ok, other=0.0)
-    g = tl.load(g_ptr + offs_t[:, None] * stride_gt + offs_r[None, :] * stride_gr, mask=ok, other=0.0)
-    hg = h * g                                                                             # (BT, BR) fp32
-    for k in range(0, K):
-        end = tl.load(ends_ptr + k)
-        total = tl.sum(tl.where(offs_r[None, :] < end, hg, 0.0), 1) * scale                 # (BT,)
-        tl.store(out_ptr + offs_t * stride_ot + k * stride_ok, total, mask=offs_t < T)
+    g_offs = offs_t[:, None] * stride_gt + offs_r[None, :] * stride_gr
+    g = tl.load(g_ptr + g_offs, mask=ok, other=0.0)                                        # (BT, BR) fp32
+    limit = tl.load(limit_ptr + offs_t, mask=offs_t < T, other=0)
+    tl.store(g_out_ptr + g_offs, tl.where(offs_r[None, :] < limit[:, None], g, 0.0), mask=ok)
+    if BUCKET_GRAD:
+        h = tl.load(h_ptr + offs_t[:, None] * stride_ht + offs_r[None, :] * stride_hr, mask=ok, other=0.0)
+        hg = h * g
+        for k in range(0, K):
+            end = tl.load(ends_ptr + k)
+            total = tl.sum(tl.where(offs_r[None, :] < end, hg, 0.0), 1) * scale             # (BT,)
+            tl.store(dw_ptr + offs_t * stride_wt + k * stride_wk, total, mask=offs_t < T)
 
 
-def bucket_weight_grad(h: torch.Tensor, g: torch.Tensor, bucket_ends: torch.Tensor, scale: float) -> torch.Tensor:
-    """(T, K) fp32: s · Σ_{r < bucket_ends[k]} h[t, r] g[t, r], the gradient of the router's bucket weights.
+def limit_grad(g: torch.Tensor, rank_limit: torch.Tensor, scale: float, h_full: Optional[torch.Tensor] = None,
+               bucket_ends: Optional[torch.Tensor] = None) -> tuple:
+    """(g limited, bucket-weight gradient or None) from one read of g (T, R) fp32.
 
-    One kernel in place of the prefix-sum formula's six (multiply, cumsum, pad, index_select, scale and a
-    copy): those cost ~16 µs per layer call on the H200 at T = 8192, r = 64, about the whole excess of the
-    router's training path over the static kernel (session 6)."""
-    T, R = h.shape
-    K = bucket_ends.shape[0]
-    out = torch.empty((T, K), device=h.device, dtype=torch.float32)
+    g limited: g[t, r] zeroed for r >= rank_limit[t] ((T,) int32), what dA and dx read, so the x pass
+    runs the static kernel. With the unlimited ``h_full`` and ``bucket_ends`` (K,): the (T, K) fp32
+    gradient of the router's bucket weights, s · Σ_{r < bucket_ends[k]} h[t, r] g[t, r] (it reads h and g
+    beyond each token's limit). Limiting h and g once here and in the shrink, instead of in every pass
+    that reads them, is what made the per-token-rank passes as fast as the static ones (bench/NOTES.md,
+    sixth run); the bucket gradient in one kernel replaces six torch kernels (~16 µs at T = 8192, r 64)."""
+    T, R = g.shape
+    g_out = torch.empty_like(g)
+    bucket_grad = h_full is not None
+    if bucket_grad and bucket_ends is None:
+        raise ValueError("limit_grad: h_full needs bucket_ends (the rank at each bucket's end)")
+    K = bucket_ends.shape[0] if bucket_grad else 0
+    d_weights = torch.empty((T, K), device=g.device, dtype=torch.float32) if bucket_grad else None
     BLOCK_T = 64
-    _bucket_weight_grad_kernel[(cdiv(T, BLOCK_T),)](
-        h, g, bucket_ends, out, T, R, K, scale,
-        h.stride(0), h.stride(1), g.stride(0), g.stride(1), out.stride(0), out.stride(1),
-        BLOCK_T=BLOCK_T, BLOCK_R=block_rank(R),
+    _limit_grad_kernel[(cdiv(T, BLOCK_T),)](
+        g, rank_limit, g_out, h_full if bucket_grad else g, bucket_ends if bucket_grad else rank_limit,
+        d_weights if bucket_grad else g, T, R, K, scale,
+        g.stride(0), g.stride(1), (h_full if bucket_grad else g).stride(0), (h_full if bucket_grad else g).stride(1),
+        d_weights.stride(0) if bucket_grad else 0, d_weights.stride(1) if bucket_grad else 0,
+        BUCKET_GRAD=bucket_grad, BLOCK_T=BLOCK_T, BLOCK_R=block_rank(R),
     )
-    return out
+    return g_out, d_weights
 
 
 # ----------------------------------------------------------------------------- the layer, forward and backward
@@ -476,39 +505,33 @@ def bucket_weight_grad(h: torch.Tensor, g: torch.Tensor, bucket_ends: torch.Tens
 GEMM_BACKENDS = ("cublas", "triton")
 
 
-def lora_linear_forward(x, x_lora, weight, bias, lora_A, lora_B, scale: float, gemm: str, rank_limit=None,
-                        token_order=None):
+def lora_linear_forward(x, x_lora, weight, bias, lora_A, lora_B, scale: float, gemm: str):
     """(y, h) for 2-D x (T, K): y = x Wᵀ + b + s·(x_lora Aᵀ) Bᵀ, h = x_lora Aᵀ (fp32).
 
-    x_lora None means the LoRA input is x itself (no dropout). With ``rank_limit`` (T,) int32 (per-token
-    rank, sits_lora.dynamic_rank) token t uses h[t, :rank_limit[t]] only; h itself is not limited. The
-    limit lives in the expand kernel, so it needs the cuBLAS design; ``token_order``: see lora_expand.
+    x_lora None means the LoRA input is x itself (no dropout).
     """
-    if rank_limit is not None and gemm == "triton":
-        raise ValueError("a per-token rank limit runs on the cuBLAS design (gemm='cublas'), not the Triton GEMM")
     h = lora_shrink(x if x_lora is None else x_lora, lora_A)
     if gemm == "triton":
         y = lora_gemm(x, weight.t(), h, lora_B.t(), scale, bias, x.dtype)
     else:
-        y = lora_expand(h, lora_B, scale, bias, x.dtype, rank_limit=rank_limit, token_order=token_order)
+        y = lora_expand(h, lora_B, scale, bias, x.dtype)
         y.addmm_(x, weight.t())          # cuBLAS with beta = 1: the epilogue reads C, no extra pass
     return y, h
 
 
-def lora_linear_backward(dy, x, x_lora, weight, lora_A, lora_B, h, scale: float, gemm: str, need_dx: bool,
-                         rank_limit=None):
-    """(dx, dx_lora, dA, dB, g) for 2-D tensors; dx_lora is None unless x_lora is given, dx None unless needed.
+def lora_linear_backward(dy, x, x_lora, weight, lora_A, lora_B, h, scale: float, gemm: str, need_dx: bool):
+    """(dx, dx_lora, dA, dB, g) for 2-D tensors; dx_lora is None unless x_lora is given, dx None unless needed."""
+    g, dB = lora_dy_pass(dy, lora_B, h, scale)
+    dA, dx, dx_lora = _x_side(dy, x, x_lora, weight, lora_A, g, scale, gemm, need_dx)
+    return dx, dx_lora, dA, dB, g
 
-    g = dy B (T, R) fp32 over every rank column, also with a ``rank_limit`` (the dynamic-rank router's
-    gradient reads it beyond each token's limit); dB, dA and dx use h and g limited per token.
-    """
-    if rank_limit is not None and gemm == "triton":
-        raise ValueError("a per-token rank limit runs on the cuBLAS design (gemm='cublas'), not the Triton GEMM")
-    g, dB = lora_dy_pass(dy, lora_B, h, scale, rank_limit=rank_limit)
+
+def _x_side(dy, x, x_lora, weight, lora_A, g, scale, gemm, need_dx):
+    """(dA, dx, dx_lora) from g = dy B."""
     dx = dx_lora = None
     if x_lora is not None:
         # dropout: the LoRA gradient belongs to x_lora, autograd applies the mask and adds it to dx
-        dA, dx_lora = lora_x_pass(x_lora, lora_A, g, scale, write_dx=True, rank_limit=rank_limit)
+        dA, dx_lora = lora_x_pass(x_lora, lora_A, g, scale, write_dx=True)
         if need_dx:
             dx = lora_gemm(dy, weight, None, None, 0.0, None, dy.dtype) if gemm == "triton" else dy @ weight
     elif gemm == "triton":
@@ -516,10 +539,37 @@ def lora_linear_backward(dy, x, x_lora, weight, lora_A, lora_B, h, scale: float,
         if need_dx:
             dx = lora_gemm(dy, weight, g, lora_A, scale, None, dy.dtype)
     else:
-        dA, dx = lora_x_pass(x, lora_A, g, scale, write_dx=need_dx, rank_limit=rank_limit)
+        dA, dx = lora_x_pass(x, lora_A, g, scale, write_dx=need_dx)
         if need_dx:
             dx.addmm_(dy, weight)
-    return dx, dx_lora, dA, dB, g
+    return dA, dx, dx_lora
+
+
+def dynamic_rank_forward(x, x_lora, weight, bias, lora_A, lora_B, scale: float, rank_limit, keep_full: bool,
+                         token_order=None):
+    """(y, h limited, h or None) for 2-D x: token t uses the first rank_limit[t] ((T,) int32) rank columns.
+
+    The shrink writes h already limited, so the expand and, in the backward, the dy pass are the static
+    kernels; ``keep_full`` also keeps the unlimited h for the router's gradient. With ``token_order`` (tokens
+    sorted by limit) the expand takes its blocks in that order and skips the rank tiles above each
+    block's largest limit (see lora_expand). The frozen GEMM is cuBLAS.
+    """
+    h, h_full = lora_shrink_limited(x if x_lora is None else x_lora, lora_A, rank_limit, keep_full)
+    grouped = token_order is not None
+    y = lora_expand(h, lora_B, scale, bias, x.dtype, rank_limit=rank_limit if grouped else None,
+                    token_order=token_order)
+    y.addmm_(x, weight.t())
+    return y, h, h_full
+
+
+def dynamic_rank_backward(dy, x, x_lora, weight, lora_A, lora_B, h, scale: float, need_dx: bool, rank_limit,
+                          h_full=None, bucket_ends=None):
+    """(dx, dx_lora, dA, dB, bucket-weight gradient or None) for dynamic_rank_forward's outputs: the
+    static dy and x passes around one limit_grad (g limited, and the router's gradient from h_full)."""
+    g, dB = lora_dy_pass(dy, lora_B, h, scale)
+    g, d_weights = limit_grad(g, rank_limit, scale, h_full, bucket_ends)
+    dA, dx, dx_lora = _x_side(dy, x, x_lora, weight, lora_A, g, scale, "cublas", need_dx)
+    return dx, dx_lora, dA, dB, d_weights
 
 
 def tune_layer_kernels(K: int, N: int, R: int, dtype: torch.dtype, device, tokens: int = 8192, save: bool = True,
