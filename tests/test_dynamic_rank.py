@@ -157,6 +157,75 @@ def test_static_scheduler_trains_nested_and_infers_at_full_rank():
         torch.testing.assert_close(model(input_ids=ids()).logits, full(input_ids=ids()).logits, rtol=0, atol=0)
 
 
+def _capture_buckets(monkeypatch):
+    """The bucket ids every dynamic-rank layer computes with, in call order."""
+    from sits_lora.dynamic_rank import layer as layer_module
+
+    seen = []
+    original = layer_module.dynamic_rank_lora_linear
+
+    def spy(x, x_lora, weight, bias, lora_A, lora_B, scaling, bucket_ids, *args, **kwargs):
+        seen.append(bucket_ids.clone())
+        return original(x, x_lora, weight, bias, lora_A, lora_B, scaling, bucket_ids, *args, **kwargs)
+
+    monkeypatch.setattr(layer_module, "dynamic_rank_lora_linear", spy)
+    return seen
+
+
+def test_nested_training_draws_one_bucket_per_token_for_every_layer_of_a_forward(monkeypatch):
+    """Each token trains one truncation of the whole model (nested.py): every layer of a forward reads the
+    same per-token buckets, the next forward draws anew, and a layer called on its own draws for itself."""
+    seen = _capture_buckets(monkeypatch)
+    model = dyn_model("static")
+    model.train()
+    torch.manual_seed(0)
+    model(input_ids=ids(4, 16)).logits.sum().backward()
+    assert len(seen) == 6  # 2 blocks x (q_proj, v_proj, down_proj)
+    assert all(torch.equal(b, seen[0]) for b in seen[1:])
+    assert len(set(seen[0].tolist())) == len(BUCKETS)  # still every bucket over the tokens of a batch
+    model(input_ids=ids(4, 16)).logits.sum().backward()
+    assert not torch.equal(seen[6], seen[0]) and all(torch.equal(b, seen[6]) for b in seen[7:])
+    layer = layers(model)[0]
+    layer(torch.randn(64, layer.in_features))
+    layer(torch.randn(64, layer.in_features))
+    assert seen[-1].shape == (64,) and not torch.equal(seen[-1], seen[-2])
+
+
+def test_nested_draw_is_reproducible_under_a_seed_and_attached_once(monkeypatch):
+    seen = _capture_buckets(monkeypatch)
+    model = dyn_model("static")
+    inner = model.base_model.model
+    hooks = (len(inner._forward_pre_hooks), len(inner._forward_hooks))
+    model.add_adapter("second", dyn_config("static"))
+    assert (len(inner._forward_pre_hooks), len(inner._forward_hooks)) == hooks
+    model.train()
+    for _ in range(2):
+        torch.manual_seed(5)
+        model(input_ids=ids(2, 8)).logits.sum().backward()
+    assert torch.equal(seen[0], seen[6])
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_nested_draw_survives_gradient_checkpointing(use_reentrant):
+    """The recompute in backward takes each layer's buckets from its forward: the same gradients as
+    without checkpointing (the draw consumes no random numbers inside the model, so dropout replays too)."""
+    grads = []
+    for checkpointing in (False, True):
+        model = dyn_model("static", lora_dropout=0.1)
+        inner = model.base_model.model
+        if checkpointing:
+            inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+            if use_reentrant:
+                inner.enable_input_require_grads()
+        model.train()
+        torch.manual_seed(11)
+        model(input_ids=ids(), labels=ids()).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_truncate_rank_takes_the_peft_model_or_its_tuner_and_returns_what_it_was_given():
     """sits_lora.truncate_rank accepts the PeftModel and its tuner (model.base_model, the SitsLoraModel, which a
     SitsLoraModel.truncate_rank method would pass), truncates in place and returns its argument."""

@@ -73,6 +73,11 @@ class SitsLoraModel(LoraModel):
             fp8.quantize_base_layers(self, adapter_name, SitsLoraLinear)
         fuse = all(getattr(c, "fuse_siblings", True) for c in self.peft_config.values())
         assign_sibling_groups(model, SitsLoraLinear, enabled=fuse)
+        config = self.peft_config[adapter_name]
+        if getattr(config, "use_dynamic_rank", False) and config.rank_scheduler == "static":
+            from .dynamic_rank.nested import attach_forward_draw
+
+            attach_forward_draw(model)  # a nested adapter's layers share one bucket draw per token and forward
 
     def truncate_rank(self, k: int, adapter_name: Optional[str] = None) -> None:
         """Truncate the dynamic-rank adapter in place to a static rank-k adapter (sits_lora.truncate_rank)."""

@@ -33,6 +33,7 @@ from .._dynamic_rank_checks import (
     max_entropy_histogram,
 )
 from .budget import current_valid_tokens, in_token_scope, measuring_active
+from .nested import forward_bucket_ids
 from .reference import device_constant, dynamic_rank_lora_linear
 from .router import EntropyProbe, TokenRouter, add_budget_gradient, inverse_rms, route
 
@@ -105,6 +106,8 @@ class DynamicRankLinear(SitsLoraLinear):
         self._rank_counts: dict[str, Tensor] = {}
         # per adapter, the last training forward's (valid-token mask, counted at recompute): see _token_accounting
         self._forward_tokens: dict[str, tuple[Optional[Tensor], bool]] = {}
+        # per adapter, a nested adapter's shared bucket draw of the last training forward (for its recompute)
+        self._nested_ids: dict[str, Tensor] = {}
         self.rank_budget_attached = False
         super().__init__(base_layer, adapter_name, config=config, r=r, lora_alpha=lora_alpha, **kwargs)
 
@@ -120,6 +123,7 @@ class DynamicRankLinear(SitsLoraLinear):
         self.rank_lambda[adapter_name] = 0.0
         self._rank_counts.pop(adapter_name, None)
         self._forward_tokens.pop(adapter_name, None)
+        self._nested_ids.pop(adapter_name, None)
         if spec is None or not spec.routed:
             return
         device = self.get_base_layer().weight.device
@@ -138,6 +142,7 @@ class DynamicRankLinear(SitsLoraLinear):
             del self.lora_entropy_probe[adapter_name]
         self._rank_counts.pop(adapter_name, None)
         self._forward_tokens.pop(adapter_name, None)
+        self._nested_ids.pop(adapter_name, None)
 
     # ------------------------------------------------------------------ routing
 
@@ -194,8 +199,9 @@ class DynamicRankLinear(SitsLoraLinear):
         tokens = x.numel() // x.shape[-1]
         k = len(spec.buckets)
         if spec.scheduler == "static":
-            # nested training, DyLoRA-style with one draw per token: bucket k trains the first b_k dimensions
-            ids = torch.randint(0, k, (tokens,), device=x.device)
+            # nested training, DyLoRA-style with one draw per token: bucket k trains the first b_k dimensions,
+            # drawn once per forward of the model and shared by its layers (nested.py says why)
+            ids = self._nested_bucket_ids(adapter_name, tokens, k, x.device)
             return ids, None, ids
         if spec.scheduler == "random":
             probs = device_constant(("histogram", spec.histogram), x.device, lambda: torch.tensor(spec.histogram))
@@ -211,6 +217,18 @@ class DynamicRankLinear(SitsLoraLinear):
         _, decided, used, weights = route(raw, inv_rms, router.bias, entropy, router.entropy_weight, uniform,
                                           spec.temperature)
         return used, weights, decided
+
+    def _nested_bucket_ids(self, adapter_name: str, tokens: int, k: int, device: torch.device) -> Tensor:
+        if torch._C._current_graph_task_id() != -1:  # inside backward: a gradient-checkpoint recompute
+            kept = self._nested_ids.get(adapter_name)
+            if kept is not None and kept.numel() == tokens:
+                return kept  # the shared draw of its forward (a layer's own draw replays from the restored RNG)
+        ids, shared = forward_bucket_ids(tokens, k, device)
+        if shared and self.training:
+            self._nested_ids[adapter_name] = ids
+        else:
+            self._nested_ids.pop(adapter_name, None)
+        return ids
 
     def _token_accounting(self, adapter_name: str, leading_shape: torch.Size,
                           grad_enabled: bool) -> tuple[Optional[Tensor], bool]:
