@@ -147,8 +147,9 @@ def test_static_scheduler_trains_nested_and_infers_at_full_rank():
     model = dyn_model("static")
     stats = RankBudget(model)
     model.train()
-    model(input_ids=ids(4, 16)).logits.sum().backward()
-    assert min(stats.read_stats()["histogram"].values()) > 0.05  # DyLoRA-style: every bucket is drawn
+    torch.manual_seed(0)
+    model(input_ids=ids(32, 4)).logits.sum().backward()  # one bucket per sequence: 32 draws
+    assert min(stats.read_stats()["histogram"].values()) > 0.05  # every bucket is drawn
     assert stats.read_stats()["token_layer_pairs"] == 0  # the read above reset the counts
     model.eval()
     assert not any(l.routing_on("default") for l in layers(model))  # eval: plain SitsLoraLinear at r
@@ -172,23 +173,30 @@ def _capture_buckets(monkeypatch):
     return seen
 
 
-def test_nested_training_draws_one_bucket_per_token_for_every_layer_of_a_forward(monkeypatch):
-    """Each token trains one truncation of the whole model (nested.py): every layer of a forward reads the
-    same per-token buckets, the next forward draws anew, and a layer called on its own draws for itself."""
+def test_nested_training_draws_one_bucket_per_sequence_for_every_layer_of_a_forward(monkeypatch):
+    """Each sequence trains one truncation of the whole model (nested.py): every layer of a forward reads
+    the same buckets, constant along each sequence; over forwards every bucket comes up; a layer called
+    on its own draws per token for itself."""
     seen = _capture_buckets(monkeypatch)
     model = dyn_model("static")
     model.train()
     torch.manual_seed(0)
-    model(input_ids=ids(4, 16)).logits.sum().backward()
-    assert len(seen) == 6  # 2 blocks x (q_proj, v_proj, down_proj)
-    assert all(torch.equal(b, seen[0]) for b in seen[1:])
-    assert len(set(seen[0].tolist())) == len(BUCKETS)  # still every bucket over the tokens of a batch
-    model(input_ids=ids(4, 16)).logits.sum().backward()
-    assert not torch.equal(seen[6], seen[0]) and all(torch.equal(b, seen[6]) for b in seen[7:])
+    drawn = set()
+    for step in range(8):
+        model(input_ids=ids(4, 16)).logits.sum().backward()
+        first = seen[6 * step]
+        assert len(seen) == 6 * (step + 1)  # 2 blocks x (q_proj, v_proj, down_proj)
+        assert all(torch.equal(b, first) for b in seen[6 * step + 1:])
+        per_sequence = first.view(4, 16)
+        assert torch.equal(per_sequence, per_sequence[:, :1].expand(4, 16))
+        drawn.update(per_sequence[:, 0].tolist())
+    assert drawn == set(range(len(BUCKETS)))
+    assert not all(torch.equal(seen[0], seen[6 * s]) for s in range(1, 8))  # forwards draw anew
     layer = layers(model)[0]
     layer(torch.randn(64, layer.in_features))
     layer(torch.randn(64, layer.in_features))
     assert seen[-1].shape == (64,) and not torch.equal(seen[-1], seen[-2])
+    assert len(set(seen[-1].tolist())) > 1
 
 
 def test_nested_draw_is_reproducible_under_a_seed_and_attached_once(monkeypatch):
@@ -201,7 +209,7 @@ def test_nested_draw_is_reproducible_under_a_seed_and_attached_once(monkeypatch)
     model.train()
     for _ in range(2):
         torch.manual_seed(5)
-        model(input_ids=ids(2, 8)).logits.sum().backward()
+        model(input_ids=ids(8, 8)).logits.sum().backward()
     assert torch.equal(seen[0], seen[6])
 
 

@@ -199,9 +199,9 @@ class DynamicRankLinear(SitsLoraLinear):
         tokens = x.numel() // x.shape[-1]
         k = len(spec.buckets)
         if spec.scheduler == "static":
-            # nested training, DyLoRA-style with one draw per token: bucket k trains the first b_k dimensions,
-            # drawn once per forward of the model and shared by its layers (nested.py says why)
-            ids = self._nested_bucket_ids(adapter_name, tokens, k, x.device)
+            # nested training: bucket k trains the first b_k dimensions, one bucket per sequence drawn once
+            # per forward of the model and shared by its layers (nested.py says why)
+            ids = self._nested_bucket_ids(adapter_name, tuple(x.shape[:-1]), k, x.device)
             return ids, None, ids
         if spec.scheduler == "random":
             probs = device_constant(("histogram", spec.histogram), x.device, lambda: torch.tensor(spec.histogram))
@@ -218,12 +218,12 @@ class DynamicRankLinear(SitsLoraLinear):
                                           spec.temperature)
         return used, weights, decided
 
-    def _nested_bucket_ids(self, adapter_name: str, tokens: int, k: int, device: torch.device) -> Tensor:
+    def _nested_bucket_ids(self, adapter_name: str, leading_shape: tuple, k: int, device: torch.device) -> Tensor:
         if torch._C._current_graph_task_id() != -1:  # inside backward: a gradient-checkpoint recompute
             kept = self._nested_ids.get(adapter_name)
-            if kept is not None and kept.numel() == tokens:
+            if kept is not None and kept.numel() == math.prod(leading_shape):
                 return kept  # the shared draw of its forward (a layer's own draw replays from the restored RNG)
-        ids, shared = forward_bucket_ids(tokens, k, device)
+        ids, shared = forward_bucket_ids(leading_shape, k, device)
         if shared and self.training:
             self._nested_ids[adapter_name] = ids
         else:
