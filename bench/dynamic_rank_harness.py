@@ -12,7 +12,7 @@ full fine-tune of the same seed. Arms:
 
     static-r16        static LoRA at the mean rank (same compute)
     static-r64        static LoRA at r_max (same storage)
-    nested-r64@k      one nested adapter (rank_scheduler='static', DyLoRA-style), truncated to k
+    nested-r64@k      one nested adapter (rank_scheduler='static': one bucket per sequence in training), truncated to k
     entropy-gated     router with the entropy probe, r_max at mean rank 16
     learned           the same router without the entropy feature
     random            random buckets with the histogram entropy-gated reached (validation, same seed)

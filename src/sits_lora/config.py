@@ -143,7 +143,8 @@ class SitsLoraConfig(LoraConfig):
                 "with TokenEntropySampler. 'learned': the same router without the entropy feature. 'random': "
                 "buckets drawn at random with rank_histogram (or the most spread-out histogram of mean "
                 "target_mean_rank). 'static': no routing, every token uses the full rank r at inference; "
-                "training draws a bucket per token (DyLoRA-style) so the adapter can be truncated."
+                "training draws one bucket per sequence, the same in every layer of the forward, so the "
+                "adapter can be truncated to any bucket (sits_lora.dynamic_rank.nested)."
             )
         },
     )
