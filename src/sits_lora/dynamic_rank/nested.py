@@ -10,8 +10,11 @@ against 2.172 for a static r = 64 adapter: the more rank it kept, the worse. One
 by the layers (session 6) gave 2.176 / 2.182 / 2.202 / 2.233: better, and @16 level with static r = 16,
 but still worse with more rank, plausibly because attention mixes tokens that trained at different
 ranks while a truncation runs all of them at one. So the draw is one bucket per sequence (the first
-leading dimension of a layer's input; an input without one draws per token), shared by every layer of
-the forward (bench/NOTES.md, sixth run).
+leading dimension of a layer's input; a 2-D input draws per token, and a packed batch of one row gets
+one bucket per forward, as DyLoRA draws), shared by every layer of the forward: 2.169 / 2.174 / 2.191 /
+2.217 against 2.170 for static r = 64 trained in the same call. What more rank still loses is mostly
+the learning rate, tuned at the rank-16 truncation: at half of it, 2.176 / 2.167 / 2.170 / 2.178
+(bench/NOTES.md, sixth run).
 
 ``attach_forward_draw(model)`` (the tuner calls it for a nested adapter) opens a draw scope around
 each training forward of ``model``. Its seed comes from torch's CPU generator at the scope's entry,

@@ -489,12 +489,12 @@ def limit_grad(g: torch.Tensor, rank_limit: torch.Tensor, scale: float, h_full: 
         raise ValueError("limit_grad: h_full needs bucket_ends (the rank at each bucket's end)")
     K = bucket_ends.shape[0] if bucket_grad else 0
     d_weights = torch.empty((T, K), device=g.device, dtype=torch.float32) if bucket_grad else None
+    # without the bucket gradient its pointers are placeholders the kernel never reads
+    h, ends, dw = (h_full, bucket_ends, d_weights) if bucket_grad else (g, rank_limit, g)
     BLOCK_T = 64
     _limit_grad_kernel[(cdiv(T, BLOCK_T),)](
-        g, rank_limit, g_out, h_full if bucket_grad else g, bucket_ends if bucket_grad else rank_limit,
-        d_weights if bucket_grad else g, T, R, K, scale,
-        g.stride(0), g.stride(1), (h_full if bucket_grad else g).stride(0), (h_full if bucket_grad else g).stride(1),
-        d_weights.stride(0) if bucket_grad else 0, d_weights.stride(1) if bucket_grad else 0,
+        g, rank_limit, g_out, h, ends, dw, T, R, K, scale,
+        g.stride(0), g.stride(1), h.stride(0), h.stride(1), dw.stride(0), dw.stride(1),
         BUCKET_GRAD=bucket_grad, BLOCK_T=BLOCK_T, BLOCK_R=block_rank(R),
     )
     return g_out, d_weights
