@@ -213,6 +213,18 @@ def test_nested_draw_is_reproducible_under_a_seed_and_attached_once(monkeypatch)
     assert torch.equal(seen[0], seen[6])
 
 
+def test_forward_draw_is_per_row_of_a_batch_and_per_token_for_a_flat_input():
+    from sits_lora.dynamic_rank.nested import _ForwardDraw
+
+    draw = _ForwardDraw(seed=3)
+    batched = draw.bucket_ids((6, 5), 4, torch.device("cpu"))
+    assert batched.shape == (30,) and torch.equal(batched.view(6, 5), batched.view(6, 5)[:, :1].expand(6, 5))
+    assert draw.bucket_ids((6, 5), 4, torch.device("cpu")) is batched  # every layer of the forward: one draw
+    flat = draw.bucket_ids((64,), 4, torch.device("cpu"))
+    assert flat.shape == (64,) and len(set(flat.tolist())) > 1
+    assert torch.equal(_ForwardDraw(seed=3).bucket_ids((64,), 4, torch.device("cpu")), flat)  # seeded
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_nested_draw_survives_gradient_checkpointing(use_reentrant):
     """The recompute in backward takes each layer's buckets from its forward: the same gradients as
