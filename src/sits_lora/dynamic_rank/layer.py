@@ -91,6 +91,11 @@ class RankSpec:
         return self.scheduler != "static"
 
 
+def _recomputing() -> bool:
+    """True inside backward, where a layer's forward runs again only as a gradient-checkpoint recompute."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _scale_preserving_alpha(scaling: float, k: int, use_rslora: bool) -> float:
     """The lora_alpha that gives a rank-k adapter the scaling ``scaling`` (PEFT: alpha/k or alpha/√k)."""
     return scaling * (math.sqrt(k) if use_rslora else k)
@@ -219,7 +224,7 @@ class DynamicRankLinear(SitsLoraLinear):
         return used, weights, decided
 
     def _nested_bucket_ids(self, adapter_name: str, leading_shape: tuple, k: int, device: torch.device) -> Tensor:
-        if torch._C._current_graph_task_id() != -1:  # inside backward: a gradient-checkpoint recompute
+        if _recomputing():
             kept = self._nested_ids.get(adapter_name)
             if kept is not None and kept.numel() == math.prod(leading_shape):
                 return kept  # the shared draw of its forward (a layer's own draw replays from the restored RNG)
@@ -243,7 +248,7 @@ class DynamicRankLinear(SitsLoraLinear):
         stored (for the λ term) and does not count again. With ``use_reentrant=True`` the first forward
         runs under no_grad and is not counted; its recompute is, once.
         """
-        if torch._C._current_graph_task_id() != -1:  # inside backward: a gradient-checkpoint recompute
+        if _recomputing():
             valid, pending = self._forward_tokens.get(adapter_name, (None, False))
             if valid is not None and valid.numel() != math.prod(leading_shape):
                 valid = None
