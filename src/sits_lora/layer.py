@@ -19,6 +19,20 @@ from torch import nn
 from . import ops
 
 
+# Whether each device type has an autocast mode ("meta", used by plans and shape checks, has none).
+# torch.amp.is_autocast_available is a builtin that torch.compile cannot trace on torch 2.11: asked in
+# every layer it broke the graph in each of them (12 of the 22 breaks of a 2-layer Llama). A dict read is
+# traced; the common types are asked here, once, and any other on its first eager call.
+_AUTOCAST_AVAILABLE: dict[str, bool] = {t: torch.amp.is_autocast_available(t) for t in ("cpu", "cuda", "meta")}
+
+
+def _autocast_on(device_type: str) -> bool:
+    available = _AUTOCAST_AVAILABLE.get(device_type)
+    if available is None:
+        available = _AUTOCAST_AVAILABLE.setdefault(device_type, torch.amp.is_autocast_available(device_type))
+    return available and torch.is_autocast_enabled(device_type)
+
+
 def autocast_inputs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
     """(x, weight, bias, context) as autocast would hand them to a linear layer.
 
@@ -28,8 +42,8 @@ def autocast_inputs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     dtypes as its forward. Without autocast nothing changes.
     """
     device_type = x.device.type
-    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
-        return x, weight, bias, nullcontext()  # "meta" (plans, shape checks) has no autocast
+    if not _autocast_on(device_type):
+        return x, weight, bias, nullcontext()
     dtype = torch.get_autocast_dtype(device_type)
     return (x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype),
             torch.autocast(device_type, enabled=False))

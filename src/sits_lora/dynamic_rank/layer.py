@@ -92,7 +92,13 @@ class RankSpec:
 
 
 def _recomputing() -> bool:
-    """True inside backward, where a layer's forward runs again only as a gradient-checkpoint recompute."""
+    """True inside backward, where a layer's forward runs again only as a gradient-checkpoint recompute.
+
+    Never under torch.compile: a compiled graph's recompute replays the traced graph, not this Python, and
+    the graph-task query is a builtin that breaks the graph (one break per dynamic-rank layer on torch 2.11
+    and 2.13)."""
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1
 
 
