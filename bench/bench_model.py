@@ -6,8 +6,9 @@
 
 Random bf16 weights, sdpa attention, LoRA r = 16, alpha 32, dropout 0 on q, k, v, o, gate, up,
 down; AdamW (fused) on the adapter. "frozen" = every weight frozen, the input embeddings require
-grad: the floor any LoRA step must pay. "The floor" is the faster of frozen eager and frozen
-compiled, measured in the same run. Each arm runs in its own process (clean memory statistics, no
+grad: the floor any LoRA step must pay. "The floor" is the fastest frozen step among eager,
+torch.compile, Liger-Kernel and Liger + compile measured in the same run (FLOOR_ARMS, those of them that
+ran). Each arm runs in its own process (clean memory statistics, no
 monkey-patching leaking between arms); the parent writes JSON, CSV and a PNG.
 """
 
@@ -36,19 +37,23 @@ MODELS = {
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ARMS = ["frozen", "frozen+compile", "peft", "peft+compile", "sits", "sits+compile"]
+# the frozen arms whose fastest step is "the floor"
+FLOOR_ARMS = ("frozen", "frozen+compile", "frozen+liger", "frozen+liger+compile", "frozen+compile+cg")
 # "+cg": torch.compile(mode="reduce-overhead"), CUDA graphs over the compiled forward and backward: the fp8
 # layers are launch-bound (bench/NOTES.md, session 3); the frozen floor is measured the same way next to them
 OPTIONAL_ARMS = ["peft+liger", "sits+liger", "sits+gc", "peft+gc", "sits+fp8", "sits+fp8+compile",
                  "frozen+compile+cg", "sits+compile+cg", "sits+fp8+compile+cg",
                  # Liger's fused RMSNorm / SwiGLU / linear cross-entropy under the fp8 base, and the frozen
                  # model with Liger: the floor for a run that uses Liger, reported next to the issue's floor
-                 "sits+fp8+liger", "frozen+liger"]
+                 "sits+fp8+liger", "frozen+liger", "frozen+liger+compile", "sits+liger+compile"]
 
 
-def build(model_name: str, arm: str, device: str, dtype):
+def build(model_name: str, arm: str, device: str, dtype, layers: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = dict(MODELS[model_name])
+    if layers:
+        cfg["num_hidden_layers"] = layers
     rope_theta = cfg.pop("rope_theta")
     config = LlamaConfig(**cfg, max_position_embeddings=8192, attn_implementation="sdpa")
     config.rope_parameters = {"rope_type": "default", "rope_theta": rope_theta}
@@ -94,7 +99,7 @@ def worker(args) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     batch, seq = (args.batch, args.seq) if not args.smoke else (2, 32)
-    model, params = build(args.model, args.arm, device, dtype)
+    model, params = build(args.model, args.arm, device, dtype, args.layers)
     model.train()
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda") if params else None
     parts = args.arm.split("+")
@@ -141,7 +146,8 @@ def worker(args) -> None:
     times.sort()
     step_s = times[len(times) // 2]
     row = {
-        "model": args.model, "arm": args.arm, "batch": batch, "seq": seq,
+        "model": args.model, "arm": args.arm, "layers": args.layers or MODELS[args.model]["num_hidden_layers"],
+        "batch": batch, "seq": seq,
         "step_s": step_s, "tokens_per_s": batch * seq / step_s,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
         "warmup_s": warmup_s, "loss": float(loss), "trainable_params": sum(p.numel() for p in params),
@@ -154,6 +160,43 @@ def worker(args) -> None:
     print("RESULT " + json.dumps(row), flush=True)
 
 
+def run_arm(model: str, arm: str, *, batch: int = 4, seq: int = 2048, warmup: int = 3, steps: int = 10,
+            smoke: bool = False, layers: int = 0, timeout_s: float | None = None) -> dict:
+    """One arm in its own process: its result row, or {"model", "arm", "error"} when it failed."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--arm", arm, "--model", model,
+           "--batch", str(batch), "--seq", str(seq), "--warmup", str(warmup), "--steps", str(steps),
+           "--layers", str(layers)]
+    if smoke:
+        cmd.append("--smoke")
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"[{model} {arm}] failed: over its {timeout_s:.0f} s", flush=True)
+        return {"model": model, "arm": arm, "error": f"timed out after {timeout_s:.0f} s"}
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        print(f"[{model} {arm}] failed: {reason}", flush=True)
+        return {"model": model, "arm": arm, "error": reason[-300:]}
+    row = json.loads(lines[-1][len("RESULT "):])
+    row["wall_s"] = time.perf_counter() - t
+    print(f"[{model} {arm}] {row['tokens_per_s']:,.0f} tokens/s, step {row['step_s'] * 1000:.1f} ms, "
+          f"peak {row['peak_gib'] or 0:.1f} GiB, wall {row['wall_s']:.0f} s", flush=True)
+    return row
+
+
+def add_floor_ratios(rows: list[dict]) -> None:
+    """Each row's step and peak memory against the floor (FLOOR_ARMS) measured in the same run, in place."""
+    ok = [r for r in rows if "step_s" in r]
+    floors = [r for r in ok if r["arm"] in FLOOR_ARMS]
+    floor = min((r["step_s"] for r in floors), default=None)
+    floor_mem = min((r["peak_gib"] for r in floors if r["peak_gib"]), default=None)
+    for r in ok:
+        r["vs_floor"] = r["step_s"] / floor if floor else None
+        r["peak_minus_floor_gib"] = r["peak_gib"] - floor_mem if (floor_mem and r["peak_gib"]) else None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="1b")
@@ -164,6 +207,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--layers", type=int, default=0, help="decoder layers (0: the shape's own count)")
     parser.add_argument("--arm", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -172,37 +216,16 @@ def main(argv=None) -> int:
         return 0
     rows = []
     for arm in args.arms:
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--arm", arm, "--model", args.model,
-               "--batch", str(args.batch), "--seq", str(args.seq), "--warmup", str(args.warmup), "--steps", str(args.steps)]
-        if args.smoke:
-            cmd.append("--smoke")
-        t = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            print(f"[{arm}] failed: {reason}", flush=True)
-            rows.append({"model": args.model, "arm": arm, "error": reason[-300:]})
-            continue
-        row = json.loads(lines[-1][len("RESULT "):])
-        row["wall_s"] = time.perf_counter() - t
-        rows.append(row)
-        print(f"[{arm}] {row['tokens_per_s']:,.0f} tokens/s, step {row['step_s'] * 1000:.1f} ms, "
-              f"peak {row['peak_gib'] or 0:.1f} GiB, wall {row['wall_s']:.0f} s", flush=True)
+        rows.append(run_arm(args.model, arm, batch=args.batch, seq=args.seq, warmup=args.warmup, steps=args.steps,
+                            smoke=args.smoke, layers=args.layers))
         _finish(rows, args, argv, final=False)  # a run cut short still leaves its finished arms on disk
     _finish(rows, args, argv, final=True)
     return 0
 
 
 def _finish(rows, args, argv, final: bool) -> None:
+    add_floor_ratios(rows)
     ok = [r for r in rows if "step_s" in r]
-    floors = [r["step_s"] for r in ok if r["arm"] in ("frozen", "frozen+compile", "frozen+compile+cg")]
-    floor = min(floors) if floors else None
-    floor_mem = min((r["peak_gib"] for r in ok if r["arm"] in ("frozen", "frozen+compile", "frozen+compile+cg")
-                     and r["peak_gib"]), default=None)
-    for r in ok:
-        r["vs_floor"] = r["step_s"] / floor if floor else None
-        r["peak_minus_floor_gib"] = r["peak_gib"] - floor_mem if (floor_mem and r["peak_gib"]) else None
     name = f"model_{args.model}" + ("_smoke" if args.smoke else "")
     paths = write_results(name, rows, args.out, {"command": "python bench/bench_model.py " + " ".join(argv or sys.argv[1:])})
     if final:

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One GPU call for the fast-path work: the compile and kernel GPU tests, the host profile, then the gate.
+#
+#     bash bench/run_regress_gpu.sh OUT [regress.py arguments ...]
+#
+# Wheels the GPU image lacks (liger-kernel) travel in .whl/ (see bench/NOTES.md); the call installs them
+# into /tmp/site first. Everything lands in OUT: tests.log, host/, graph_breaks/ and regress/ with the
+# regress table last in the output. The gate's exit status is this script's.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ $# -lt 1 ]; then
+    echo "usage: bash bench/run_regress_gpu.sh OUT [regress.py arguments ...]" >&2
+    exit 2
+fi
+OUT="$1"; shift
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site:src${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
+python3 -m pytest -q -p no:logging -rfE --tb=short tests/test_compile_gpu.py ${GPU_TESTS:-} > "$OUT/tests.log" 2>&1
+grep -E "passed|failed|Error|assert" "$OUT/tests.log" | tail -n 30
+[ "${HOST_PROFILE:-1}" = 1 ] && python3 bench/profile_host.py --out "$OUT/host" 2>&1 | grep -E "host per call|layer step" | head -n 20
+python3 bench/regress.py --out "$OUT/regress" "$@" 2>&1 | grep --line-buffered -v -E "^W[0-9]{4}|Warning|warnings.warn" | tee "$OUT/regress.log"
+exit "${PIPESTATUS[0]}"
