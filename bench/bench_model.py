@@ -191,10 +191,10 @@ def add_floor_ratios(rows: list[dict]) -> None:
     ok = [r for r in rows if "step_s" in r]
     floors = [r for r in ok if r["arm"] in FLOOR_ARMS]
     floor = min((r["step_s"] for r in floors), default=None)
-    floor_mem = min((r["peak_gib"] for r in floors if r["peak_gib"]), default=None)
+    floor_mem = min((r["peak_gib"] for r in floors if r.get("peak_gib")), default=None)
     for r in ok:
         r["vs_floor"] = r["step_s"] / floor if floor else None
-        r["peak_minus_floor_gib"] = r["peak_gib"] - floor_mem if (floor_mem and r["peak_gib"]) else None
+        r["peak_minus_floor_gib"] = r["peak_gib"] - floor_mem if (floor_mem and r.get("peak_gib")) else None
 
 
 def main(argv=None) -> int:

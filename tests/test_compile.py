@@ -40,3 +40,29 @@ def test_compile_no_graph_breaks_and_same_gradients(kernel):
     assert grads.keys() == eager_grads.keys()
     for n in grads:
         assert rel_err(grads[n], eager_grads[n]) < 1e-5, n
+
+
+def test_autocast_check_is_traceable_on_every_torch(monkeypatch):
+    """The layer reads whether a device type has autocast from a table filled at import, not from
+    torch.amp.is_autocast_available, a builtin Dynamo on torch 2.11 cannot trace (it broke the graph in
+    every adapted layer there; torch 2.13 traces it, so a break count on CI's torch cannot catch it)."""
+    import sys
+
+    from sits_lora import layer
+
+    available = torch.amp.is_autocast_available
+
+    def refuse_from_sits_lora(device_type):
+        # torch.autocast's own constructor asks too (Dynamo models that context manager itself)
+        if "sits_lora" in sys._getframe(1).f_code.co_filename:
+            raise AssertionError(f"is_autocast_available({device_type!r}) called on sits_lora's forward path")
+        return available(device_type)
+
+    model = get_peft_model(tiny_llama(), SitsLoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(torch.amp, "is_autocast_available", refuse_from_sits_lora)
+    eager = model(input_ids=ids).logits
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = model(input_ids=ids).logits
+    assert autocast.dtype == torch.bfloat16 and rel_err(autocast, eager) < 3e-2
+    assert layer._AUTOCAST_AVAILABLE == {"cpu": True, "cuda": True, "meta": False}
