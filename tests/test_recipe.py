@@ -38,6 +38,11 @@ def test_recipe_end_to_end_tiny_model(tiny_model_dir, tmp_path):
     assert (out / "adapter" / "adapter_model.safetensors").exists()
     assert json.loads((out / "adapter" / "adapter_config.json").read_text())["peft_type"] == "SITS_LORA"
     assert "held-out perplexity:" in proc.stdout and "adapter saved to" in proc.stdout
+    # liger: auto is off without a GPU, says why, and the run records it
+    assert "[sits_lora] Liger-Kernel: off (no CUDA GPU" in proc.stdout or torch.cuda.is_available()
+    report = json.loads((out / "hardware_report.json").read_text())
+    expected = torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
+    assert metrics["liger_kernel"] is expected and report["training"]["use_liger_kernel"] is expected
 
 
 @pytest.mark.slow
@@ -63,7 +68,7 @@ def test_recipe_default_model_and_corpus_one_step(tmp_path):
         (["--r", "0"], "error: r=0 is invalid"),
         (["--dtype", "float8"], "error: dtype='float8' is invalid"),
         (["--fp8", "fp16"], "error: fp8='fp16' is invalid: allowed values are off, hybrid, e4m3"),
-        (["--liger", "maybe"], "train.py: error: argument --liger: 'maybe' is not true or false"),
+        (["--liger", "maybe"], "error: liger='maybe' is invalid: allowed values are auto, true, false"),
     ],
 )
 def test_bad_paths_and_values_give_one_line(args, needle, tmp_path, tiny_model_dir):
@@ -111,8 +116,30 @@ def test_recipe_fp8_emulated_trains_and_saves_an_fp8_adapter(tiny_model_dir, tmp
 
 def test_yaml_off_is_the_string_off():
     assert TrainRecipe(fp8=False).fp8 == "off"  # YAML 1.1 reads an unquoted `fp8: off` as false
-    with pytest.raises(ValueError, match="liger='yes' is invalid: it must be true or false"):
+    with pytest.raises(ValueError, match="liger='yes' is invalid: allowed values are auto, true, false"):
         TrainRecipe(liger="yes")
+    with pytest.raises(ValueError, match="liger=1 is invalid"):
+        TrainRecipe(liger=1)
+    assert TrainRecipe().liger == "auto"
+    assert TrainRecipe(liger="FALSE").liger is False and TrainRecipe(liger="true").liger is True
+
+
+def test_liger_auto_is_on_where_it_runs_and_says_why_not(monkeypatch):
+    from sits_lora import recipe
+
+    monkeypatch.setattr(recipe, "liger_model_types", lambda: frozenset({"llama", "qwen2"}))
+    assert recipe.resolve_liger("auto", "qwen2", cuda=True)[0] is True
+    assert recipe.resolve_liger(True, "llama", cuda=True)[0] is True
+    on, note = recipe.resolve_liger("auto", "gpt2", cuda=True)
+    assert not on and "does not support model type 'gpt2'" in note
+    with pytest.raises(ValueError, match="liger=true: Liger-Kernel has no kernels for model type 'gpt2'"):
+        recipe.resolve_liger(True, "gpt2", cuda=True)
+    assert recipe.resolve_liger(False, "llama", cuda=True) == (False, "off (liger: false)")
+    on, note = recipe.resolve_liger("auto", "llama", cuda=False)
+    assert not on and "no CUDA GPU" in note
+    monkeypatch.setattr(recipe, "liger_model_types", lambda: None)
+    on, note = recipe.resolve_liger("auto", "llama", cuda=True)
+    assert not on and "pip install 'sits-lora[gpu]'" in note
 
 
 def test_unknown_config_key_is_named(tmp_path):

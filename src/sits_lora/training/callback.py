@@ -338,7 +338,8 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
                 "nan_policy": self.nan_policy,
                 "training": {"per_device_train_batch_size": args.per_device_train_batch_size,
                              "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                             "world_size": args.world_size, "bf16": args.bf16, "fp16": args.fp16},
+                             "world_size": args.world_size, "bf16": args.bf16, "fp16": args.fp16,
+                             "use_liger_kernel": bool(getattr(args, "use_liger_kernel", False))},
                 "environment": environment(),
             }
             path = os.path.join(args.output_dir, REPORT_FILE)
