@@ -1,6 +1,7 @@
 """The GPU regression gate: every arm of a training step on two Llama-3 shapes, against a baseline and the targets.
 
-    python bench/regress.py --out OUT                   # a GPU (H200): 1B and 8B shapes, about 8 minutes
+    python bench/regress.py --out OUT                   # a GPU (H200): 1B and 8B shapes, about 9 minutes
+    python bench/regress.py --out OUT --shapes 1b       # one shape per call: 1B ~5.5 min, 8B ~3.5 min
     python bench/regress.py --out OUT --write-baseline bench/baseline/h200.json   # record a new baseline
     python bench/regress.py --smoke --out OUT           # a CPU: tiny shape, the arms that run without CUDA
 
