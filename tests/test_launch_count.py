@@ -77,8 +77,8 @@ class _One(nn.Module):
         return self.proj(x)
 
 
-# (name, bias, siblings: the launches of one forward + backward at T = 40 (two token blocks of the
-# interpreter's 32), limit)
+# (name, bias, limit: the launches of one forward + backward at T = 40, two token blocks of the
+# interpreter's 32)
 CASES = [
     # shrink, expand, dy pass, x pass (Triton); x Wᵀ and dy W (cuBLAS addmm); the g, dB and dA partial sums
     ("one layer", False, 9),
