@@ -36,6 +36,7 @@ def _parser(fields) -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from sits_lora.data import DatasetTooSmallError
     from sits_lora.loading import ModelNotFoundError, resolve_model_source
     from sits_lora.recipe import TrainRecipe, run
 
@@ -53,13 +54,15 @@ def main(argv=None) -> int:
         values.update({f.name: getattr(args, f.name) for f in fields if getattr(args, f.name) is not None})
         recipe = TrainRecipe(**values)
         resolve_model_source(recipe.model)  # fail now, in one line, not after minutes of loading
-        recipe.check_machine()
-        if recipe.dataset is not None and not os.path.isfile(recipe.dataset):
-            raise FileNotFoundError(f"--dataset {recipe.dataset}: no such file")
+        recipe.check_inputs()
     except (ModelNotFoundError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    run(recipe)
+    try:
+        run(recipe)
+    except DatasetTooSmallError as error:  # found after the tokenizer loaded: still the user's input, one line
+        print(f"error: --dataset {recipe.dataset or '(default corpus)'}: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

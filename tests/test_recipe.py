@@ -15,7 +15,7 @@ import yaml
 from sits_lora.loading import ModelNotFoundError, resolve_model_source
 from sits_lora.recipe import TrainRecipe
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, rel_err
 
 TRAIN = os.path.join(REPO_ROOT, "recipes", "train.py")
 
@@ -163,3 +163,114 @@ def test_model_source_resolution(tiny_model_dir, tmp_path):
     assert resolve_model_source("HuggingFaceTB/SmolLM2-135M").location == "HuggingFaceTB/SmolLM2-135M"
     with pytest.raises(ModelNotFoundError, match="no config.json"):
         resolve_model_source(str(tmp_path / ".."))
+
+
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        ("", "the file is empty"),
+        ("\n  \n", "the file is empty"),
+        ('{"txt": "a"}\n{"txt": "b"}\n', "record 1 has no 'text' string (found ['txt'])"),
+        ('{"text": "a"}\n{"text": 3}\n', "record 2 has no 'text' string"),
+        ('{"text": "a"}\n{bad\n', "line 2 is not valid JSON"),
+        ('{"text": "only one"}\n', "needs at least 2 records to split into train and held-out, found 1"),
+        ('[{"text": "a"}, ', "not valid JSON"),
+    ],
+)
+def test_dataset_file_checks_name_the_problem(tmp_path, content, needle):
+    from sits_lora.data import check_dataset_file
+
+    path = tmp_path / "data.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match="data.jsonl: " + needle.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")):
+        check_dataset_file(path)
+
+
+def test_dataset_file_checks_accept_what_the_loader_reads(tmp_path):
+    from sits_lora.data import check_dataset_file, load_text_splits
+
+    cases = {"lines.jsonl": '{"text": "a"}\n\n{"text": "b", "id": 2}\n',
+             "array.json": '[{"text": "a"}, {"text": "b"}, {"text": "c"}]',
+             "lines.json": '{"text": "a"}\n{"text": "b"}\n',
+             "blocks.txt": "first block\n\nsecond block\n\n\nthird\n"}
+    expected = {"lines.jsonl": 2, "array.json": 3, "lines.json": 2, "blocks.txt": 3}
+    for name, content in cases.items():
+        (tmp_path / name).write_text(content)
+        assert check_dataset_file(tmp_path / name) == expected[name], name
+        train, heldout = load_text_splits(tmp_path / name)
+        assert len(train) + len(heldout) == expected[name], name
+    (tmp_path / "one.json").write_text('{\n  "text": ["a", "b"]\n}\n')
+    with pytest.raises(ValueError, match="holds one JSON value over several lines"):
+        check_dataset_file(tmp_path / "one.json")
+    (tmp_path / "data.csv").write_text("text\na\nb\n")
+    with pytest.raises(ValueError, match="unsupported dataset type '.csv'"):
+        check_dataset_file(tmp_path / "data.csv")
+
+
+@pytest.mark.parametrize(
+    "args,files,needle",
+    [
+        (["--dataset", "empty.jsonl"], {"empty.jsonl": ""}, "error: --dataset empty.jsonl: the file is empty"),
+        (["--dataset", "d.jsonl"], {"d.jsonl": '{"txt": "a"}\n{"txt": "b"}\n'}, "error: --dataset d.jsonl: record 1 has no 'text'"),
+        (["--kernel", "cuda"], {}, "error: kernel='cuda' is invalid: allowed values are auto, triton, torch"),
+        (["--output-dir", "run"], {"run/metrics.json": "{}"}, "error: output_dir run holds another run (metrics.json)"),
+        (["--output-dir", "run", "--resume", "true"], {"run/adapter/x": ""}, "error: resume=true: run holds no checkpoint-* folder"),
+        (["--resume", "true", "--overwrite", "true"], {}, "error: resume=true and overwrite=true contradict each other"),
+        (["--save-steps", "-1"], {}, "error: save_steps=-1 is invalid"),
+    ],
+)
+def test_bad_inputs_stop_before_any_model_loads(tmp_path, tiny_model_dir, args, files, needle):
+    for name, content in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(content)
+    before = {p: p.read_text() for p in tmp_path.rglob("*") if p.is_file()}
+    proc = _train(*args, "--model", str(tiny_model_dir), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(needle), proc.stderr[-500:]
+    assert "Traceback" not in proc.stderr and "[sits_lora] model:" not in proc.stdout  # nothing loaded
+    assert {p: p.read_text() for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing touched
+
+
+@pytest.mark.slow
+def test_checkpoint_and_resume_repeat_the_uninterrupted_run(tiny_model_dir, tmp_path):
+    """A run interrupted after its step-4 checkpoint and resumed with --resume true ends where the
+    uninterrupted run ends (same held-out perplexity, same adapter); --overwrite replaces a finished run."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"def f{i}(x): return x * {i} + {i % 7}\n" * 8}) + "\n" for i in range(40)))
+    common = ["--model", str(tiny_model_dir), "--dataset", str(corpus), "--max-steps", "8", "--save-steps", "4",
+              "--batch-size", "4", "--seq-len", "32", "--eval-blocks", "4", "--learning-rate", "0.01", "--r", "4",
+              "--logging-steps", "2"]
+    whole, interrupted = tmp_path / "whole", tmp_path / "interrupted"
+    proc = _train(*common, "--output-dir", str(whole), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in whole.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-4", "checkpoint-8"]
+    interrupted.mkdir()
+    shutil.copytree(whole / "checkpoint-4", interrupted / "checkpoint-4")  # what a run killed after step 4 leaves
+    proc = _train(*common, "--output-dir", str(interrupted), "--resume", "true", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from" in proc.stdout and "checkpoint-4" in proc.stdout
+    a = json.loads((whole / "metrics.json").read_text())
+    b = json.loads((interrupted / "metrics.json").read_text())
+    assert b["heldout_perplexity_after"] == pytest.approx(a["heldout_perplexity_after"], rel=1e-5)
+    wa = load_file(str(whole / "adapter" / "adapter_model.safetensors"))
+    wb = load_file(str(interrupted / "adapter" / "adapter_model.safetensors"))
+    assert wa.keys() == wb.keys() and all(rel_err(wb[k], wa[k]) < 1e-5 for k in wa)
+    proc = _train(*common, "--output-dir", str(whole), "--overwrite", "true", "--max-steps", "2", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((whole / "metrics.json").read_text())["recipe"]["max_steps"] == 2
+    assert not (whole / "checkpoint-8").exists() and not (whole / "adapter.tmp").exists()
+
+
+def test_too_little_text_for_one_block_is_one_line(tmp_path, tiny_model_dir):
+    """Known only once the tokenizer has run: still the user's input, so one line and exit 2, no traceback."""
+    (tmp_path / "two.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n')
+    proc = _train("--dataset", "two.jsonl", "--model", str(tiny_model_dir), "--output-dir", "run", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --dataset two.jsonl: the dataset has") and "lower --seq-len" in last
+    assert not (tmp_path / "run").exists()  # nothing written

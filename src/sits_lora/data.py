@@ -123,6 +123,72 @@ def build_stdlib_corpus(cache_dir: Optional[os.PathLike] = None, modules: Iterab
     return path
 
 
+DATASET_SUFFIXES = (".json", ".jsonl", ".txt")
+
+
+class DatasetTooSmallError(ValueError):
+    """The text, once tokenized, does not fill one block: known only after the tokenizer loads."""
+
+
+def check_dataset_file(path: os.PathLike) -> int:
+    """Read a local dataset file the way load_text_splits will, without loading anything heavy; return the
+    number of records, or raise (FileNotFoundError / ValueError) with one line naming the file and the fix.
+
+    Run before a model loads, so that an empty file, a record without a "text" string or a malformed
+    line stops the recipe in a second instead of after the model and the baseline pass. .json / .jsonl: a
+    JSON array of records, or one JSON object per non-blank line; .txt: records are blank-line-separated
+    blocks. At least two records (one goes to the held-out split).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file not found: {path}")
+    suffix = path.suffix.lower()
+    if suffix not in DATASET_SUFFIXES:
+        raise ValueError(f"{path}: unsupported dataset type {suffix!r}; use .json, .jsonl or .txt")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    if not text.strip():
+        raise ValueError(f"{path}: the file is empty; it needs at least 2 records with text")
+    if suffix == ".txt":
+        records = [b for b in text.split("\n\n") if b.strip()]
+    else:
+        records = _json_records(path, text)
+        for number, record in records:
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                fields = sorted(record) if isinstance(record, dict) else type(record).__name__
+                raise ValueError(f"{path}: record {number} has no 'text' string (found {fields}); every record "
+                                 f"needs one, e.g. {{\"text\": \"...\"}}")
+    if len(records) < 2:
+        raise ValueError(f"{path}: needs at least 2 records to split into train and held-out, found {len(records)}")
+    return len(records)
+
+
+def _json_records(path: Path, text: str) -> list:
+    """(record number, record) pairs of a .json / .jsonl file, as the datasets json loader reads them: a JSON
+    array of records, or one record per line."""
+    if text.lstrip().startswith("["):
+        try:
+            return list(enumerate(json.loads(text), 1))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not valid JSON ({error.msg}, line {error.lineno})") from None
+    records = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append((number, json.loads(line)))
+        except json.JSONDecodeError as error:
+            try:
+                json.loads(text)
+            except json.JSONDecodeError:
+                raise ValueError(f"{path}: line {number} is not valid JSON ({error.msg})") from None
+            raise ValueError(f"{path}: holds one JSON value over several lines; give a list of records "
+                             f"([{{\"text\": ...}}, ...]) or one record per line") from None
+    return records
+
+
 def load_text_splits(path: Optional[os.PathLike] = None, heldout_fraction: float = 0.1, seed: int = 0):
     """(train, heldout) ``datasets.Dataset`` objects with a "text" column.
 
@@ -138,20 +204,12 @@ def load_text_splits(path: Optional[os.PathLike] = None, heldout_fraction: float
         heldout = corpus.filter(lambda r: r["split"] == "heldout")
         return train, heldout
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"dataset file not found: {path}")
-    suffix = path.suffix.lower()
-    if suffix in (".json", ".jsonl"):
-        data = datasets.load_dataset("json", data_files=str(path), split="train")
-        if "text" not in data.column_names:
-            raise ValueError(f"{path}: each record needs a 'text' field; found fields {data.column_names}")
-    elif suffix == ".txt":
+    check_dataset_file(path)
+    if path.suffix.lower() == ".txt":
         blocks = [b.strip() for b in path.read_text().split("\n\n") if b.strip()]
         data = datasets.Dataset.from_dict({"text": blocks})
     else:
-        raise ValueError(f"{path}: unsupported dataset type {suffix!r}; use .json, .jsonl or .txt")
-    if len(data) < 2:
-        raise ValueError(f"{path}: needs at least 2 records to split into train and held-out, found {len(data)}")
+        data = datasets.load_dataset("json", data_files=str(path), split="train")
     parts = data.train_test_split(test_size=heldout_fraction, seed=seed)
     return parts["train"], parts["test"]
 
@@ -175,7 +233,8 @@ def pack_into_blocks(dataset, tokenizer, seq_len: int, max_blocks: Optional[int]
     if max_blocks is not None:
         n_blocks = min(n_blocks, max_blocks)
     if n_blocks == 0:
-        raise ValueError(f"the dataset has {len(ids)} tokens, fewer than one block of seq_len={seq_len}")
+        raise DatasetTooSmallError(f"the dataset has {len(ids)} tokens, fewer than one block of seq_len={seq_len}; "
+                                   f"lower --seq-len or give more text")
     blocks = [ids[i * seq_len:(i + 1) * seq_len] for i in range(n_blocks)]
     return datasets.Dataset.from_dict(
         {"input_ids": blocks, "attention_mask": [[1] * seq_len] * n_blocks, "labels": blocks}

