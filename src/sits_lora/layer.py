@@ -9,6 +9,7 @@ other case falls through to PEFT's own forward, so behaviour stays PEFT's.
 
 from __future__ import annotations
 
+import warnings
 from contextlib import nullcontext
 from typing import Any, Optional
 
@@ -62,14 +63,17 @@ class SitsLoraLinear(LoraLinear):
         super().__init__(base_layer, adapter_name, config=config, r=r, lora_alpha=lora_alpha, **kwargs)
 
     def update_layer(self, adapter_name: str, r: int, lora_alpha: int, config, **kwargs) -> None:
-        target_name = kwargs.get("target_name") or "<this layer>"
         smaller = min(self.in_features, self.out_features)
         if r > smaller:
-            raise ValueError(
-                f"SitsLoraConfig.r={r} is larger than the smaller dimension ({smaller}) of layer "
-                f"'{target_name}' (in_features={self.in_features}, out_features={self.out_features}); "
-                f"a LoRA rank can be at most {smaller} there. Lower r, or set "
-                f"rank_pattern={{'{target_name.rsplit('.', 1)[-1]}': {smaller}}} for this layer."
+            # PEFT accepts such adapters (a 2-way classifier head at r=8; add_weighted_adapter's "cat" sums
+            # ranks), so a drop-in must too: it works, it only holds more parameters than the update can use
+            target_name = kwargs.get("target_name") or "<this layer>"
+            warnings.warn(
+                f"adapter {adapter_name!r}: r={r} is larger than the smaller dimension ({smaller}) of layer "
+                f"'{target_name}' (in_features={self.in_features}, out_features={self.out_features}); the update "
+                f"has rank at most {smaller} there. It trains as in PEFT; rank_pattern={{'"
+                f"{target_name.rsplit('.', 1)[-1]}': {smaller}}} would hold the same update in fewer parameters.",
+                stacklevel=2,
             )
         super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
         self.sits_kernel[adapter_name] = getattr(config, "kernel", "auto")

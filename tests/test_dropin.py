@@ -1,0 +1,236 @@
+"""SitsLoraConfig is a drop-in for LoraConfig: the same arguments give the same adapters, outputs and errors.
+
+One table of small models and configurations in the spirit of PEFT's own LoRA suite (written here, not
+copied): a classifier head narrower than r, Conv2d, embeddings, multi-head attention, GPT-2's Conv1D
+with fan_in_fan_out, modules_to_save. Each case builds the model twice from one seed, wraps one copy
+with LoraConfig and the other with SitsLoraConfig (same arguments), gives both the same adapter
+weights, and checks the state dict's keys and shapes, the outputs, merge / safe_merge / unmerge,
+disable_adapter, a second adapter, add_weighted_adapter and save / load.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from torch import nn
+
+from sits_lora import SitsLoraConfig
+
+from conftest import rel_err
+
+
+class _MLP(nn.Module):
+    """A classifier whose head (20 -> 2) is narrower than the rank of most adapters."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin0 = nn.Linear(10, 20, bias=True)
+        self.relu = nn.ReLU()
+        self.lin1 = nn.Linear(20, 2, bias=True)
+
+    def forward(self, x):
+        return self.lin1(self.relu(self.lin0(x)))
+
+
+class _Conv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.lin = nn.Linear(8 * 4 * 4, 5)
+
+    def forward(self, x):
+        return self.lin(torch.relu(self.conv(x)).flatten(1))
+
+
+class _Emb(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(30, 12)
+        self.lin = nn.Linear(12, 6)
+
+    def forward(self, x):
+        return self.lin(self.emb(x))
+
+
+class _MHA(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(16, 4, batch_first=True)
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.out(self.mha(x, x, x)[0])
+
+
+class _GPT2Conv1D(nn.Module):
+    def __init__(self):
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+
+        self.c_attn = Conv1D(24, 8)  # nx=8 in, nf=24 out: weight stored (in, out), hence fan_in_fan_out
+        self.head = nn.Linear(24, 4)
+
+    def forward(self, x):
+        return self.head(self.c_attn(x))
+
+
+def _x(case):
+    g = torch.Generator().manual_seed(3)
+    if case == "emb":
+        return torch.randint(0, 30, (4, 7), generator=g)
+    if case == "conv":
+        return torch.randn(2, 3, 6, 6, generator=g)
+    if case in ("mha",):
+        return torch.randn(2, 5, 16, generator=g)
+    if case == "conv1d":
+        return torch.randn(3, 5, 8, generator=g)
+    return torch.randn(6, 10, generator=g)
+
+
+# name: (model class, LoraConfig keyword arguments)
+CASES = {
+    "mlp r8, head narrower than r": ("mlp", _MLP, dict(r=8, target_modules=["lin0", "lin1"])),
+    "mlp r32 everywhere": ("mlp", _MLP, dict(r=32, lora_alpha=16, target_modules=["lin0", "lin1"])),
+    "mlp rslora, bias, dropout": ("mlp", _MLP, dict(r=4, use_rslora=True, lora_dropout=0.1, bias="lora_only",
+                                                    target_modules=["lin0", "lin1"])),
+    "mlp rank_pattern": ("mlp", _MLP, dict(r=4, rank_pattern={"lin1": 16}, alpha_pattern={"lin0": 2},
+                                           target_modules=["lin0", "lin1"])),
+    "mlp modules_to_save": ("mlp", _MLP, dict(r=4, target_modules=["lin0"], modules_to_save=["lin1"])),
+    "mlp all-linear": ("mlp", _MLP, dict(r=4, target_modules="all-linear")),
+    "mlp regex": ("mlp", _MLP, dict(r=4, target_modules=r".*lin\d")),
+    "conv2d": ("conv", _Conv, dict(r=4, target_modules=["conv", "lin"])),
+    "embedding": ("emb", _Emb, dict(r=4, target_modules=["emb", "lin"])),
+    "multi-head attention": ("mha", _MHA, dict(r=4, target_modules=["mha", "out"])),
+    "gpt2 Conv1D": ("conv1d", _GPT2Conv1D, dict(r=4, fan_in_fan_out=True, target_modules=["c_attn", "head"])),
+}
+
+
+def _pair(name):
+    case, cls, kwargs = CASES[name]
+    kwargs = dict(kwargs, init_lora_weights=False)  # B != 0: the adapters change the outputs
+    torch.manual_seed(0)
+    base = cls().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the narrow-head warning (its own test below) and PEFT's own notes
+        peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(**kwargs))
+        sits_model = get_peft_model(copy.deepcopy(base), SitsLoraConfig(**kwargs))
+    set_peft_model_state_dict(sits_model, get_peft_model_state_dict(peft_model))
+    for module in ("lin1",) if "modules_to_save" in kwargs else ():
+        sits_model.base_model.model.get_submodule(module).load_state_dict(
+            peft_model.base_model.model.get_submodule(module).state_dict())
+    return case, peft_model.eval(), sits_model.eval()
+
+
+def _close(a, b, tol=1e-5):
+    return rel_err(a, b) < tol
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_same_adapter_same_outputs(name):
+    case, peft_model, sits_model = _pair(name)
+    x = _x(case)
+    peft_state, sits_state = get_peft_model_state_dict(peft_model), get_peft_model_state_dict(sits_model)
+    assert {k: v.shape for k, v in peft_state.items()} == {k: v.shape for k, v in sits_state.items()}
+    assert _close(sits_model(x), peft_model(x))
+    with peft_model.disable_adapter(), sits_model.disable_adapter():
+        assert _close(sits_model(x), peft_model(x))
+    sits_model.merge_adapter()
+    peft_model.merge_adapter()
+    assert _close(sits_model(x), peft_model(x))
+    sits_model.unmerge_adapter()
+    peft_model.unmerge_adapter()
+    assert _close(sits_model(x), peft_model(x))
+    merged_sits = copy.deepcopy(sits_model).merge_and_unload(safe_merge=True)
+    merged_peft = copy.deepcopy(peft_model).merge_and_unload(safe_merge=True)
+    assert _close(merged_sits(x), merged_peft(x))
+
+
+@pytest.mark.parametrize("name", ["mlp r8, head narrower than r", "conv2d", "gpt2 Conv1D"])
+def test_training_step_same_gradients(name):
+    case, peft_model, sits_model = _pair(name)
+    x = _x(case)
+    for model in (peft_model, sits_model):
+        model.train()
+        out = model(x)
+        (out.float() ** 2).mean().backward()
+    peft_grads = {n: p.grad for n, p in peft_model.named_parameters() if p.requires_grad}
+    sits_grads = {n: p.grad for n, p in sits_model.named_parameters() if p.requires_grad}
+    assert peft_grads.keys() == sits_grads.keys()
+    for n in peft_grads:
+        assert _close(sits_grads[n], peft_grads[n]), n
+
+
+@pytest.mark.parametrize("combination", ["linear", "cat", "svd", "ties", "dare_linear", "magnitude_prune"])
+def test_add_weighted_adapter_every_combination(combination):
+    """PEFT's adapter arithmetic: the same adapter, or the same error. 'cat' of ranks 4 and 8 makes 12, above
+    the head's 2 outputs; 'svd' at rank 8 on that head fails inside PEFT itself (a 2 x 2 B), and must fail
+    the same way here."""
+    outcomes = {}
+    for config_cls in (LoraConfig, SitsLoraConfig):
+        torch.manual_seed(0)
+        base = _MLP().eval()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = get_peft_model(base, config_cls(r=4, target_modules=["lin0", "lin1"], init_lora_weights=False))
+            # PEFT wants equal ranks for the element-wise combinations, any ranks for cat and svd
+            r2 = 8 if combination in ("cat", "svd") else 4
+            model.add_adapter("second", config_cls(r=r2, target_modules=["lin0", "lin1"], init_lora_weights=False))
+            kwargs = dict(density=0.5) if combination in ("ties", "dare_linear", "magnitude_prune") else {}
+            torch.manual_seed(1)  # dare draws a random mask
+            try:
+                model.add_weighted_adapter(["default", "second"], [0.7, 0.4], "mixed", combination_type=combination,
+                                           **kwargs)
+                model.set_adapter("mixed")
+                shapes = {k: v.shape for k, v in get_peft_model_state_dict(model, adapter_name="mixed").items()}
+                outcomes[config_cls] = ("ok", model(_x("mlp")), shapes)
+            except Exception as error:  # noqa: BLE001 - compared with PEFT's outcome below
+                outcomes[config_cls] = ("error", type(error), str(error))
+    peft_outcome, sits_outcome = outcomes[LoraConfig], outcomes[SitsLoraConfig]
+    assert sits_outcome[0] == peft_outcome[0], (peft_outcome, sits_outcome)
+    if peft_outcome[0] == "error":
+        assert sits_outcome[1:] == peft_outcome[1:]
+    else:
+        assert sits_outcome[2] == peft_outcome[2]
+        assert _close(sits_outcome[1], peft_outcome[1], tol=1e-4)
+
+
+def test_rank_above_a_layers_side_warns_naming_it_and_works():
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match=r"r=8 is larger than the smaller dimension \(2\) of layer 'lin1'"):
+        model = get_peft_model(_MLP(), SitsLoraConfig(r=8, target_modules=["lin0", "lin1"]))
+    assert model.base_model.model.lin1.lora_A["default"].weight.shape == (8, 20)
+    model(_x("mlp")).sum().backward()
+
+
+def test_save_and_load_round_trip_like_peft(tmp_path):
+    case, peft_model, sits_model = _pair("mlp r8, head narrower than r")
+    sits_model.save_pretrained(tmp_path / "sits")
+    peft_model.save_pretrained(tmp_path / "peft")
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = PeftModel.from_pretrained(_MLP().eval(), tmp_path / "sits")
+    assert type(loaded.peft_config["default"]) is SitsLoraConfig
+    assert _close(loaded(_x(case)), peft_model(_x(case)))
+    saved = {p.name for p in (tmp_path / "sits").iterdir()}
+    assert saved == {p.name for p in (tmp_path / "peft").iterdir()}
+
+
+@pytest.mark.parametrize("kwargs", [dict(target_modules=["nope"]), dict(r=0, target_modules=["lin0"]),
+                                    dict(lora_dropout=1.5, target_modules=["lin0"])])
+def test_bad_configurations_fail_where_peft_fails(kwargs):
+    outcomes = []
+    for config_cls in (LoraConfig, SitsLoraConfig):
+        try:
+            get_peft_model(_MLP(), config_cls(**kwargs))
+            outcomes.append(None)
+        except Exception as error:  # noqa: BLE001 - the outcome, whatever it is, is what is compared
+            outcomes.append(type(error))
+    peft_outcome, sits_outcome = outcomes
+    assert (peft_outcome is None) == (sits_outcome is None)
+    if peft_outcome is not None:
+        assert issubclass(sits_outcome, peft_outcome) or issubclass(peft_outcome, sits_outcome)
