@@ -1,6 +1,6 @@
 """Fine-tune a causal LM with a sits_lora adapter.
 
-    accelerate launch recipes/train.py                      # SmolLM2-135M on the stdlib docs, ~10 min on a CPU
+    accelerate launch recipes/train.py                      # SmolLM2-135M on the stdlib docs, 5-11 min on a 2-core CPU
     accelerate launch recipes/train.py --config recipes/configs/default.yaml --max-steps 20
     python recipes/train.py --model path/to/model_or.gguf --dataset my.jsonl --r 8
 

@@ -56,6 +56,9 @@ def test_recipe_default_model_and_corpus_one_step(tmp_path):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["model"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
     assert 1.0 < metrics["heldout_perplexity_before"] < 200.0  # a real language model, not random weights
+    saved = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"  # not a machine path
+    assert "Unable to fetch remote file" not in proc.stderr  # a local model: PEFT's save asks no hub
 
 
 @pytest.mark.parametrize(

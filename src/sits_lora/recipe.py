@@ -1,7 +1,7 @@
 """The fine-tuning recipe behind ``recipes/train.py``: load, measure, train, measure, save.
 
 Defaults fine-tune SmolLM2-135M-Instruct (GGUF, offline) on the standard-library documentation
-corpus with a sits_lora adapter on all seven projections, and finish in about ten minutes on a
+corpus with a sits_lora adapter on all seven projections, and finish in 5-11 minutes on a
 2-core CPU. Every default is a field of :class:`TrainRecipe`, settable from a YAML file or flags.
 """
 
@@ -307,6 +307,10 @@ def run(recipe: TrainRecipe) -> dict:
     dtype = _torch_dtype(recipe.dtype)
     recipe.check_inputs()
     model, tokenizer, source = load_model_and_tokenizer(recipe.model, dtype=dtype)
+    if os.path.isdir(source.location):
+        # a local model: nothing to ask the hub, and PEFT would ask it at every save for the base model's
+        # config (base_model_name_or_path is a hub id for the default GGUF), waiting on the network offline
+        os.environ["HF_HUB_OFFLINE"] = "1"
     use_liger, liger_note = resolve_liger(recipe.liger, model.config.model_type)
     print(f"[sits_lora] Liger-Kernel: {liger_note}")
     print(f"[sits_lora] model: {source.describe()} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
