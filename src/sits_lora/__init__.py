@@ -2,44 +2,59 @@
 
 ``import sits_lora`` registers the SITS_LORA adapter type with PEFT, so that
 ``get_peft_model(model, SitsLoraConfig(...))``, ``PeftModel.from_pretrained`` and
-``AutoPeftModelForCausalLM.from_pretrained`` work with sits_lora adapters.
+``AutoPeftModelForCausalLM.from_pretrained`` work with sits_lora adapters. The import itself is light:
+the registration happens as soon as peft is imported (at once if it already is), and the public names
+below load their modules on first use (sits_lora._registry says how).
 """
 
 from __future__ import annotations
 
-from ._registry import SITS_LORA_PEFT_TYPE, register_with_peft
-from .compliance import BenchmarkRunner
-from .config import SitsLoraConfig
-from .dynamic_rank import DynamicRankLinear, RankBudget, truncate_rank
-from .export import export_peft_lora
-from .layer import SitsLoraLinear
-from .model import SitsLoraModel
+import importlib
+
+from ._registry import register_when_peft_loads
 
 __version__ = "0.1.0"
 
-register_with_peft()
+# public name -> the module that defines it (imported on first use)
+_EXPORTS = {
+    "SITS_LORA_PEFT_TYPE": "._registry",
+    "register_with_peft": "._registry",
+    "BenchmarkRunner": ".compliance",
+    "SitsLoraConfig": ".config",
+    "DynamicRankLinear": ".dynamic_rank",
+    "RankBudget": ".dynamic_rank",
+    "truncate_rank": ".dynamic_rank",
+    "DynamicRankCallback": ".dynamic_rank",
+    "TokenEntropySampler": ".dynamic_rank",
+    "export_peft_lora": ".export",
+    "SitsLoraLinear": ".layer",
+    "SitsLoraModel": ".model",
+    "NativeLoraTrainer": ".training",
+    "SitsHardwareCallback": ".training",
+    "plan_memory": ".training",
+}
 
-# transformers' Trainer machinery and the sampler's dependencies load on first use
-_LAZY = {"DynamicRankCallback", "TokenEntropySampler"}
-# the training guard rails (sits_lora.training) import transformers' Trainer on first use
-_LAZY_TRAINING = {"NativeLoraTrainer", "SitsHardwareCallback", "plan_memory"}
+register_when_peft_loads()
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        from . import dynamic_rank
-
-        return getattr(dynamic_rank, name)
-    if name in _LAZY_TRAINING:
-        from . import training
-
-        return getattr(training, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
 
 
-def apply_native_lora(model, config: SitsLoraConfig, adapter_name: str = "default", **kwargs):
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+def apply_native_lora(model, config, adapter_name: str = "default", **kwargs):
     """Wrap ``model`` with a sits_lora adapter: the same as ``peft.get_peft_model(model, config)``."""
     from peft import get_peft_model
+
+    from .config import SitsLoraConfig
 
     if not isinstance(config, SitsLoraConfig):
         raise TypeError(
