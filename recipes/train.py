@@ -1,10 +1,12 @@
 """Fine-tune a causal LM with a sits_lora adapter.
 
-    accelerate launch recipes/train.py                      # SmolLM2-135M on the stdlib docs, 5-11 min on a 2-core CPU
-    accelerate launch recipes/train.py --config recipes/configs/default.yaml --max-steps 20
+    accelerate launch --quiet recipes/train.py              # SmolLM2-135M on the stdlib docs, 5-11 min on a 2-core CPU
+    accelerate launch --quiet recipes/train.py --config recipes/configs/default.yaml --max-steps 20
     python recipes/train.py --model path/to/model_or.gguf --dataset my.jsonl --r 8
 
-Flags override the YAML config, which overrides the defaults (sits_lora.recipe.TrainRecipe).
+Flags override the YAML config, which overrides the defaults (sits_lora.recipe.TrainRecipe). A bad input
+stops in one line with exit status 2 (under `accelerate launch`, `--quiet` keeps accelerate from adding its
+own traceback of the failed process, and the status becomes 1).
 """
 
 from __future__ import annotations

@@ -24,4 +24,4 @@ def test_ci_runs_the_readme_test_command():
 def test_main_job_command_installs_torch_first_and_launches_the_recipe():
     main_cmd = [c for c in _readme_commands() if "recipes/train.py" in c]
     assert len(main_cmd) == 1
-    assert main_cmd[0].startswith("pip install torch==") and main_cmd[0].endswith("accelerate launch recipes/train.py")
+    assert main_cmd[0].startswith("pip install torch==") and main_cmd[0].endswith("accelerate launch --quiet recipes/train.py")

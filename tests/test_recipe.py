@@ -277,3 +277,17 @@ def test_too_little_text_for_one_block_is_one_line(tmp_path, tiny_model_dir):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: --dataset two.jsonl: the dataset has") and "lower --seq-len" in last
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_accelerate_launch_quiet_shows_only_the_one_line(tmp_path):
+    """The README's main command: under `accelerate launch --quiet` a bad input is one line, no traceback."""
+    import shutil
+
+    accelerate = shutil.which("accelerate")
+    if accelerate is None:
+        pytest.skip("accelerate's command is not on PATH")
+    proc = subprocess.run([accelerate, "launch", "--quiet", TRAIN, "--kernel", "cuda"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: kernel='cuda' is invalid")
+    assert "Traceback" not in proc.stderr and "CalledProcessError" not in proc.stderr
