@@ -291,3 +291,20 @@ def test_accelerate_launch_quiet_shows_only_the_one_line(tmp_path):
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1].startswith("error: kernel='cuda' is invalid")
     assert "Traceback" not in proc.stderr and "CalledProcessError" not in proc.stderr
+
+
+def test_recipe_checks_need_no_torch_and_match_the_library(tmp_path):
+    """The field checks answer before torch loads; their tables are the library's own."""
+    import sys as _sys
+
+    import torch as _torch
+
+    from sits_lora import ops, recipe
+
+    assert recipe.KERNELS == ops.KERNELS
+    assert all(isinstance(getattr(_torch, d), _torch.dtype) for d in recipe._DTYPES if d != "auto")
+    proc = subprocess.run([_sys.executable, "-c", "import sys\nfrom sits_lora.recipe import TrainRecipe\n"
+                           "r = TrainRecipe(); r.check_inputs()\nprint('torch' in sys.modules)"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-1000:]
+    assert proc.stdout.strip() == "False"

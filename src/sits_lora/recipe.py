@@ -16,8 +16,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
-
 LLAMA_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -76,8 +74,6 @@ class TrainRecipe:
                 raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer")
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate={self.learning_rate!r} is invalid: it must be positive")
-        from .ops import KERNELS
-
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel={self.kernel!r} is invalid: allowed values are {', '.join(KERNELS)} (auto: the "
                              f"Triton kernels on a CUDA GPU, PyTorch elsewhere)")
@@ -134,6 +130,10 @@ class TrainRecipe:
 
     def check_machine(self) -> None:
         """Refuse, before anything is loaded, what this machine cannot run (ValueError naming the field)."""
+        if self.kernel != "triton" and self.fp8 == "off" and self.liger is not True:
+            return  # nothing here needs a GPU: answered without importing torch
+        import torch
+
         if self.kernel == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("kernel='triton' needs a CUDA GPU (set TRITON_INTERPRET=1 to run the kernels on the CPU, "
                              "slowly, for tests); use kernel: auto on this machine")
@@ -158,31 +158,38 @@ class TrainRecipe:
         return [f.name for f in dataclasses.fields(cls)]
 
 
-_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the recipe's field checks import no torch (a bad input answers in a fraction of a second); these are
+# ops.KERNELS and the torch dtypes by name (tests/test_recipe.py keeps them equal)
+KERNELS = ("auto", "triton", "torch")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-def _torch_dtype(name: str) -> torch.dtype:
+def _torch_dtype(name: str):
+    import torch
+
     if name == "auto":
         return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return _DTYPES[name]
+    return getattr(torch, name)
 
 
-@torch.no_grad()
 def heldout_perplexity(model, blocks, batch_size: int = 8, desc: str = "held-out perplexity") -> float:
     """exp(mean next-token loss) over fixed-length blocks, every token weighted equally."""
+    import torch
     from tqdm.auto import tqdm
 
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     total_loss, total_tokens = 0.0, 0
-    for start in tqdm(range(0, len(blocks), batch_size), desc=desc, leave=False):
-        ids = torch.tensor(blocks[start:start + batch_size]["input_ids"], device=device)
-        logits = model(input_ids=ids).logits[:, :-1].float()
-        targets = ids[:, 1:]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
-        total_loss += loss.item()
-        total_tokens += targets.numel()
+    with torch.no_grad():
+        for start in tqdm(range(0, len(blocks), batch_size), desc=desc, leave=False):
+            ids = torch.tensor(blocks[start:start + batch_size]["input_ids"], device=device)
+            logits = model(input_ids=ids).logits[:, :-1].float()
+            targets = ids[:, 1:]
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                                     reduction="sum")
+            total_loss += loss.item()
+            total_tokens += targets.numel()
     model.train(was_training)
     return math.exp(total_loss / total_tokens)
 
@@ -250,9 +257,12 @@ def resolve_liger(requested, model_type: str, cuda: Optional[bool] = None) -> tu
     True must run (check_machine already refused a machine without CUDA or liger-kernel); an unsupported
     model type is refused here, after loading, the first moment it is known. "auto" turns it on wherever
     it runs and says what is lost where it does not."""
-    cuda = torch.cuda.is_available() if cuda is None else cuda
     if requested is False:
         return False, "off (liger: false)"
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
     if not cuda:
         return False, "off (no CUDA GPU: Liger-Kernel's kernels are Triton GPU kernels)"
     types = liger_model_types()
@@ -270,6 +280,7 @@ def resolve_liger(requested, model_type: str, cuda: Optional[bool] = None) -> tu
 
 def _versions() -> dict:
     import peft
+    import torch
     import transformers
 
     return {
@@ -282,6 +293,8 @@ def _versions() -> dict:
 
 
 def _set_cpu_threads(requested: int) -> int:
+    import torch
+
     # `accelerate launch` exports OMP_NUM_THREADS=1 for a single CPU process, which halves the
     # speed of the default run on a 2-core machine (7.4 s against 5.0 s a step, measured here).
     if requested == 0:
@@ -293,6 +306,7 @@ def _set_cpu_threads(requested: int) -> int:
 
 def run(recipe: TrainRecipe) -> dict:
     """Run the recipe; return (and write to output_dir/metrics.json) what it measured."""
+    import torch
     from peft import get_peft_model
     from transformers import TrainingArguments, default_data_collator, set_seed
 
