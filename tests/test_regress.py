@@ -89,7 +89,8 @@ def test_smoke_run_on_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads((tmp_path / "regress.json").read_text())
     assert [r["arm"] for r in result["rows"]] == ["frozen", "sits", "sits+compile"]
-    assert all(r["tokens_per_s"] > 0 and r["vs_floor"] >= 1.0 for r in result["rows"])
+    assert all(r["tokens_per_s"] > 0 and r["vs_floor"] > 0 for r in result["rows"])
+    assert result["rows"][0]["vs_floor"] == 1.0  # frozen is this run's only floor arm (a compiled arm may beat it)
     assert {c["config"]: c["graph_breaks"] for c in result["graph_breaks"]} == {c: 0 for c in regress.GATED_COMPILE_CONFIGS}
     assert (tmp_path / "regress.csv").exists() and (tmp_path / "regress.png").stat().st_size > 1000
     assert "0 failed check(s)" in proc.stdout
