@@ -40,7 +40,7 @@ DEFAULT_BASELINE = os.path.join(HERE, "baseline", "h200.json")
 SHAPES = {"1b": dict(model="1b", layers=16), "8b": dict(model="8b", layers=4)}
 SMOKE_SHAPES = {"tiny": dict(model="tiny", layers=2)}
 # frozen+liger+compile is left out: Liger-Kernel 0.8.5 under torch.compile (torch 2.11) stopped with "an illegal
-# memory access was encountered" on the H200 (bench/NOTES.md, seventh run); pass it in --arms to try again
+# memory access was encountered" on the H200 (docs/performance.md); pass it in --arms to try again
 ARMS = ["frozen", "frozen+compile", "frozen+liger", "peft", "peft+compile",
         "sits", "sits+compile", "sits+liger", "sits+fp8", "sits+fp8+liger"]
 # on a CPU: no Liger (GPU kernels), fp8 emulated
