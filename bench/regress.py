@@ -6,8 +6,8 @@
     python bench/regress.py --smoke --out OUT           # a CPU: tiny shape, the arms that run without CUDA
 
 Each arm is one process of bench/bench_model.py (random bf16 weights, bs 4 x 2048, LoRA r16 on the seven
-projections, fused AdamW): frozen (eager, compile, Liger, Liger + compile), PEFT (eager, compile) and
-sits (eager, compile, Liger, fp8, fp8 + Liger). "The floor" is the fastest frozen arm of the same run;
+projections, fused AdamW): frozen (eager, compile, Liger), PEFT (eager, compile) and sits (eager, compile,
+Liger, fp8, fp8 + Liger). "The floor" is the fastest frozen arm of the same run;
 every arm is compared as its step time over the floor, which drifts less between runs than the times
 themselves. The 8B shape runs SHAPES["8b"]["layers"] of its 32 decoder layers so that the compiled arms
 fit the device call: the layers are identical, so the per-layer ratios are the model's, but the head and
