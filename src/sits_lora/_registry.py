@@ -40,12 +40,17 @@ def _add_enum_member(enum_cls, name: str, value: str):
     return member
 
 
+def sits_lora_peft_type():
+    """PeftType.SITS_LORA, added to peft's enum on first use (idempotent)."""
+    from peft.utils.peft_types import PeftType
+
+    return _add_enum_member(PeftType, SITS_LORA_NAME.upper(), SITS_LORA_NAME.upper())
+
+
 def __getattr__(name: str):
     # SITS_LORA_PEFT_TYPE is made on first use: it needs peft's PeftType enum
     if name == "SITS_LORA_PEFT_TYPE":
-        from peft.utils.peft_types import PeftType
-
-        return _add_enum_member(PeftType, SITS_LORA_NAME.upper(), SITS_LORA_NAME.upper())
+        return sits_lora_peft_type()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -57,7 +62,7 @@ def register_with_peft() -> None:
     from .config import SitsLoraConfig
     from .model import SitsLoraModel
 
-    if PEFT_TYPE_TO_TUNER_MAPPING.get(__getattr__("SITS_LORA_PEFT_TYPE")) is SitsLoraModel:
+    if PEFT_TYPE_TO_TUNER_MAPPING.get(sits_lora_peft_type()) is SitsLoraModel:
         return
     # prefix "lora_": the parameters keep PEFT LoRA's names (lora_A, lora_B), which is what makes
     # merge, save and the export to a plain LoRA checkpoint work unchanged.

@@ -152,7 +152,7 @@ def check_dataset_file(path: os.PathLike) -> int:
     if not text.strip():
         raise ValueError(f"{path}: the file is empty; it needs at least 2 records with text")
     if suffix == ".txt":
-        records = [b for b in text.split("\n\n") if b.strip()]
+        records = _text_blocks(text)
     else:
         records = _json_records(path, text)
         for number, record in records:
@@ -163,6 +163,11 @@ def check_dataset_file(path: os.PathLike) -> int:
     if len(records) < 2:
         raise ValueError(f"{path}: needs at least 2 records to split into train and held-out, found {len(records)}")
     return len(records)
+
+
+def _text_blocks(text: str) -> list[str]:
+    """The records of a .txt dataset: its blank-line-separated blocks, stripped."""
+    return [b.strip() for b in text.split("\n\n") if b.strip()]
 
 
 def _json_records(path: Path, text: str) -> list:
@@ -206,8 +211,7 @@ def load_text_splits(path: Optional[os.PathLike] = None, heldout_fraction: float
     path = Path(path)
     check_dataset_file(path)
     if path.suffix.lower() == ".txt":
-        blocks = [b.strip() for b in path.read_text().split("\n\n") if b.strip()]
-        data = datasets.Dataset.from_dict({"text": blocks})
+        data = datasets.Dataset.from_dict({"text": _text_blocks(path.read_text(encoding="utf-8"))})
     else:
         data = datasets.load_dataset("json", data_files=str(path), split="train")
     parts = data.train_test_split(test_size=heldout_fraction, seed=seed)
