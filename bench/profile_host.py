@@ -78,6 +78,89 @@ def launchers(T: int, K: int, N: int, R: int, calls: int) -> dict:
     return {name: _host_us(fn, calls) for name, fn in pieces.items()}
 
 
+def breakdown(T: int, K: int, N: int, R: int, calls: int) -> tuple[dict, str]:
+    """Host µs of the pieces a fused layer step is made of, and the torch.profiler table of the
+    adapted layer alone (without PeftModel's wrapper, which a model pays once per step, not per layer)."""
+    from torch.nn import functional as F
+
+    from sits_lora.ops import fused
+
+    dev = "cuda"
+    x = torch.randn(T, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    W = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
+    dy = torch.randn(T, N, device=dev, dtype=torch.bfloat16)
+    C = torch.empty(T, N, device=dev, dtype=torch.bfloat16)
+    A = torch.randn(R, K, device=dev) * 0.01
+    xd = x.detach()
+
+    class Nothing(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a.view_as(a)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    h = torch.empty((T, R), device=dev, dtype=torch.float32)
+    compiled = fused._lora_shrink_kernel[(4,)](xd, A, h, h, h, T, K, R, K, 1, K, 1, R, 1, HAS_LIMIT=False,
+                                               WRITE_FULL=False, BLOCK_R=16, DOT_PRECISION="tf32", BLOCK_T=64,
+                                               BLOCK_K=128, num_warps=4, num_stages=4)
+    from triton.runtime import driver
+
+    stream = driver.active.get_current_stream(driver.active.get_current_device())
+    run, fn, packed = compiled.run, compiled.function, compiled.packed_metadata
+    args = (xd, A, h, h, h, T, K, R, K, 1, K, 1, R, 1, False, False, 64, 128, 16, "tf32")
+    pieces = {
+        "addmm_inplace": lambda: C.addmm_(xd, W.t()),
+        "torch_addmm": lambda: torch.addmm(C, xd, W.t()),
+        "torch_mm": lambda: torch.mm(xd, W.t()),
+        "F_linear": lambda: F.linear(xd, W),
+        "mm_dy_W": lambda: torch.mm(dy, W),
+        "empty_like_fp32": lambda: torch.empty((T, R), device=dev, dtype=torch.float32),
+        "sum0_of_4": lambda: h.view(4, T // 4, R).sum(0),
+        "function_apply_fwd": lambda: Nothing.apply(x),
+        "function_fwd_bwd": lambda: Nothing.apply(x).backward(dy[:, :K] if N >= K else None),
+        "shrink_jit_launch": lambda: fused._lora_shrink_kernel[(4,)](
+            xd, A, h, h, h, T, K, R, K, 1, K, 1, R, 1, HAS_LIMIT=False, WRITE_FULL=False, BLOCK_R=16,
+            DOT_PRECISION="tf32", BLOCK_T=64, BLOCK_K=128, num_warps=4, num_stages=4),
+        "shrink_direct_run": lambda: run(4, 1, 1, stream, fn, packed, None, None, None, *args),
+        "current_stream": lambda: driver.active.get_current_stream(driver.active.get_current_device()),
+    }
+    results = {name: _host_us(fn_, calls) for name, fn_ in pieces.items()}
+    launchers = [fused._SHRINK, fused._EXPAND, fused._DY_PASS, fused._X_PASS, fused._SUM_PARTIALS]
+    before = [launcher.direct_launches for launcher in launchers]
+    text = io.StringIO()
+    for arm in ("frozen", "sits:cublas"):
+        model, xs, _ = layer_step(arm, K, N, R, T, torch.bfloat16, dev)
+        layer = model if arm == "frozen" else model.base_model.model.proj
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def step():
+            xs.grad = None
+            for p in params:
+                p.grad = None
+            layer(xs).backward(dy)
+
+        results[f"layer_only_step:{arm}"] = _host_us(step, calls)
+        results[f"layer_only_forward:{arm}"] = _host_us(lambda: layer(xs), calls)
+        if arm == "frozen":
+            continue
+        from torch.profiler import ProfilerActivity, profile
+
+        for _ in range(10):
+            step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(50):
+                step()
+        text.write(f"== torch.profiler, {arm} layer alone, 50 steps (T = {T}, {K} x {N}, r {R})\n")
+        text.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45))
+    # how many launches took sits_lora.ops.launch's direct path (0: every launch went through JITFunction.run)
+    for launcher, b in zip(launchers, before):
+        results[f"direct_launches:{launcher.fn.__name__}"] = launcher.direct_launches - b
+    return results, text.getvalue()
+
+
 def layer_steps(arms, T: int, K: int, N: int, R: int, steps: int, device: str, dtype) -> tuple[dict, str]:
     results, text = {}, io.StringIO()
     for arm in arms:
@@ -118,13 +201,18 @@ def main(argv=None) -> int:
         report["launcher_host_us"] = launchers(T, K, N, args.r, steps)
         for name, us in report["launcher_host_us"].items():
             print(f"{name:22s} {us:8.1f} us host per call", flush=True)
+    detail_table = ""
+    if cuda:
+        report["breakdown_host_us"], detail_table = breakdown(T, K, N, args.r, steps)
+        for name, us in report["breakdown_host_us"].items():
+            print(f"{name:34s} {us:8.1f} us host", flush=True)
     report["layer_step_host_us"], table = layer_steps(args.arms, T, K, N, args.r, steps, device, dtype)
     for arm, us in report["layer_step_host_us"].items():
         print(f"layer step {arm:12s} {us:8.1f} us host", flush=True)
     with open(os.path.join(args.out, "host.json"), "w") as f:
         json.dump(report, f, indent=1)
     with open(os.path.join(args.out, "host_profile.txt"), "w") as f:
-        f.write(table)
+        f.write(detail_table + table)
     print(table[:6000])
     return 0
 

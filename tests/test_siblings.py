@@ -90,3 +90,31 @@ def test_dropout_and_reference_kernel_skip_fusion(monkeypatch):
 def test_fuse_siblings_must_be_bool():
     with pytest.raises(ValueError, match="SitsLoraConfig.fuse_siblings='yes' is invalid: it must be True or False"):
         SitsLoraConfig(target_modules=["q_proj"], fuse_siblings="yes")
+
+
+@pytest.mark.skipif(not ops.triton_interpreter_on(), reason="runs the Triton kernels under TRITON_INTERPRET=1")
+def test_siblings_backward_with_an_output_that_got_no_gradient():
+    """A sibling whose output received no gradient (None) gets zero dA / dB; the others are unchanged."""
+    from sits_lora.ops import fused
+    from sits_lora.ops.reference import lora_linear_torch
+
+    gen = torch.Generator().manual_seed(3)
+    T, K, ranks, outs, scales = 45, 40, (5, 8, 3), (24, 56, 17), (2.0, 0.5, 1.25)
+    x = torch.randn(T, K, generator=gen)
+    Ws = [torch.randn(n, K, generator=gen) / K**0.5 for n in outs]
+    As = [torch.randn(r, K, generator=gen) / K**0.5 for r in ranks]
+    Bs = [torch.randn(n, r, generator=gen) / r**0.5 for n, r in zip(outs, ranks)]
+    dys = [torch.randn(T, n, generator=gen) for n in outs]
+    dys[1] = None
+    _, h, A_all = fused.lora_siblings_forward(x, Ws, [None] * 3, As, Bs, scales, "cublas")
+    dx, dAs, dBs = fused.lora_siblings_backward(dys, x, Ws, As, Bs, h, scales, "cublas", True, A_all)
+    dx_ref = torch.zeros_like(x)
+    for i, (W, A, B, s, dy) in enumerate(zip(Ws, As, Bs, scales, dys)):
+        if dy is None:
+            assert torch.count_nonzero(dAs[i]) == 0 and torch.count_nonzero(dBs[i]) == 0
+            continue
+        xr, Ar, Br = x.clone().requires_grad_(), A.clone().requires_grad_(), B.clone().requires_grad_()
+        lora_linear_torch(xr, xr, W, None, Ar, Br, s).backward(dy)
+        dx_ref += xr.grad
+        assert rel_err(dAs[i], Ar.grad) < 1e-5 and rel_err(dBs[i], Br.grad) < 1e-5, i
+    assert rel_err(dx, dx_ref) < 1e-5

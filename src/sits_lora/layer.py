@@ -42,7 +42,7 @@ def autocast_inputs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     nn.Linear), and the Function then runs with autocast off so that its backward sees the same
     dtypes as its forward. Without autocast nothing changes.
     """
-    device_type = x.device.type
+    device_type = "cuda" if x.is_cuda else x.device.type
     if not _autocast_on(device_type):
         return x, weight, bias, nullcontext()
     dtype = torch.get_autocast_dtype(device_type)
@@ -82,9 +82,9 @@ class SitsLoraLinear(LoraLinear):
         """The single active adapter the fused path can run, or None to use PEFT's forward.
 
         ``base_type``: the base layer class the fused path handles (sits_lora.fp8 passes its Fp8BaseLinear)."""
-        if self.disable_adapters or self.merged or args or kwargs.get("adapter_names") is not None:
+        if self.disable_adapters or self.merged or args:
             return None
-        if any(v is not None for v in kwargs.values()):
+        if kwargs and any(v is not None for v in kwargs.values()):  # adapter_names and the like
             return None
         active = [a for a in self.active_adapters if a in self.lora_A]
         if len(active) != 1:

@@ -113,7 +113,7 @@ def _lora_linear_backward_op(
     N = grad_out.shape[-1]
     K = weight.shape[1]
     lead = grad_out.shape[:-1]
-    dx, dx_lora, dA, dB, _ = lora_linear_backward(
+    dx, dx_lora, dA, dB = lora_linear_backward(
         grad_out.reshape(-1, N), None if x is None else x.reshape(-1, K),
         None if x_lora is None else x_lora.reshape(-1, K),
         weight, lora_A, lora_B, h, scaling, gemm, need_dx,
@@ -188,16 +188,16 @@ def _forward_2d(x, x_lora, weight, bias, lora_A, lora_B, scaling: float, gemm: s
 
 
 def _backward_2d(ctx, grad_y, x, x_lora, weight, lora_A, lora_B, h, gemm: str):
-    """(gradients of the LoRA Functions' first six inputs, g): ``fused.lora_linear_backward`` on 2-D views."""
+    """Gradients of the LoRA Functions' first six inputs: ``fused.lora_linear_backward`` on 2-D views."""
     from .fused import lora_linear_backward
 
     N, K = weight.shape
-    dx, dx_lora, dA, dB, g = lora_linear_backward(
+    dx, dx_lora, dA, dB = lora_linear_backward(
         grad_y.reshape(-1, N), None if x is None else x.reshape(-1, K),
         None if x_lora is None else x_lora.reshape(-1, K),
         weight, lora_A, lora_B, h, ctx.scaling, gemm, ctx.needs_input_grad[0],
     )
-    return _input_grads(ctx, grad_y.shape[:-1], K, dx, dx_lora, dA, dB, lora_A, lora_B), g
+    return _input_grads(ctx, grad_y.shape[:-1], K, dx, dx_lora, dA, dB, lora_A, lora_B)
 
 
 class LoraLinearFunction(torch.autograd.Function):
@@ -217,7 +217,7 @@ class LoraLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         x, x_lora, weight, lora_A, lora_B, h = ctx.saved_tensors
-        grads, _ = _backward_2d(ctx, grad_y, x, x_lora, weight, lora_A, lora_B, h, ctx.gemm)
+        grads = _backward_2d(ctx, grad_y, x, x_lora, weight, lora_A, lora_B, h, ctx.gemm)
         return (*grads, None, None)
 
 
@@ -237,8 +237,8 @@ class LoraSiblingsFunction(torch.autograd.Function):
         tensors, scales, gemm = args[:4 * n], args[4 * n:5 * n], args[5 * n]
         weights, biases, As, Bs = tensors[0::4], tensors[1::4], tensors[2::4], tensors[3::4]
         K = x.shape[-1]
-        outputs, h = lora_siblings_forward(x.reshape(-1, K), weights, biases, As, Bs, scales, gemm)
-        ctx.save_for_backward(x, h, *weights, *As, *Bs)
+        outputs, h, A_all = lora_siblings_forward(x.reshape(-1, K), weights, biases, As, Bs, scales, gemm)
+        ctx.save_for_backward(x, h, A_all, *weights, *As, *Bs)
         ctx.n, ctx.scales, ctx.gemm = n, scales, gemm
         return tuple(y.view(*x.shape[:-1], W.shape[0]) for y, W in zip(outputs, weights))
 
@@ -247,12 +247,12 @@ class LoraSiblingsFunction(torch.autograd.Function):
         from .fused import lora_siblings_backward
 
         n = ctx.n
-        x, h, *rest = ctx.saved_tensors
+        x, h, A_all, *rest = ctx.saved_tensors
         weights, As, Bs = rest[:n], rest[n:2 * n], rest[2 * n:]
         K = x.shape[-1]
         flat = [None if g is None else g.reshape(-1, g.shape[-1]) for g in grads]
         dx, dAs, dBs = lora_siblings_backward(flat, x.reshape(-1, K), weights, As, Bs, h, ctx.scales, ctx.gemm,
-                                              ctx.needs_input_grad[0])
+                                              ctx.needs_input_grad[0], A_all)
         per_sibling = []
         for i in range(n):
             per_sibling += [None, None, dAs[i].to(As[i].dtype), dBs[i].to(Bs[i].dtype)]

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from . import tuning
+from .launch import TritonLauncher
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -114,6 +115,9 @@ def lora_shrink_limited(x: torch.Tensor, lora_A: torch.Tensor, rank_limit: torch
     return _shrink(x, lora_A, config, rank_limit, keep_full)
 
 
+_SHRINK = TritonLauncher(_lora_shrink_kernel)
+
+
 def _shrink(x, lora_A, config, rank_limit, keep_full):
     T, K = x.shape
     R = lora_A.shape[0]
@@ -121,7 +125,7 @@ def _shrink(x, lora_A, config, rank_limit, keep_full):
     h_full = torch.empty_like(h) if rank_limit is not None and keep_full else None
     BLOCK_R = block_rank(R)
     cfg = config or tuning.config_for("shrink", x.device, (K, BLOCK_R), x.dtype)
-    _lora_shrink_kernel[(cdiv(T, cfg["BLOCK_T"]),)](
+    _SHRINK((cdiv(T, cfg["BLOCK_T"]),),
         x, lora_A, h, h_full if h_full is not None else h, rank_limit if rank_limit is not None else h, T, K, R,
         x.stride(0), x.stride(1), lora_A.stride(0), lora_A.stride(1), h.stride(0), h.stride(1),
         HAS_LIMIT=rank_limit is not None, WRITE_FULL=h_full is not None,
@@ -201,6 +205,9 @@ def _lora_expand_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
+_EXPAND = TritonLauncher(_lora_expand_kernel)
+
+
 def lora_expand(h: torch.Tensor, lora_B: torch.Tensor, scale: float, bias: Optional[torch.Tensor],
                 out_dtype: torch.dtype, config: Optional[dict] = None, add_to: Optional[torch.Tensor] = None,
                 rank_limit: Optional[torch.Tensor] = None, token_order: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -213,7 +220,7 @@ def lora_expand(h: torch.Tensor, lora_B: torch.Tensor, scale: float, bias: Optio
     BLOCK_R = block_rank(R)
     cfg = config or tuning.config_for("expand", h.device, (N, BLOCK_R), out_dtype)
     grid = (cdiv(T, cfg["BLOCK_T"]), cdiv(N, cfg["BLOCK_N"]))
-    _lora_expand_kernel[grid](
+    _EXPAND(grid,
         h, lora_B, bias if bias is not None else h, c,
         rank_limit if rank_limit is not None else h, token_order if token_order is not None else h,
         T, N, R, scale,
@@ -280,6 +287,9 @@ def _lora_gemm_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
+_GEMM = TritonLauncher(_lora_gemm_kernel)
+
+
 def _gemm_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
     if dtype == torch.float32:
         return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=2)
@@ -301,7 +311,7 @@ def lora_gemm(a: torch.Tensor, b: torch.Tensor, lora_left: Optional[torch.Tensor
     R = lora_left.shape[1] if has_lora else 0
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
     dummy = a
-    _lora_gemm_kernel[grid](
+    _GEMM(grid,
         a, b, out, lora_left if has_lora else dummy, lora_right if has_lora else dummy,
         bias if bias is not None else dummy,
         scales[0] if scales is not None else dummy, scales[1] if scales is not None else dummy,
@@ -321,13 +331,13 @@ def lora_gemm(a: torch.Tensor, b: torch.Tensor, lora_left: Optional[torch.Tensor
 @triton.jit
 def _lora_dy_pass_kernel(
     dy_ptr, b_ptr, h_ptr, g_part_ptr, db_part_ptr,
-    T, N, R, N_PER_SPLIT, scale,
-    stride_dyt, stride_dyn, stride_bn, stride_br, stride_ht, stride_hr,
+    T, N, R, N_PER_SPLIT, scale, g_scale,
+    stride_dyt, stride_dyn, stride_bn, stride_br, stride_ht, stride_hr, stride_gs, stride_gt,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One read of dy: g partials (per N split) and dB partials (per token block).
 
-    g_part[split, t, r]   = Σ_{n in split} dy[t, n] B[n, r]
+    g_part[split, t, r]   = g_scale · Σ_{n in split} dy[t, n] B[n, r]   (a split past N writes zeros)
     db_part[tblock, n, r] = s · Σ_{t in tblock} dy[t, n] h[t, r]
     """
     pid_t = tl.program_id(0)
@@ -351,30 +361,62 @@ def _lora_dy_pass_kernel(
         db = tl.dot(tl.trans(dy), h.to(dy.dtype), input_precision=DOT_PRECISION)         # (BN, BR)
         tl.store(db_part_ptr + pid_t * N * R + n[:, None] * R + offs_r[None, :], db,
                  mask=n_ok[:, None] & (offs_r[None, :] < R))
-    tl.store(g_part_ptr + pid_s * T * R + offs_t[:, None] * R + offs_r[None, :], g,
+    tl.store(g_part_ptr + pid_s * stride_gs + offs_t[:, None] * stride_gt + offs_r[None, :], g * g_scale,
              mask=(offs_t[:, None] < T) & (offs_r[None, :] < R))
+
+
+_DY_PASS = TritonLauncher(_lora_dy_pass_kernel)
+
+
+def _dy_pass_config(dy: torch.Tensor, R: int, config: Optional[dict]) -> dict:
+    return config or tuning.config_for("dy_pass", dy.device, (dy.shape[1], block_rank(R)), dy.dtype)
+
+
+def dy_pass_splits(dy: torch.Tensor, R: int, config: Optional[dict] = None) -> int:
+    """How many N splits (g partials) the dy pass makes for dy (T, N) at rank R."""
+    cfg = _dy_pass_config(dy, R, config)
+    # About two programs per SM of an H100 / H200 (132 SMs): split N when there are few token blocks.
+    return _split(dy.shape[1], cfg["BLOCK_N"], cdiv(dy.shape[0], cfg["BLOCK_T"]), 264)[0]
+
+
+def lora_dy_pass_parts(dy: torch.Tensor, lora_B: torch.Tensor, h: torch.Tensor, scale: float,
+                       config: Optional[dict] = None, g_part: Optional[torch.Tensor] = None,
+                       g_scale: float = 1.0) -> tuple:
+    """(g partials (S, T, R), dB partials (P, N, R)), fp32, from one read of dy: g = Σ_s g_part[s] = dy B,
+    dB = Σ_p db_part[p] = s·dyᵀ h. The x pass sums the g partials as it loads them and ``sum_partials``
+    sums dB's with dA's in one launch: no torch reduction between the passes.
+
+    ``g_part``: write g's partials into this (S, T, R) view (unit stride along R; siblings pass their
+    columns of one shared buffer), S splits whatever dy_pass_splits says, each scaled by ``g_scale``."""
+    T, N = dy.shape
+    R = h.shape[1]
+    cfg = _dy_pass_config(dy, R, config)
+    BLOCK_T, BLOCK_N = cfg["BLOCK_T"], cfg["BLOCK_N"]
+    t_blocks = cdiv(T, BLOCK_T)
+    if g_part is None:
+        splits, n_per_split = _split(N, BLOCK_N, t_blocks, 264)
+        g_part = torch.empty((splits, T, R), device=dy.device, dtype=torch.float32)
+    else:
+        splits = g_part.shape[0]
+        n_per_split = cdiv(cdiv(N, splits), BLOCK_N) * BLOCK_N
+    # dB partials cost (T / BLOCK_T)·N·R·4 bytes: a tall token block keeps them small against dy.
+    db_part = torch.empty((t_blocks, N, R), device=dy.device, dtype=torch.float32)
+    _DY_PASS((t_blocks, splits),
+             dy, lora_B, h, g_part, db_part, T, N, R, n_per_split, scale, g_scale,
+             dy.stride(0), dy.stride(1), lora_B.stride(0), lora_B.stride(1), h.stride(0), h.stride(1),
+             g_part.stride(0), g_part.stride(1),
+             BLOCK_R=block_rank(R), DOT_PRECISION=_dot_precision(dy.dtype), **cfg)
+    return g_part, db_part
 
 
 def lora_dy_pass(dy: torch.Tensor, lora_B: torch.Tensor, h: torch.Tensor, scale: float, config: Optional[dict] = None):
     """(g, dB) from one read of dy: g = dy B (T, R) fp32, dB = s·dyᵀ h (N, R) fp32."""
-    T, N = dy.shape
-    R = h.shape[1]
-    BLOCK_R = block_rank(R)
-    # dB partials cost (T / BLOCK_T)·N·R·4 bytes: a tall token block keeps them small against dy.
-    cfg = config or tuning.config_for("dy_pass", dy.device, (N, BLOCK_R), dy.dtype)
-    BLOCK_T, BLOCK_N = cfg["BLOCK_T"], cfg["BLOCK_N"]
-    t_blocks = cdiv(T, BLOCK_T)
-    # About two programs per SM of an H100 / H200 (132 SMs): split N when there are few token blocks.
-    splits, n_per_split = _split(N, BLOCK_N, t_blocks, 264)
-    g_part = torch.empty((splits, T, R), device=dy.device, dtype=torch.float32)
-    db_part = torch.empty((t_blocks, N, R), device=dy.device, dtype=torch.float32)
-    _lora_dy_pass_kernel[(t_blocks, splits)](
-        dy, lora_B, h, g_part, db_part, T, N, R, n_per_split, scale,
-        dy.stride(0), dy.stride(1), lora_B.stride(0), lora_B.stride(1), h.stride(0), h.stride(1),
-        BLOCK_R=BLOCK_R, DOT_PRECISION=_dot_precision(dy.dtype), **cfg,
-    )
-    g = g_part[0] if splits == 1 else g_part.sum(0)
-    return g, db_part[0] if t_blocks == 1 else db_part.sum(0)
+    g_part, db_part = lora_dy_pass_parts(dy, lora_B, h, scale, config)
+    return _sum0(g_part), _sum0(db_part)
+
+
+def _sum0(parts: torch.Tensor) -> torch.Tensor:
+    return parts[0] if parts.shape[0] == 1 else parts.sum(0)
 
 
 # ----------------------------------------------------------------------------- backward: the x pass
@@ -383,13 +425,15 @@ def lora_dy_pass(dy: torch.Tensor, lora_B: torch.Tensor, h: torch.Tensor, scale:
 @triton.jit
 def _lora_x_pass_kernel(
     x_ptr, a_ptr, g_ptr, da_part_ptr, dx_ptr,
-    T, K, R, T_PER_SPLIT, scale,
-    stride_xt, stride_xk, stride_ar, stride_ak, stride_gt, stride_gr, stride_dxt, stride_dxk,
+    T, K, R, T_PER_SPLIT, G_PARTS, scale,
+    stride_xt, stride_xk, stride_ar, stride_ak, stride_gs, stride_gt, stride_gr, stride_dxt, stride_dxk,
     WRITE_DX: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One read of x: dA partials per token split, and optionally dx_lora = s·g A.
 
+    g arrives as G_PARTS partial sums (g = Σ_s g[s], the dy pass's N splits), added here as they are
+    loaded; the partials are small (T·R fp32 each) and stay in L2 across the K blocks.
     da_part[split, r, k] = s · Σ_{t in split} g[t, r] x[t, k]
     """
     pid_s = tl.program_id(0)
@@ -410,8 +454,11 @@ def _lora_x_pass_kernel(
         t_ok = offs_t < t_stop
         x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xk,
                     mask=t_ok[:, None] & k_ok[None, :], other=0.0)                        # (BT, BK)
-        g = tl.load(g_ptr + offs_t[:, None] * stride_gt + offs_r[None, :] * stride_gr,
-                    mask=t_ok[:, None] & r_ok[None, :], other=0.0)                        # (BT, BR) fp32
+        g_ptrs = g_ptr + offs_t[:, None] * stride_gt + offs_r[None, :] * stride_gr
+        g_ok = t_ok[:, None] & r_ok[None, :]
+        g = tl.load(g_ptrs, mask=g_ok, other=0.0)                                          # (BT, BR) fp32
+        for part in range(1, G_PARTS):
+            g += tl.load(g_ptrs + part * stride_gs, mask=g_ok, other=0.0)
         da = tl.dot(tl.trans(g.to(x.dtype)), x, da, input_precision=DOT_PRECISION)
         if WRITE_DX:
             dx = tl.dot(g, a, input_precision=DOT_PRECISION) * scale
@@ -421,11 +468,16 @@ def _lora_x_pass_kernel(
              mask=r_ok[:, None] & k_ok[None, :])
 
 
-def lora_x_pass(x: torch.Tensor, lora_A: torch.Tensor, g: torch.Tensor, scale: float, write_dx: bool,
-                config: Optional[dict] = None):
-    """(dA, dx_lora or None): dA = s·gᵀ x (R, K) fp32; dx_lora = s·g A (T, K) in x's dtype."""
+_X_PASS = TritonLauncher(_lora_x_pass_kernel)
+
+
+def lora_x_pass_parts(x: torch.Tensor, lora_A: torch.Tensor, g: torch.Tensor, scale: float, write_dx: bool,
+                      config: Optional[dict] = None):
+    """(dA partials (S, R, K) fp32, dx_lora or None): dA = Σ_s da_part[s] = s·gᵀ x; dx_lora = s·g A (T, K) in
+    x's dtype. ``g``: (T, R), or its partial sums (P, T, R) as lora_dy_pass_parts writes them."""
     T, K = x.shape
-    R = g.shape[1]
+    g_parts = g.shape[0] if g.dim() == 3 else 1
+    R = g.shape[-1]
     BLOCK_R = block_rank(R)
     cfg = config or tuning.config_for("x_pass", x.device, (K, BLOCK_R), x.dtype)
     BLOCK_T, BLOCK_K = cfg["BLOCK_T"], cfg["BLOCK_K"]
@@ -435,14 +487,84 @@ def lora_x_pass(x: torch.Tensor, lora_A: torch.Tensor, g: torch.Tensor, scale: f
     splits, t_per_split = _split(T, BLOCK_T, k_blocks, 528)
     da_part = torch.empty((splits, R, K), device=x.device, dtype=torch.float32)
     dx = torch.empty((T, K), device=x.device, dtype=x.dtype) if write_dx else None
-    _lora_x_pass_kernel[(splits, k_blocks)](
-        x, lora_A, g, da_part, dx if write_dx else x,
-        T, K, R, t_per_split, scale,
-        x.stride(0), x.stride(1), lora_A.stride(0), lora_A.stride(1), g.stride(0), g.stride(1),
-        dx.stride(0) if write_dx else 0, dx.stride(1) if write_dx else 0,
-        WRITE_DX=write_dx, BLOCK_R=BLOCK_R, DOT_PRECISION=_dot_precision(x.dtype), **cfg,
-    )
-    return (da_part[0] if splits == 1 else da_part.sum(0)), dx
+    stride_gs = g.stride(0) if g_parts > 1 else 0
+    _X_PASS((splits, k_blocks),
+            x, lora_A, g, da_part, dx if write_dx else x,
+            T, K, R, t_per_split, g_parts, scale,
+            x.stride(0), x.stride(1), lora_A.stride(0), lora_A.stride(1), stride_gs, g.stride(-2), g.stride(-1),
+            dx.stride(0) if write_dx else 0, dx.stride(1) if write_dx else 0,
+            WRITE_DX=write_dx, BLOCK_R=BLOCK_R, DOT_PRECISION=_dot_precision(x.dtype), **cfg)
+    return da_part, dx
+
+
+def lora_x_pass(x: torch.Tensor, lora_A: torch.Tensor, g: torch.Tensor, scale: float, write_dx: bool,
+                config: Optional[dict] = None):
+    """(dA, dx_lora or None): dA = s·gᵀ x (R, K) fp32; dx_lora = s·g A (T, K) in x's dtype."""
+    da_part, dx = lora_x_pass_parts(x, lora_A, g, scale, write_dx, config)
+    return _sum0(da_part), dx
+
+
+# ----------------------------------------------------------------------------- backward: the two partial sums
+
+
+@triton.jit
+def _sum_stack(part_ptr, out_ptr, parts, size, block_id, BLOCK: tl.constexpr):
+    offs = block_id * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < size
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    ptrs = part_ptr + offs
+    for _ in range(0, parts):
+        acc += tl.load(ptrs, mask=ok, other=0.0)
+        ptrs += size  # pointer arithmetic is 64-bit: no int32 overflow at T·N·R > 2³¹
+    tl.store(out_ptr + offs, acc, mask=ok)
+
+
+@triton.jit
+def _sum_partials_kernel(
+    p0, o0, parts0, size0, p1, o1, parts1, size1, p2, o2, parts2, size2, p3, o3, parts3, size3,
+    end0, end1, end2,
+    BLOCK: tl.constexpr,
+):
+    """out_i = Σ_p part_i[p] for up to four contiguous fp32 stacks in one launch. Programs [0, end0) sum
+    stack 0, [end0, end1) stack 1, and so on; each adds its BLOCK elements in part order (deterministic)."""
+    pid = tl.program_id(0)
+    if pid < end0:
+        _sum_stack(p0, o0, parts0, size0, pid, BLOCK)
+    elif pid < end1:
+        _sum_stack(p1, o1, parts1, size1, pid - end0, BLOCK)
+    elif pid < end2:
+        _sum_stack(p2, o2, parts2, size2, pid - end1, BLOCK)
+    else:
+        _sum_stack(p3, o3, parts3, size3, pid - end2, BLOCK)
+
+
+_SUM_PARTIALS = TritonLauncher(_sum_partials_kernel)
+_SUM_BLOCK = 256
+
+
+def sum_partials(*stacks: torch.Tensor) -> list:
+    """[Σ_p stack[p] for each stack]: contiguous fp32 stacks of partial sums (the dA and dB partials of a
+    layer's backward, or of several siblings'), four per launch; a one-part stack is a view, no work."""
+    sums: list = [None] * len(stacks)
+    pending = []
+    for i, parts in enumerate(stacks):
+        if parts.shape[0] == 1:
+            sums[i] = parts[0]
+        else:
+            sums[i] = torch.empty(parts.shape[1:], device=parts.device, dtype=torch.float32)
+            pending.append((parts, sums[i]))
+    for first in range(0, len(pending), 4):
+        group = pending[first:first + 4]
+        args, ends, programs = [], [], 0
+        for parts, out in group:
+            args += [parts, out, parts.shape[0], out.numel()]
+            programs += cdiv(out.numel(), _SUM_BLOCK)
+            ends.append(programs)
+        while len(ends) < 4:  # unused slots: no programs reach them
+            args += [group[0][0], group[0][1], 0, 0]
+            ends.append(programs)
+        _SUM_PARTIALS((programs,), *args, *ends[:3], BLOCK=_SUM_BLOCK, num_warps=4, num_stages=1)
+    return sums
 
 
 # ----------------------------------------------------------------------------- backward: the per-token rank limit
@@ -472,6 +594,9 @@ def _limit_grad_kernel(
             tl.store(dw_ptr + offs_t * stride_wt + k * stride_wk, total, mask=offs_t < T)
 
 
+_LIMIT_GRAD = TritonLauncher(_limit_grad_kernel)
+
+
 def limit_grad(g: torch.Tensor, rank_limit: torch.Tensor, scale: float, h_full: Optional[torch.Tensor] = None,
                bucket_ends: Optional[torch.Tensor] = None) -> tuple:
     """(g limited, bucket-weight gradient or None) from one read of g (T, R) fp32.
@@ -492,7 +617,7 @@ def limit_grad(g: torch.Tensor, rank_limit: torch.Tensor, scale: float, h_full: 
     # without the bucket gradient its pointers are placeholders the kernel never reads
     h, ends, dw = (h_full, bucket_ends, d_weights) if bucket_grad else (g, rank_limit, g)
     BLOCK_T = 64
-    _limit_grad_kernel[(cdiv(T, BLOCK_T),)](
+    _LIMIT_GRAD((cdiv(T, BLOCK_T),),
         g, rank_limit, g_out, h, ends, dw, T, R, K, scale,
         g.stride(0), g.stride(1), h.stride(0), h.stride(1), dw.stride(0), dw.stride(1),
         BUCKET_GRAD=bucket_grad, BLOCK_T=BLOCK_T, BLOCK_R=block_rank(R),
@@ -520,24 +645,38 @@ def lora_linear_forward(x, x_lora, weight, bias, lora_A, lora_B, scale: float, g
 
 
 def lora_linear_backward(dy, x, x_lora, weight, lora_A, lora_B, h, scale: float, gemm: str, need_dx: bool):
-    """(dx, dx_lora, dA, dB, g) for 2-D tensors; dx_lora is None unless x_lora is given, dx None unless needed."""
-    g, dB = lora_dy_pass(dy, lora_B, h, scale)
-    dA, dx, dx_lora = _x_side(dy, x, x_lora, weight, lora_A, g, scale, gemm, need_dx)
-    return dx, dx_lora, dA, dB, g
+    """(dx, dx_lora, dA, dB) for 2-D tensors; dx_lora is None unless x_lora is given, dx None unless needed.
 
-
-def _x_side(dy, x, x_lora, weight, lora_A, g, scale, gemm, need_dx):
-    """(dA, dx, dx_lora) from g = dy B."""
+    Launches, cuBLAS path without dropout: the dy pass, the x pass (which sums g's partials and writes
+    s·g A into dx), one launch summing dA's and dB's partials, and cuBLAS adding dy W into dx."""
+    g_part, db_part = lora_dy_pass_parts(dy, lora_B, h, scale)
+    if gemm == "triton" and x_lora is None:
+        g = _sum0(g_part)
+        da_part, _ = lora_x_pass_parts(x, lora_A, g, scale, write_dx=False)
+        dx = lora_gemm(dy, weight, g, lora_A, scale, None, dy.dtype) if need_dx else None
+        dA, dB = sum_partials(da_part, db_part)
+        return dx, None, dA, dB
     dx = dx_lora = None
     if x_lora is not None:
         # dropout: the LoRA gradient belongs to x_lora, autograd applies the mask and adds it to dx
-        dA, dx_lora = lora_x_pass(x_lora, lora_A, g, scale, write_dx=True)
+        da_part, dx_lora = lora_x_pass_parts(x_lora, lora_A, g_part, scale, write_dx=True)
         if need_dx:
             dx = lora_gemm(dy, weight, None, None, 0.0, None, dy.dtype) if gemm == "triton" else dy @ weight
-    elif gemm == "triton":
-        dA, _ = lora_x_pass(x, lora_A, g, scale, write_dx=False)
+    else:
+        da_part, dx = lora_x_pass_parts(x, lora_A, g_part, scale, write_dx=need_dx)
         if need_dx:
-            dx = lora_gemm(dy, weight, g, lora_A, scale, None, dy.dtype)
+            dx.addmm_(dy, weight)   # cuBLAS with beta = 1 adds dy W to the LoRA part already in dx
+    dA, dB = sum_partials(da_part, db_part)
+    return dx, dx_lora, dA, dB
+
+
+def _x_side(dy, x, x_lora, weight, lora_A, g, scale, need_dx):
+    """(dA, dx, dx_lora) from g = dy B (T, R), with cuBLAS for dy W."""
+    dx = dx_lora = None
+    if x_lora is not None:
+        dA, dx_lora = lora_x_pass(x_lora, lora_A, g, scale, write_dx=True)
+        if need_dx:
+            dx = dy @ weight
     else:
         dA, dx = lora_x_pass(x, lora_A, g, scale, write_dx=need_dx)
         if need_dx:
@@ -568,7 +707,7 @@ def dynamic_rank_backward(dy, x, x_lora, weight, lora_A, lora_B, h, scale: float
     static dy and x passes around one limit_grad (g limited, and the router's gradient from h_full)."""
     g, dB = lora_dy_pass(dy, lora_B, h, scale)
     g, d_weights = limit_grad(g, rank_limit, scale, h_full, bucket_ends)
-    dA, dx, dx_lora = _x_side(dy, x, x_lora, weight, lora_A, g, scale, "cublas", need_dx)
+    dA, dx, dx_lora = _x_side(dy, x, x_lora, weight, lora_A, g, scale, need_dx)
     return dx, dx_lora, dA, dB, d_weights
 
 
@@ -618,10 +757,12 @@ def tune_layer_kernels(K: int, N: int, R: int, dtype: torch.dtype, device, token
 def lora_siblings_forward(x, weights, biases, lora_As, lora_Bs, scales, gemm: str):
     """Outputs of several LoRA linears on the same 2-D x, with one shrink pass for all of them.
 
-    Returns (outputs, h) with h = x [A_1; A_2; ...]ᵀ (T, ΣR) in fp32.
+    Returns (outputs, h, A) with A = [A_1; A_2; ...] (ΣR, K) and h = x Aᵀ (T, ΣR) in fp32 (A is kept for
+    the backward: one concatenation per step, not two).
     """
     ranks = [a.shape[0] for a in lora_As]
-    h = lora_shrink(x, torch.cat(lora_As) if len(lora_As) > 1 else lora_As[0])
+    A_all = torch.cat(lora_As) if len(lora_As) > 1 else lora_As[0]
+    h = lora_shrink(x, A_all)
     outputs = []
     start = 0
     for W, b, B, s, r in zip(weights, biases, lora_Bs, scales, ranks):
@@ -633,40 +774,50 @@ def lora_siblings_forward(x, weights, biases, lora_As, lora_Bs, scales, gemm: st
             y = lora_expand(h_i, B, s, b, x.dtype)
             y.addmm_(x, W.t())
             outputs.append(y)
-    return outputs, h
+    return outputs, h, A_all
 
 
-def lora_siblings_backward(grads, x, weights, lora_As, lora_Bs, h, scales, gemm: str, need_dx: bool):
+def lora_siblings_backward(grads, x, weights, lora_As, lora_Bs, h, scales, gemm: str, need_dx: bool, A_all=None):
     """(dx, dAs, dBs) for siblings on one x: one read of x for every dA, one dx for all of them.
 
-    ``grads`` may hold None for an output that received no gradient.
+    Each sibling's dy pass writes its g, scaled by its s, into its columns of one (S, T, ΣR) stack of
+    partial sums (S: the most splits any sibling wants; a sibling with fewer writes zeros past its N),
+    so the one x pass reads every g with s = 1. dA's and every dB's partials are summed in one launch
+    (four stacks per launch). ``grads`` may hold None for an output that received no gradient.
     """
     ranks = [a.shape[0] for a in lora_As]
     T = x.shape[0]
-    g_all = torch.zeros((T, sum(ranks)), device=x.device, dtype=torch.float32)
-    dBs = []
-    start = 0
-    for dy, B, s, r in zip(grads, lora_Bs, scales, ranks):
-        if dy is None:
-            dBs.append(torch.zeros_like(B, dtype=torch.float32))
-        else:
-            g, dB = lora_dy_pass(dy, B, h[:, start:start + r], s)
-            g_all[:, start:start + r] = g * s  # scaled here: the x pass below then runs with s = 1
-            dBs.append(dB)
-        start += r
-    A_all = torch.cat(lora_As) if len(lora_As) > 1 else lora_As[0]
+    if A_all is None:
+        A_all = torch.cat(lora_As) if len(lora_As) > 1 else lora_As[0]
     live = [(dy, W) for dy, W in zip(grads, weights) if dy is not None]
+    splits = max(dy_pass_splits(dy, r) for dy, r in zip(grads, ranks) if dy is not None) if live else 1
+    g_parts = torch.empty((splits, T, sum(ranks)), device=x.device, dtype=torch.float32)
+    db_parts, dead = [], []
+    start = 0
+    for i, (dy, B, s, r) in enumerate(zip(grads, lora_Bs, scales, ranks)):
+        cols = g_parts[:, :, start:start + r]
+        if dy is None:
+            cols.zero_()
+            dead.append(i)
+        else:
+            db_parts.append(lora_dy_pass_parts(dy, B, h[:, start:start + r], s, g_part=cols, g_scale=s)[1])
+        start += r
     if gemm == "triton":
-        dA_all, _ = lora_x_pass(x, A_all, g_all, 1.0, write_dx=False)
+        g_all = _sum0(g_parts)
+        da_part, _ = lora_x_pass_parts(x, A_all, g_all, 1.0, write_dx=False)
         dx = None
         if need_dx:
             dx = lora_gemm(live[0][0], live[0][1], g_all, A_all, 1.0, None, x.dtype) if live else g_all.new_zeros(x.shape, dtype=x.dtype)
             for dy, W in live[1:]:
                 dx.addmm_(dy, W)
     else:
-        dA_all, dx = lora_x_pass(x, A_all, g_all, 1.0, write_dx=need_dx)
+        da_part, dx = lora_x_pass_parts(x, A_all, g_parts, 1.0, write_dx=need_dx)
         if need_dx:
             for dy, W in live:
                 dx.addmm_(dy, W)   # every sibling's dy W lands in the one dx: no autograd sums of T x K
+    dA_all, *dB_live = sum_partials(da_part, *db_parts)
+    dBs = []
+    for i, B in enumerate(lora_Bs):
+        dBs.append(torch.zeros_like(B, dtype=torch.float32) if i in dead else dB_live.pop(0))
     dAs = list(torch.split(dA_all, ranks, dim=0))
     return dx, dAs, dBs
