@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused import cdiv, lora_dy_pass, lora_expand, lora_gemm, lora_shrink, lora_x_pass
+from .fused import cdiv, lora_dy_pass_parts, lora_expand, lora_gemm, lora_shrink, lora_x_pass_parts, sum_partials
 
 __all__ = [
     "E4M3",
@@ -264,7 +264,8 @@ def dequantize_weight(w8: torch.Tensor, w_inv: torch.Tensor, dtype: torch.dtype)
 
 def lora_expand_add_(c: torch.Tensor, h: torch.Tensor, lora_B: torch.Tensor, scale: float,
                      bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """c += s·h Bᵀ + bias in place and return c. c (T, N), h (T, R) fp32, B (N, R) any strides."""
+    """c += s·h Bᵀ + bias in place and return c. c (T, N), h (T, R) fp32 or its partial sums (P, T, R),
+    B (N, R) any strides."""
     return lora_expand(h, lora_B, float(scale), bias, c.dtype, add_to=c)
 
 
@@ -367,13 +368,15 @@ def fp8_linear_backward(dy, x, x_lora, w8, w_inv, lora_A, lora_B, h, scaling: fl
                               out_dtype=dy.dtype)
     if not has_lora:
         return dX, None, None, None
-    g, dB = lora_dy_pass(dy, lora_B, h, scaling)
+    # g stays as the dy pass's partial sums: the x pass and the expand add them as they load them
+    g_part, db_part = lora_dy_pass_parts(dy, lora_B, h, scaling)
     if x_lora is not None:
-        dA, dx_lora = lora_x_pass(x_lora, lora_A, g, scaling, write_dx=True)
+        da_part, dx_lora = lora_x_pass_parts(x_lora, lora_A, g_part, scaling, write_dx=True)
     else:
-        dA, _ = lora_x_pass(x, lora_A, g, scaling, write_dx=False)
+        da_part, _ = lora_x_pass_parts(x, lora_A, g_part, scaling, write_dx=False)
         if need_dx:
-            lora_expand_add_(dX, g, lora_A.t(), scaling, None)
+            lora_expand_add_(dX, g_part, lora_A.t(), scaling, None)
+    dA, dB = sum_partials(da_part, db_part)
     return dX, dx_lora, dA, dB
 
 

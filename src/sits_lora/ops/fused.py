@@ -140,8 +140,8 @@ def _shrink(x, lora_A, config, rank_limit, keep_full):
 @triton.jit
 def _lora_expand_kernel(
     h_ptr, b_ptr, bias_ptr, c_ptr, limit_ptr, order_ptr,
-    T, N, R, scale,
-    stride_ht, stride_hr, stride_bn, stride_br, stride_ct, stride_cn,
+    T, N, R, scale, H_PARTS,
+    stride_ht, stride_hr, stride_hp, stride_bn, stride_br, stride_ct, stride_cn,
     HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_LIMIT: tl.constexpr, GROUPED: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -157,7 +157,8 @@ def _lora_expand_kernel(
     the expand took 19 % longer than the static one at 4096², H200, session 6). dynamic_rank_forward
     passes the limit only with grouped tokens: in token order h comes limited from the shrink.
     GROUPED: the block's tokens are order[block's range] (tokens sorted by limit), so that most
-    blocks hold one limit and skip every tile above it.
+    blocks hold one limit and skip every tile above it. Without a limit, h may arrive as H_PARTS partial
+    sums stride_hp apart (the dy pass's g partials, for the fp8 backward's s·g A), added as loaded.
     """
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -191,8 +192,11 @@ def _lora_expand_kernel(
         acc = acc * scale
     else:
         offs_r = tl.arange(0, BLOCK_R)
-        h = tl.load(h_ptr + rows[:, None] * stride_ht + offs_r[None, :] * stride_hr,
-                    mask=t_ok[:, None] & (offs_r[None, :] < R), other=0.0)                  # (BT, BR) fp32
+        h_ptrs = h_ptr + rows[:, None] * stride_ht + offs_r[None, :] * stride_hr
+        h_ok = t_ok[:, None] & (offs_r[None, :] < R)
+        h = tl.load(h_ptrs, mask=h_ok, other=0.0)                                          # (BT, BR) fp32
+        for part in range(1, H_PARTS):
+            h += tl.load(h_ptrs + part * stride_hp, mask=h_ok, other=0.0)
         b = tl.load(b_ptr + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
                     mask=(offs_r[:, None] < R) & (offs_n[None, :] < N), other=0.0)        # (BR, BN)
         acc = tl.dot(h, b.to(tl.float32), input_precision=DOT_PRECISION) * scale
@@ -212,9 +216,11 @@ def lora_expand(h: torch.Tensor, lora_B: torch.Tensor, scale: float, bias: Optio
                 out_dtype: torch.dtype, config: Optional[dict] = None, add_to: Optional[torch.Tensor] = None,
                 rank_limit: Optional[torch.Tensor] = None, token_order: Optional[torch.Tensor] = None) -> torch.Tensor:
     """C = s·h Bᵀ + bias in out_dtype; with ``add_to``, add into that (T, N) tensor in place and return it.
-    h (T, R) fp32, B (N, R). ``rank_limit`` (T,) int32: token t uses h[t, :rank_limit[t]] only;
-    ``token_order`` (T,) int32, a permutation: blocks take their tokens in that order (see the kernel)."""
-    T, R = h.shape
+    h (T, R) fp32, or its partial sums (P, T, R) (no rank_limit then), B (N, R). ``rank_limit`` (T,) int32:
+    token t uses h[t, :rank_limit[t]] only; ``token_order`` (T,) int32, a permutation: blocks take their
+    tokens in that order (see the kernel)."""
+    h_parts = h.shape[0] if h.dim() == 3 else 1
+    T, R = h.shape[-2:]
     N = lora_B.shape[0]
     c = torch.empty((T, N), device=h.device, dtype=out_dtype) if add_to is None else add_to
     BLOCK_R = block_rank(R)
@@ -223,8 +229,9 @@ def lora_expand(h: torch.Tensor, lora_B: torch.Tensor, scale: float, bias: Optio
     _EXPAND(grid,
         h, lora_B, bias if bias is not None else h, c,
         rank_limit if rank_limit is not None else h, token_order if token_order is not None else h,
-        T, N, R, scale,
-        h.stride(0), h.stride(1), lora_B.stride(0), lora_B.stride(1), c.stride(0), c.stride(1),
+        T, N, R, scale, h_parts,
+        h.stride(-2), h.stride(-1), h.stride(0) if h_parts > 1 else 0, lora_B.stride(0), lora_B.stride(1),
+        c.stride(0), c.stride(1),
         HAS_BIAS=bias is not None, ACCUMULATE=add_to is not None, HAS_LIMIT=rank_limit is not None,
         GROUPED=token_order is not None, BLOCK_R=BLOCK_R,
         DOT_PRECISION=_dot_precision(out_dtype), **cfg,
