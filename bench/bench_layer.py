@@ -49,7 +49,8 @@ def build(arm: str, d_in: int, d_out: int, r: int, dtype, device):
     elif arm == "sits:fp8":
         # fp8 frozen base, "hybrid" recipe; emulated on a CPU so that --smoke runs anywhere
         model = get_peft_model(base, sits_lora.SitsLoraConfig(r=r, lora_alpha=2 * r, target_modules=["proj"],
-                                                              fp8="hybrid", fp8_emulate=device == "cpu"))
+                                                              fp8="hybrid", fp8_layers="all",
+                                                              fp8_emulate=device == "cpu"))
     else:
         gemm = arm.split(":", 1)[1]
         ops.set_gemm_backend(gemm)

@@ -153,10 +153,18 @@ def worker(args) -> None:
         "warmup_s": warmup_s, "loss": float(loss), "trainable_params": sum(p.numel() for p in params),
     }
     if fp8:
-        from sits_lora.fp8 import fp8_scaling_state, frozen_weight_memory
+        from sits_lora.fp8 import fp8_layer_plan, fp8_scaling_state, frozen_weight_memory
 
-        row["frozen_weight_ratio"] = frozen_weight_memory(model)["ratio"]
-        row.update(fp8_scaling_state(model).log_counts())
+        memory = frozen_weight_memory(model)
+        row["frozen_weight_ratio"] = memory["ratio"]
+        # fp8_layers="auto" (the default) quantizes only the layers whose shape pays: say which
+        row["fp8_layers"], row["adapted_layers"] = memory["fp8_layers"], memory["layers"]
+        shapes = {}
+        for entry in fp8_layer_plan(model).values():
+            shapes.setdefault(f"{entry['in_features']}x{entry['out_features']}", entry["base"])
+        row["fp8_plan"] = shapes
+        if memory["fp8_layers"]:
+            row.update(fp8_scaling_state(model).log_counts())
     print("RESULT " + json.dumps(row), flush=True)
 
 

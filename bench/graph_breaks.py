@@ -35,7 +35,7 @@ CONFIGS = {
     "static": (dict(), torch.bfloat16, None),
     "static, no siblings": (dict(fuse_siblings=False), torch.bfloat16, None),
     "static, fp32 model under bf16 autocast": (dict(), torch.float32, torch.bfloat16),
-    "fp8 hybrid": (dict(fp8="hybrid"), torch.bfloat16, None),
+    "fp8 hybrid": (dict(fp8="hybrid", fp8_layers="all"), torch.bfloat16, None),
     "dynamic rank, nested (static)": (dict(use_dynamic_rank=True, rank_buckets=[8, 16], rank_scheduler="static"),
                                       torch.bfloat16, None),
     "dynamic rank, random router": (dict(use_dynamic_rank=True, rank_buckets=[8, 16], rank_scheduler="random",

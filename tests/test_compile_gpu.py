@@ -32,7 +32,7 @@ CASES = {
     "bf16, no siblings": (dict(fuse_siblings=False), torch.bfloat16, None),
     "fp32 under bf16 autocast": (dict(), torch.float32, torch.bfloat16),
     "fp16": (dict(), torch.float16, None),
-    "fp8 hybrid": (dict(fp8="hybrid"), torch.bfloat16, None),
+    "fp8 hybrid": (dict(fp8="hybrid", fp8_layers="all"), torch.bfloat16, None),
 }
 
 
@@ -97,7 +97,7 @@ def test_fp8_compiled_step_trains():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability 8.9+")
     torch._dynamo.reset()
-    model = _model(dict(fp8="hybrid"), torch.bfloat16)
+    model = _model(dict(fp8="hybrid", fp8_layers="all"), torch.bfloat16)
     ids = torch.randint(0, 97, (2, 24), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
     compiled = torch.compile(model, fullgraph=True)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}

@@ -103,7 +103,7 @@ def test_tiny_model_train_step_generate_and_memory():
     from peft import get_peft_model
 
     model = get_peft_model(fp8_llama().to("cuda", torch.bfloat16),
-                           SitsLoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, fp8="hybrid"))
+                           SitsLoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, fp8="hybrid", fp8_layers="all"))
     assert frozen_weight_memory(model)["ratio"] <= 0.55
     losses = train_steps(model, steps=3)
     assert all(l == l for l in losses) and losses[-1] < losses[0] + 0.1
@@ -114,7 +114,7 @@ def test_tiny_model_train_step_generate_and_memory():
     out = model.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
     assert out.shape == (1, 11)
     emulated = get_peft_model(fp8_llama().to("cuda", torch.bfloat16),
-                              SitsLoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, fp8="hybrid",
+                              SitsLoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, fp8="hybrid", fp8_layers="all",
                                              fp8_emulate=True))
     emulated.load_state_dict(model.state_dict(), strict=False)
     emulated.eval()
@@ -129,4 +129,4 @@ def test_old_gpu_is_refused():
     from sits_lora.fp8 import Fp8UnsupportedError
 
     with pytest.raises(Fp8UnsupportedError, match="compute capability"):
-        get_peft_model(fp8_llama().cuda(), SitsLoraConfig(r=8, target_modules=TARGETS, fp8="hybrid"))
+        get_peft_model(fp8_llama().cuda(), SitsLoraConfig(r=8, target_modules=TARGETS, fp8="hybrid", fp8_layers="all"))

@@ -87,6 +87,7 @@ _VALIDATORS: dict[str, Callable[[Any], str | None]] = {
     "fp8_weight_scale": _require_choice(_fp8.WEIGHT_SCALES),
     "fp8_keep_bf16_weight": _require_bool,
     "fp8_emulate": _require_bool,
+    "fp8_layers": _require_choice(_fp8.FP8_LAYER_CHOICES),
 }
 
 
@@ -271,6 +272,19 @@ class SitsLoraConfig(LoraConfig):
             "help": (
                 "Run the fp8 numerics by quantize-dequantize in plain PyTorch on any device (CPU, older GPUs): "
                 "the same casts, scales and amax records, fp32 matrix products. For tests; slow."
+            )
+        },
+    )
+    fp8_layers: str = field(
+        default="auto",
+        metadata={
+            "help": (
+                "Which adapted layers get the fp8 base. 'auto': only those whose shape makes fp8 faster than "
+                "the bf16 fused path on this GPU (a measured crossover from `python bench/tune_kernels.py "
+                "--fp8` stored with the tuned kernel configs; without a measurement for a shape, fp8 where "
+                "in_features x out_features >= 32 Mi); the others keep the bf16 path. "
+                "sits_lora.fp8.fp8_layer_plan(model) says which layer got which, and why. With fp8_emulate "
+                "every layer is quantized (emulation has no speed to win). 'all': every adapted layer."
             )
         },
     )

@@ -16,6 +16,7 @@ _EXPORTS = {
     "Fp8BaseLinear": "weight",
     "Fp8ScalingState": "scaling",
     "Fp8UnsupportedError": "layer",
+    "fp8_layer_plan": "layer",
     "fp8_scaling_state": "layer",
     "frozen_weight_memory": "layer",
     "update_scaling": "layer",

@@ -12,6 +12,7 @@ from typing import Any, Optional
 FP8_RECIPES = ("off", "hybrid", "e4m3")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 WEIGHT_SCALES = ("tensor", "row")
+FP8_LAYER_CHOICES = ("auto", "all")
 
 # The defaults of the fp8_* fields (Transformer Engine's DelayedScaling: history 1024, "max", margin 0).
 FP8_DEFAULTS = {
@@ -21,6 +22,7 @@ FP8_DEFAULTS = {
     "fp8_weight_scale": "tensor",
     "fp8_keep_bf16_weight": False,
     "fp8_emulate": False,
+    "fp8_layers": "auto",
 }
 # The fields that must agree between every adapter of one model: they describe the one fp8 base.
 SHARED_FIELDS = ("fp8",) + tuple(FP8_DEFAULTS)

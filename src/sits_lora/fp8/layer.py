@@ -10,6 +10,7 @@ base of every adapted SitsLoraLinear for an :class:`Fp8BaseLinear`, builds one
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,9 +19,12 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from torch import nn
 
 from ..ops import fp8 as fp8_ops
+from . import selection
 from ._checks import SHARED_FIELDS
 from .scaling import Fp8ScalingState
 from .weight import Fp8BaseLinear
+
+logger = logging.getLogger(__name__)
 
 STATE_ATTRIBUTE = "sits_fp8"   # the state's name on SitsLoraModel: model.base_model.sits_fp8
 MIN_CAPABILITY = (8, 9)        # fp8 tensor cores and torch._scaled_mm: Ada (8.9), Hopper (9.0) and newer
@@ -161,15 +165,44 @@ def quantize_base_layers(tuner, adapter_name: str, layer_cls) -> int:
             f"on {', '.join(not_ours[:6])}; fp8 needs torch.nn.Linear targets. Leave these out of target_modules.")
     _check_targets(config, adapter_name, [(key, m.base_layer) for key, m in layers])
     grad_dtype = fp8_ops.E5M2 if config.fp8 == "hybrid" else fp8_ops.E4M3
+    choose_by_speed = config.fp8_layers == "auto" and not config.fp8_emulate
     quantized = 0
     for _, layer in layers:
-        if type(layer.base_layer) is nn.Linear:
-            layer.base_layer = Fp8BaseLinear.from_linear(
-                layer.base_layer, config.fp8_weight_scale, config.fp8_keep_bf16_weight, grad_dtype,
-                config.fp8_margin, config.fp8_emulate)
-            quantized += 1
+        base = layer.base_layer
+        if type(base) is not nn.Linear:
+            continue
+        if choose_by_speed:
+            use_fp8, layer._fp8_choice = selection.choose(base.weight.device, base.in_features, base.out_features)
+            if not use_fp8:
+                continue  # stays on the bf16 fused path: fp8 would be slower at this shape
+        else:
+            layer._fp8_choice = ("fp8_emulate: every layer" if config.fp8_emulate else "fp8_layers='all'")
+        layer.base_layer = Fp8BaseLinear.from_linear(
+            base, config.fp8_weight_scale, config.fp8_keep_bf16_weight, grad_dtype, config.fp8_margin,
+            config.fp8_emulate)
+        quantized += 1
     _bind(tuner, layer_cls, config)
+    if choose_by_speed:
+        plan = fp8_layer_plan(tuner.model)
+        kept = [name for name, entry in plan.items() if entry["base"] == "bf16"]
+        logger.info("fp8_layers='auto': %d of %d adapted layers on the fp8 base, %d stay bf16 (%s)%s",
+                    quantized, len(plan), len(kept), ", ".join(kept[:4]), " ..." if len(kept) > 4 else "")
     return quantized
+
+
+def fp8_layer_plan(model: nn.Module) -> dict:
+    """{layer name: {"base": "fp8" | "bf16", "in_features", "out_features", "why"}} for every adapted
+    layer of a model built with fp8 on: which base each layer runs, and the reason (a measurement, the
+    size rule, or fp8_layers='all')."""
+    plan = {}
+    for name, module in model.named_modules():
+        base = getattr(module, "base_layer", None)
+        if not hasattr(module, "lora_A") or not isinstance(base, nn.Linear):
+            continue
+        plan[name] = {"base": "fp8" if isinstance(base, Fp8BaseLinear) else "bf16",
+                      "in_features": base.in_features, "out_features": base.out_features,
+                      "why": getattr(module, "_fp8_choice", None)}
+    return plan
 
 
 def _bind(tuner, layer_cls, config) -> None:
@@ -255,7 +288,7 @@ def frozen_weight_memory(model: nn.Module) -> dict:
     Counts each adapted layer's base weight (fp8: codes, scale and any kept bf16 copy; otherwise
     the weight as stored), not biases, embeddings or unadapted layers. ``ratio`` = stored / bf16.
     """
-    stored = bf16 = layers = 0
+    stored = bf16 = layers = fp8_layers = 0
     seen: set[int] = set()
     for module in model.modules():
         base = getattr(module, "base_layer", None)
@@ -266,9 +299,11 @@ def frozen_weight_memory(model: nn.Module) -> dict:
         numel = base.weight.numel()
         bf16 += 2 * numel
         if isinstance(base, Fp8BaseLinear):
+            fp8_layers += 1
             stored += numel * base.weight.element_size() + base.weight_scale_inv.numel() * 4
             if base.weight_bf16 is not None:
                 stored += base.weight_bf16.numel() * base.weight_bf16.element_size()
         else:
             stored += numel * base.weight.element_size()
-    return {"layers": layers, "stored_bytes": stored, "bf16_bytes": bf16, "ratio": stored / bf16 if bf16 else None}
+    return {"layers": layers, "fp8_layers": fp8_layers, "stored_bytes": stored, "bf16_bytes": bf16,
+            "ratio": stored / bf16 if bf16 else None}

@@ -106,6 +106,22 @@ def config_for(kernel: str, device: torch.device, dims: tuple, dtype: torch.dtyp
     return found
 
 
+def fp8_layer_measurement(device: torch.device, in_features: int, out_features: int) -> Optional[dict]:
+    """The stored fp8-vs-bf16 measurement of one adapted layer shape on this GPU (sits_lora.fp8.selection),
+    or None: {"ratio": fp8 step / bf16 step, "use_fp8": bool, "tokens": T, "rank": r}."""
+    if device.type != "cuda":
+        return None
+    return _load().get(config_key("fp8_layer", device, (in_features, out_features), torch.bfloat16))
+
+
+def store_fp8_layer_measurement(device: torch.device, in_features: int, out_features: int, entry: dict,
+                                save: bool = True) -> None:
+    _load()[config_key("fp8_layer", device, (in_features, out_features), torch.bfloat16)] = entry
+    _answers.clear()
+    if save:
+        save_cache()
+
+
 def tune(kernel: str, device: torch.device, dims: tuple, dtype: torch.dtype,
          run: Callable[[dict], object], configs: Optional[Iterable[dict]] = None, save: bool = True) -> tuple[dict, list]:
     """Time ``run(config)`` for every candidate; remember and return the fastest (and all timings)."""
