@@ -49,7 +49,8 @@ BF16_SITS = ("sits", "sits+compile", "sits+liger", "sits+liger+compile")
 FP8_SITS = ("sits+fp8", "sits+fp8+liger")
 # the configurations of bench/graph_breaks.py that must compile without a break (the dynamic-rank ones are
 # reported, not gated: their routing state does not trace yet)
-GATED_COMPILE_CONFIGS = ("static", "static, no siblings", "static, fp32 model under bf16 autocast", "fp8 hybrid")
+GATED_COMPILE_CONFIGS = ("static", "static, no siblings", "static, fp32 model under bf16 autocast", "fp8 hybrid",
+                         "dynamic rank, nested (static)", "dynamic rank, random router")
 TOLERANCE = 1.05
 
 

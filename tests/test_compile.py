@@ -66,3 +66,42 @@ def test_autocast_check_is_traceable_on_every_torch(monkeypatch):
         autocast = model(input_ids=ids).logits
     assert autocast.dtype == torch.bfloat16 and rel_err(autocast, eager) < 3e-2
     assert layer._AUTOCAST_AVAILABLE == {"cpu": True, "cuda": True, "meta": False}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheduler", ["static", "learned", "random"])
+def test_dynamic_rank_compiles_without_breaks_and_keeps_its_statistics(scheduler):
+    """Nested ('static') and routed adapters trace whole, with a RankBudget and a padding mask: the
+    compiled forward draws one bucket per sequence (nested), skips the padded tokens and records the
+    same number of token-layer pairs in the rank statistics as the eager one."""
+    import sits_lora
+    from sits_lora.dynamic_rank.budget import dynamic_rank_layers
+
+    torch._dynamo.reset()
+    extra = {} if scheduler == "static" else dict(target_mean_rank=6.0)
+    config = SitsLoraConfig(r=8, lora_alpha=16, use_dynamic_rank=True, rank_buckets=[4, 8], rank_scheduler=scheduler,
+                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                            **extra)
+    model = get_peft_model(tiny_llama(), config)
+    randomize_lora_weights(model)
+    model.train()
+    budget = sits_lora.RankBudget(model) if scheduler != "static" else None
+    ids = torch.randint(0, 97, (3, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[2, 5:] = 0
+    explanation = torch._dynamo.explain(model)(input_ids=ids, attention_mask=mask, labels=ids)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    for run in (model, compiled):
+        for _, layer in dynamic_rank_layers(model):
+            layer._nested_ids.clear()
+        if budget is not None:
+            budget.read_stats(reset=True)
+        run(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        if budget is not None:
+            stats = budget.read_stats(reset=True)
+            assert stats["token_layer_pairs"] == 23 * len(dynamic_rank_layers(model)), (run is compiled, stats)
+        if scheduler == "static":
+            drawn = [layer._nested_ids["default"].view(3, 9) for _, layer in dynamic_rank_layers(model)]
+            assert all(torch.equal(d, drawn[0]) for d in drawn)             # one draw shared by every layer
+            assert torch.equal(drawn[0], drawn[0][:, :1].expand(3, 9))       # one bucket per sequence

@@ -214,15 +214,26 @@ def test_nested_draw_is_reproducible_under_a_seed_and_attached_once(monkeypatch)
 
 
 def test_forward_draw_is_per_row_of_a_batch_and_per_token_for_a_flat_input():
-    from sits_lora.dynamic_rank.nested import _ForwardDraw
+    from sits_lora.dynamic_rank.nested import shared_bucket_ids
 
-    draw = _ForwardDraw(seed=3)
-    batched = draw.bucket_ids((6, 5), 4, torch.device("cpu"))
+    seed = torch.tensor(3)
+    batched = shared_bucket_ids(seed, (6, 5), 4, torch.device("cpu"))
     assert batched.shape == (30,) and torch.equal(batched.view(6, 5), batched.view(6, 5)[:, :1].expand(6, 5))
-    assert draw.bucket_ids((6, 5), 4, torch.device("cpu")) is batched  # every layer of the forward: one draw
-    flat = draw.bucket_ids((64,), 4, torch.device("cpu"))
+    # every layer of the forward computes the same draw from the same seed (no shared cache needed)
+    assert torch.equal(shared_bucket_ids(seed, (6, 5), 4, torch.device("cpu")), batched)
+    flat = shared_bucket_ids(seed, (64,), 4, torch.device("cpu"))
     assert flat.shape == (64,) and len(set(flat.tolist())) > 1
-    assert torch.equal(_ForwardDraw(seed=3).bucket_ids((64,), 4, torch.device("cpu")), flat)  # seeded
+    assert not torch.equal(shared_bucket_ids(torch.tensor(4), (64,), 4, torch.device("cpu")), flat)
+
+
+def test_forward_draw_is_close_to_uniform():
+    """The hash draw: each of k buckets gets about 1/k of many sequences, for seeds near and far apart."""
+    from sits_lora.dynamic_rank.nested import shared_bucket_ids
+
+    for seed in (0, 1, 2**40 + 7):
+        ids = shared_bucket_ids(torch.tensor(seed), (40000,), 4, torch.device("cpu"))
+        share = torch.bincount(ids, minlength=4).float() / ids.numel()
+        assert (share - 0.25).abs().max() < 0.01, (seed, share)
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])

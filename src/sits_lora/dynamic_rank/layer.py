@@ -33,7 +33,7 @@ from .._dynamic_rank_checks import (
     max_entropy_histogram,
 )
 from .budget import current_valid_tokens, in_token_scope, measuring_active
-from .nested import forward_bucket_ids
+from .nested import forward_bucket_ids, layer_draw_seed
 from .reference import device_constant, dynamic_rank_lora_linear
 from .router import EntropyProbe, TokenRouter, add_budget_gradient, inverse_rms, route
 
@@ -135,9 +135,14 @@ class DynamicRankLinear(SitsLoraLinear):
         self._rank_counts.pop(adapter_name, None)
         self._forward_tokens.pop(adapter_name, None)
         self._nested_ids.pop(adapter_name, None)
-        if spec is None or not spec.routed:
+        if spec is None:
             return
         device = self.get_base_layer().weight.device
+        # allocated here and zeroed in place by rank_counts(reset=True), never replaced in a forward: under
+        # torch.compile an in-place add to an existing tensor is traced, a tensor stored from the graph was lost
+        self._rank_counts[adapter_name] = torch.zeros(2, len(spec.buckets), dtype=torch.long, device=device)
+        if not spec.routed:
+            return
         # fp32 like PEFT's adapters under a half-precision base: the router's logits decide discrete choices
         self.lora_router[adapter_name] = TokenRouter(
             self.in_features, spec.buckets, spec.target_mean_rank, use_entropy=spec.scheduler == "entropy-gated"
@@ -234,7 +239,7 @@ class DynamicRankLinear(SitsLoraLinear):
             kept = self._nested_ids.get(adapter_name)
             if kept is not None and kept.numel() == math.prod(leading_shape):
                 return kept  # the shared draw of its forward (a layer's own draw replays from the restored RNG)
-        ids, shared = forward_bucket_ids(leading_shape, k, device)
+        ids, shared = forward_bucket_ids(leading_shape, k, device, layer_draw_seed(self))
         if shared and self.training:
             self._nested_ids[adapter_name] = ids
         else:
@@ -273,7 +278,7 @@ class DynamicRankLinear(SitsLoraLinear):
         # index_add_ with fixed sizes: boolean indexing and bincount would each wait for the GPU
         with torch.no_grad():
             counts = self._rank_counts.get(adapter_name)
-            if counts is None:
+            if counts is None or counts.device != decided.device:  # eager only: _apply keeps them on the layer's device
                 counts = self._rank_counts[adapter_name] = torch.zeros(2, k, dtype=torch.long, device=decided.device)
             weight = valid.long() if valid is not None else torch.ones_like(decided)
             counts[0].index_add_(0, decided, weight)
@@ -286,10 +291,19 @@ class DynamicRankLinear(SitsLoraLinear):
         k = len(self.rank_spec[adapter_name].buckets)
         counts = self._rank_counts.get(adapter_name)
         if counts is None:
-            counts = torch.zeros(2, k, dtype=torch.long, device=self.lora_A[adapter_name].weight.device)
+            return torch.zeros(2, k, dtype=torch.long, device=self.lora_A[adapter_name].weight.device)
         if reset:
-            self._rank_counts.pop(adapter_name, None)
+            out = counts.clone()
+            counts.zero_()
+            return out
         return counts
+
+    def _apply(self, fn, recurse: bool = True):
+        # the rank counts are plain tensors (not buffers: they are not state to save); move them with the layer
+        result = super()._apply(fn, recurse)
+        for name, counts in self._rank_counts.items():
+            self._rank_counts[name] = fn(counts)
+        return result
 
     # ------------------------------------------------------------------ forward
 

@@ -18,15 +18,16 @@ the learning rate, tuned at the rank-16 truncation: at half of it, 2.176 / 2.167
 
 ``attach_forward_draw(model)`` (the tuner calls it for a nested adapter) opens a draw scope around
 each training forward of ``model``. Its seed comes from torch's CPU generator at the scope's entry,
-and the buckets from a generator of their own, so the draw consumes no random numbers inside the
-model: a gradient-checkpoint recompute then replays dropout exactly, and takes each layer's buckets
-from its forward (the layer keeps them, see DynamicRankLinear.choose_buckets). A layer called outside
-any scope (on its own) draws per token for itself.
+and each sequence's bucket is a hash of (seed, sequence index): the same in every layer without a
+shared cache, and the draw consumes no random numbers inside the model, so a gradient-checkpoint
+recompute replays dropout exactly and takes each layer's buckets from its forward (the layer keeps
+them, see DynamicRankLinear.choose_buckets). A layer called outside any scope draws per token for
+itself. The seed stays a tensor and the state a plain object, so that torch.compile traces the
+draw (a Python int of the seed, or a context variable, broke the graph).
 """
 
 from __future__ import annotations
 
-import contextvars
 import math
 from typing import Optional
 
@@ -34,53 +35,84 @@ import torch
 from torch import Tensor, nn
 
 _HOOKS_ATTR = "_sits_lora_forward_draw_hooks"
+_MASK32 = 0xFFFFFFFF
 
 
-class _ForwardDraw:
-    """The buckets of one forward: one draw per (input shape, bucket count, device), from one seed."""
-
-    def __init__(self, seed: int):
-        self.seed = seed
-        self.ids: dict = {}
-
-    def bucket_ids(self, leading_shape: tuple, k: int, device: torch.device) -> Tensor:
-        key = (tuple(leading_shape), k, str(device))
-        ids = self.ids.get(key)
-        if ids is None:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(self.seed)
-            rows = leading_shape[0] if len(leading_shape) > 1 else math.prod(leading_shape)
-            ids = torch.randint(0, k, (rows,), device=device, generator=generator)
-            ids = self.ids[key] = ids.repeat_interleave(math.prod(leading_shape) // max(rows, 1))
-        return ids
+def _hash32(x: Tensor) -> Tensor:
+    """A 32-bit integer mix (Wellons' lowbias32 shape, multipliers below 2**31 so that int64 products
+    never overflow) of int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _MASK32
+    return x ^ (x >> 16)
 
 
-_DRAW: contextvars.ContextVar[Optional[_ForwardDraw]] = contextvars.ContextVar("sits_lora_forward_draw", default=None)
+class _DrawState:
+    """Inside a training forward of a model with a shared draw? A plain object, as budget._ForwardState
+    (which says why)."""
+
+    def __init__(self):
+        self.open = False
 
 
-def forward_bucket_ids(leading_shape: tuple, k: int, device: torch.device) -> tuple[Tensor, bool]:
+_STATE = _DrawState()
+_SEED_ATTR = "_sits_lora_draw_seed"
+
+
+def shared_bucket_ids(seed: Tensor, leading_shape: tuple, k: int, device: torch.device) -> Tensor:
+    """(T,) bucket ids uniform over k: one per sequence (leading_shape[0]; per token for a 2-D input),
+    a function of (seed, sequence index) only, repeated over the sequence's tokens."""
+    rows = leading_shape[0] if len(leading_shape) > 1 else math.prod(leading_shape)
+    seed = seed.to(device)
+    index = torch.arange(rows, device=device, dtype=torch.int64)
+    mixed = _hash32(_hash32(index ^ (seed & _MASK32)) ^ ((seed >> 32) & _MASK32))
+    ids = mixed % k
+    per_row = math.prod(leading_shape) // max(rows, 1)
+    return ids.repeat_interleave(per_row) if per_row > 1 else ids
+
+
+def forward_bucket_ids(leading_shape: tuple, k: int, device: torch.device,
+                       seed: Optional[Tensor] = None) -> tuple[Tensor, bool]:
     """(bucket ids (T,) uniform over k buckets, shared) for an input of this leading shape, T its product:
-    the current forward's draw, one bucket per sequence (leading_shape[0]) and the same for every layer
-    (shared True), or outside a scope a per-token draw of the layer's own (False)."""
-    draw = _DRAW.get()
-    if draw is None:
+    inside a training forward of a model with a shared draw (``seed``: the layer's, see
+    attach_forward_draw), one bucket per sequence (leading_shape[0]), the same for every layer (shared
+    True); otherwise a per-token draw of the layer's own (False)."""
+    if seed is None or not _STATE.open:
         return torch.randint(0, k, (math.prod(leading_shape),), device=device), False
-    return draw.bucket_ids(leading_shape, k, device), True
+    return shared_bucket_ids(seed, leading_shape, k, device), True
+
+
+def layer_draw_seed(layer: nn.Module) -> Optional[Tensor]:
+    """The seed tensor of the shared draw the layer's model opens (None: the layer draws on its own)."""
+    return getattr(layer, _SEED_ATTR, None)
 
 
 def attach_forward_draw(model: nn.Module) -> None:
-    """Open a shared draw around every training forward of ``model`` (once per model; idempotent)."""
-    if getattr(model, _HOOKS_ATTR, None) is not None:
-        return
-    tokens: list = []
+    """Open a shared draw around every training forward of ``model``, and give its layers the draw's seed
+    (a CPU int64 tensor refilled in place at each forward). Idempotent: a second call hands the seed to
+    layers added since."""
+    hooks = getattr(model, _HOOKS_ATTR, None)
+    if hooks is not None:
+        seed = hooks[2]
+    else:
+        # One tensor, refilled in place: torch.compile traces an in-place refill of a tensor that exists
+        # before the graph and reads of it in each layer, but breaks on storing a tensor it made.
+        seed = torch.zeros((), dtype=torch.int64)
+        previous: list = []
 
-    def enter(module, args):
-        seed = int(torch.randint(0, 2**62, ())) if module.training else None
-        tokens.append(_DRAW.set(None if seed is None else _ForwardDraw(seed)))
+        def enter(module, args):
+            previous.append(_STATE.open)
+            _STATE.open = bool(module.training)
+            if module.training:
+                seed.copy_(torch.randint(0, 2**62, ()))
 
-    def leave(module, args, output):
-        if tokens:
-            _DRAW.reset(tokens.pop())
+        def leave(module, args, output):
+            if previous:
+                _STATE.open = previous.pop()
 
-    setattr(model, _HOOKS_ATTR, (model.register_forward_pre_hook(enter),
-                                 model.register_forward_hook(leave, always_call=True)))
+        setattr(model, _HOOKS_ATTR, (model.register_forward_pre_hook(enter),
+                                     model.register_forward_hook(leave, always_call=True), seed))
+    for module in model.modules():
+        if hasattr(module, "_nested_ids"):  # a DynamicRankLinear
+            setattr(module, _SEED_ATTR, seed)
