@@ -42,14 +42,15 @@ def test_a_sits_arm_more_than_five_percent_over_its_baseline_fails():
 def test_failed_arms_graph_breaks_and_missing_baselines_are_reported():
     rows = _rows("8b", frozen=1.0, sits=1.1) + [{"shape": "8b", "arm": "sits+fp8", "error": "CUDA out of memory"}]
     breaks = [{"config": "static", "graph_breaks": 0}, {"config": "fp8 hybrid", "graph_breaks": 3},
-              {"config": "dynamic rank, random router", "graph_breaks": 22}]
+              {"config": "dynamic rank, random router", "graph_breaks": 22}, {"config": "some other", "graph_breaks": 5}]
     checks = regress.compare(rows, None, breaks, {})
     regression = _by_what(checks, "regression")
     assert regression[("8b", "sits")]["ok"] is None and regression[("8b", "sits")]["detail"] == "no baseline"
     assert regression[("8b", "sits+fp8")]["ok"] is False
     compiled = _by_what(checks, "graph breaks")
     assert compiled[("-", "static")]["ok"] is True and compiled[("-", "fp8 hybrid")]["ok"] is False
-    assert ("-", "dynamic rank, random router") not in compiled  # reported in the JSON, not gated
+    assert compiled[("-", "dynamic rank, random router")]["ok"] is False  # gated since it traces whole
+    assert ("-", "some other") not in compiled  # a configuration outside the gated list: in the JSON only
 
 
 def test_targets_use_the_floor_of_the_same_run():
