@@ -188,13 +188,18 @@ def _plot(rows: list[dict], baseline: Optional[dict], path: str) -> None:
 
 
 def write_baseline(path: str, rows: list[dict], previous: Optional[dict], command: str) -> None:
-    """This run's rows as a baseline at ``path``; the shapes it did not measure keep ``previous``'s rows (a gate
-    split over two device calls, one shape each, builds one baseline)."""
+    """This run's rows as a baseline at ``path``; the (shape, arm) pairs it did not measure keep ``previous``'s
+    rows (a gate split over two device calls, one shape each, builds one baseline; a run of a few arms
+    updates those). Each row's ratio is to the floor of its own run."""
     keep = ("shape", "model", "layers", "arm", "batch", "seq", "step_s", "tokens_per_s", "vs_floor", "peak_gib")
-    measured = {r["shape"] for r in rows}
-    kept = [r for r in (previous or {}).get("rows", []) if r.get("shape") not in measured]
-    runs = [run for run in (previous or {}).get("runs", []) if run.get("shapes") and not set(run["shapes"]) <= measured]
-    runs.append({"environment": environment(), "command": command, "shapes": sorted(measured)})
+    measured = {(r["shape"], r["arm"]) for r in rows}
+    kept = [r for r in (previous or {}).get("rows", []) if (r.get("shape"), r.get("arm")) not in measured]
+    # an earlier run stays listed while a row it measured is still in the baseline
+    runs = [run for run in (previous or {}).get("runs", [])
+            if any(r.get("shape") in run.get("shapes", []) and r.get("arm") in run.get("arms", [r.get("arm")])
+                   for r in kept)]
+    runs.append({"environment": environment(), "command": command, "shapes": sorted({r["shape"] for r in rows}),
+                 "arms": sorted({r["arm"] for r in rows})})
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"runs": runs, "rows": kept + [{k: r.get(k) for k in keep} for r in rows]}, f, indent=1)

@@ -108,3 +108,14 @@ def test_refuses_a_gpu_run_without_a_gpu_and_unknown_shapes():
     proc = subprocess.run([sys.executable, script, "--smoke", "--shapes", "70b"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "--shapes ['70b'] unknown" in proc.stderr
+
+
+def test_a_run_of_a_few_arms_updates_only_those(tmp_path):
+    path = tmp_path / "baseline.json"
+    regress.write_baseline(str(path), _rows("1b", frozen=1.0, sits=1.2, sits_compile=1.1), None, "full")
+    full = json.loads(path.read_text())
+    regress.write_baseline(str(path), _rows("1b", frozen=1.0, sits=1.1), full, "eager arms only")
+    now = json.loads(path.read_text())
+    by_arm = {r["arm"]: r["vs_floor"] for r in now["rows"]}
+    assert by_arm["sits"] == pytest.approx(1.1) and by_arm["sits+compile"] == pytest.approx(1.1)
+    assert [r["command"] for r in now["runs"]] == ["full", "eager arms only"]  # the compiled row is still full's
