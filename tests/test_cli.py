@@ -422,8 +422,8 @@ def test_profile_keeps_sibling_fusion_and_removes_its_hooks():
 
 
 def test_packaged_tuning_versions_are_those_of_their_run():
-    """tuned_configs.json is run2's kernel_configs.json (its keys then carried versions); autotune names run2's
-    torch / triton for those entries."""
+    """tuned_configs.json holds run2's kernel_configs.json (its keys then carried versions), for which autotune
+    names run2's torch / triton, and the fp8-vs-bf16 layer measurements of a later H200 run (fp8_layers="auto")."""
     from sits_lora.autotune import _PACKAGED_VERSIONS
 
     run = os.path.join(REPO_ROOT, "bench", "results", "2026-11-30-h200-run2")
@@ -434,8 +434,13 @@ def test_packaged_tuning_versions_are_those_of_their_run():
     with open(os.path.join(run, "tuning.json")) as f:
         environment = json.load(f)["environment"]
     suffix = f"|torch{environment['torch'].split('+')[0]}|triton{environment['triton']}"
-    assert {k.removesuffix(suffix): v for k, v in measured.items() if k.endswith(suffix)} == packaged
+    kernels = {k: v for k, v in packaged.items() if "|fp8_layer|" not in k}
+    assert {k.removesuffix(suffix): v for k, v in measured.items() if k.endswith(suffix)} == kernels
     assert _PACKAGED_VERSIONS == {"torch": environment["torch"], "triton": environment["triton"]}
+    fp8_run = os.path.join(REPO_ROOT, "bench", "results", "2026-12-01-h200-session8", "call4_gate_8b", "tune")
+    with open(os.path.join(fp8_run, "kernel_configs.json")) as f:
+        fp8_measured = {k: v for k, v in json.load(f).items() if "|fp8_layer|" in k}
+    assert len(fp8_measured) == 8 and {k: v for k, v in packaged.items() if "|fp8_layer|" in k} == fp8_measured
 
 
 def test_compile_report_names_the_versions_that_measured_each_entry(tmp_path):

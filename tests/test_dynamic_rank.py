@@ -213,6 +213,43 @@ def test_nested_draw_is_reproducible_under_a_seed_and_attached_once(monkeypatch)
     assert torch.equal(seen[0], seen[6])
 
 
+def test_a_deep_copy_draws_with_its_own_seed():
+    """An EMA or reference copy of a nested model: its layers share the copy's draw, which changes every step
+    (the hooks find the seed on the model they run for, not on the original)."""
+    import copy
+
+    model = dyn_model("static")
+    twin = copy.deepcopy(model).train()
+    draws = []
+    for step in range(4):
+        torch.manual_seed(step)
+        twin(input_ids=ids(8, 8)).logits.sum().backward()
+        kept = [m._nested_ids["default"] for m in layers(twin)]
+        assert all(torch.equal(k, kept[0]) for k in kept)
+        draws.append(kept[0].clone())
+    assert len({tuple(d.tolist()) for d in draws}) > 1
+    assert layers(twin)[0]._sits_lora_draw_seed is not layers(model)[0]._sits_lora_draw_seed
+
+
+def test_rank_counts_follow_the_layer_and_survive_meta_init():
+    from sits_lora.dynamic_rank.budget import valid_tokens
+
+    model = dyn_model("learned")
+    layer = layers(model)[0]
+    model.train()
+    with valid_tokens(None):  # a counted forward, as inside a model with a RankBudget
+        model(input_ids=ids()).logits.sum().backward()
+    counted = layer.rank_counts("default", reset=False)
+    assert int(counted.sum()) > 0
+    model.half()
+    assert layer._rank_counts["default"].dtype == torch.long          # a dtype cast leaves the counts int64
+    assert torch.equal(layer.rank_counts("default", reset=True), counted)
+    assert int(layer.rank_counts("default").sum()) == 0               # reset zeroed them in place
+    model.to("meta")
+    model.to_empty(device="cpu")                                       # meta-device init: counts start at zero
+    assert layer._rank_counts["default"].device.type == "cpu" and int(layer._rank_counts["default"].sum()) == 0
+
+
 def test_forward_draw_is_per_row_of_a_batch_and_per_token_for_a_flat_input():
     from sits_lora.dynamic_rank.nested import shared_bucket_ids
 

@@ -292,17 +292,20 @@ class DynamicRankLinear(SitsLoraLinear):
         counts = self._rank_counts.get(adapter_name)
         if counts is None:
             return torch.zeros(2, k, dtype=torch.long, device=self.lora_A[adapter_name].weight.device)
+        out = counts.clone()
         if reset:
-            out = counts.clone()
             counts.zero_()
-            return out
-        return counts
+        return out
 
     def _apply(self, fn, recurse: bool = True):
-        # the rank counts are plain tensors (not buffers: they are not state to save); move them with the layer
+        # The rank counts are plain tensors (not buffers: not state to save); they follow the layer's
+        # device with their values, stay int64 whatever dtype the layer is cast to, and start from zero
+        # where they were never real (a layer built on the meta device, then to_empty()).
         result = super()._apply(fn, recurse)
         for name, counts in self._rank_counts.items():
-            self._rank_counts[name] = fn(counts)
+            device = self.lora_A[name].weight.device if name in self.lora_A else counts.device
+            self._rank_counts[name] = (torch.zeros_like(counts, device=device) if counts.is_meta
+                                       else counts.to(device))
         return result
 
     # ------------------------------------------------------------------ forward

@@ -90,29 +90,29 @@ def layer_draw_seed(layer: nn.Module) -> Optional[Tensor]:
 
 def attach_forward_draw(model: nn.Module) -> None:
     """Open a shared draw around every training forward of ``model``, and give its layers the draw's seed
-    (a CPU int64 tensor refilled in place at each forward). Idempotent: a second call hands the seed to
-    layers added since."""
-    hooks = getattr(model, _HOOKS_ATTR, None)
-    if hooks is not None:
-        seed = hooks[2]
-    else:
+    (a CPU int64 tensor on the model, refilled in place at each forward). Idempotent: a second call hands
+    the seed to layers added since. The hooks find the seed on the module they run for, so that a deep
+    copy of the model (an EMA or reference model) draws with its own seed, which its layers share."""
+    seed = getattr(model, _SEED_ATTR, None)
+    if getattr(model, _HOOKS_ATTR, None) is None or seed is None:
         # One tensor, refilled in place: torch.compile traces an in-place refill of a tensor that exists
         # before the graph and reads of it in each layer, but breaks on storing a tensor it made.
         seed = torch.zeros((), dtype=torch.int64)
+        setattr(model, _SEED_ATTR, seed)
         previous: list = []
 
         def enter(module, args):
             previous.append(_STATE.open)
             _STATE.open = bool(module.training)
             if module.training:
-                seed.copy_(torch.randint(0, 2**62, ()))
+                getattr(module, _SEED_ATTR).copy_(torch.randint(0, 2**62, ()))
 
         def leave(module, args, output):
             if previous:
                 _STATE.open = previous.pop()
 
         setattr(model, _HOOKS_ATTR, (model.register_forward_pre_hook(enter),
-                                     model.register_forward_hook(leave, always_call=True), seed))
+                                     model.register_forward_hook(leave, always_call=True)))
     for module in model.modules():
         if hasattr(module, "_nested_ids"):  # a DynamicRankLinear
             setattr(module, _SEED_ATTR, seed)

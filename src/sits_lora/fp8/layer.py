@@ -267,7 +267,10 @@ def fp8_scaling_state(model: nn.Module) -> Fp8ScalingState:
     """The Fp8ScalingState of a PeftModel with an fp8 adapter."""
     states = _find_states(model)
     if not states:
-        raise ValueError("this model has no fp8 base layers: create the adapter with SitsLoraConfig(fp8='hybrid', ...).")
+        raise ValueError(
+            "this model has no fp8 base layers: create the adapter with SitsLoraConfig(fp8='hybrid', ...). With "
+            "fp8_layers='auto' (the default) a layer gets the fp8 base only where fp8 is faster at its shape; "
+            "sits_lora.fp8.fp8_layer_plan(model) says why each stayed bf16, and fp8_layers='all' quantizes them all.")
     return states[0]
 
 

@@ -139,7 +139,9 @@ class Fp8ScalingState(nn.Module):
             raise ValueError(
                 f"the checkpoint's fp8 scaling state was saved for {len(theirs[0])} layers, fp8={theirs[1]!r}, "
                 f"fp8_amax_history_len={theirs[2]}; this model has {len(mine[0])} layers, fp8={mine[1]!r}, "
-                f"fp8_amax_history_len={mine[2]}. Resume with the SitsLoraConfig the checkpoint was trained with.")
+                f"fp8_amax_history_len={mine[2]}. Resume with the SitsLoraConfig the checkpoint was trained with "
+                f"(a checkpoint from before fp8_layers existed quantized every adapted layer: fp8_layers='all'; with "
+                f"fp8_layers='auto' the layers chosen follow the GPU's measurements, see fp8_layer_plan).")
         with torch.no_grad():
             for k in self._CHECKPOINTED:
                 getattr(self, k).copy_(saved[k])
