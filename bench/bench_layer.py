@@ -68,19 +68,27 @@ def build(arm: str, d_in: int, d_out: int, r: int, dtype, device):
     return model
 
 
-def layer_step(arm, d_in, d_out, r, T, dtype, device):
+def adapted_layer(model, arm: str):
+    """The module that does the arm's work: the nn.Linear itself (frozen) or the adapted layer inside the
+    PeftModel (without PeftModel's wrapper, which a whole model pays once per step, not per layer)."""
+    return model if arm == "frozen" else model.base_model.model.proj
+
+
+def layer_step(arm, d_in, d_out, r, T, dtype, device, layer_only: bool = False):
     """(model, x, step): the arm's layer, a (T, d_in) input that requires grad, and one forward + backward
-    that writes every gradient anew (as training does after zero_grad), not an accumulate into .grad."""
+    that writes every gradient anew (as training does after zero_grad), not an accumulate into .grad.
+    ``layer_only``: the step calls ``adapted_layer`` instead of the PeftModel."""
     model = build(arm, d_in, d_out, r, dtype, device)
     x = torch.randn(T, d_in, device=device, dtype=dtype, requires_grad=True)
     dy = torch.randn(T, d_out, device=device, dtype=dtype)
     params = [p for p in model.parameters() if p.requires_grad]
+    called = adapted_layer(model, arm) if layer_only else model
 
     def step():
         x.grad = None
         for p in params:
             p.grad = None
-        model(x).backward(dy)
+        called(x).backward(dy)
 
     return model, x, step
 

@@ -28,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_layer import layer_step  # noqa: E402
+from bench_layer import adapted_layer, layer_step  # noqa: E402
 from harness import environment  # noqa: E402
 
 
@@ -128,20 +128,12 @@ def breakdown(T: int, K: int, N: int, R: int, calls: int) -> tuple[dict, str]:
         "current_stream": lambda: driver.active.get_current_stream(driver.active.get_current_device()),
     }
     results = {name: _host_us(fn_, calls) for name, fn_ in pieces.items()}
-    launchers = [fused._SHRINK, fused._EXPAND, fused._DY_PASS, fused._X_PASS, fused._SUM_PARTIALS]
-    before = [launcher.direct_launches for launcher in launchers]
+    direct = [fused._SHRINK, fused._EXPAND, fused._DY_PASS, fused._X_PASS, fused._SUM_PARTIALS]
+    before = [launcher.direct_launches for launcher in direct]
     text = io.StringIO()
     for arm in ("frozen", "sits:cublas"):
-        model, xs, _ = layer_step(arm, K, N, R, T, torch.bfloat16, dev)
-        layer = model if arm == "frozen" else model.base_model.model.proj
-        params = [p for p in model.parameters() if p.requires_grad]
-
-        def step():
-            xs.grad = None
-            for p in params:
-                p.grad = None
-            layer(xs).backward(dy)
-
+        model, xs, step = layer_step(arm, K, N, R, T, torch.bfloat16, dev, layer_only=True)
+        layer = adapted_layer(model, arm)
         results[f"layer_only_step:{arm}"] = _host_us(step, calls)
         results[f"layer_only_forward:{arm}"] = _host_us(lambda: layer(xs), calls)
         if arm == "frozen":
@@ -156,7 +148,7 @@ def breakdown(T: int, K: int, N: int, R: int, calls: int) -> tuple[dict, str]:
         text.write(f"== torch.profiler, {arm} layer alone, 50 steps (T = {T}, {K} x {N}, r {R})\n")
         text.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45))
     # how many launches took sits_lora.ops.launch's direct path (0: every launch went through JITFunction.run)
-    for launcher, b in zip(launchers, before):
+    for launcher, b in zip(direct, before):
         results[f"direct_launches:{launcher.fn.__name__}"] = launcher.direct_launches - b
     return results, text.getvalue()
 
