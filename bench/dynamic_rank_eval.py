@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     size.add_argument("--smoke", action="store_const", const="smoke", dest="size", help="= --size smoke")
     size.add_argument("--budget", action="store_const", const="budget", dest="size", help="= --size budget")
     parser.add_argument("--out", default=os.path.join("bench", "results"), help="output folder (default bench/results)")
-    parser.add_argument("--model", help="model spec for sits_lora.loading (default SmolLM2-135M) or 'tiny-random'")
+    parser.add_argument("--model", help="model spec for sits_lora.recipe.loading (default SmolLM2-135M) or 'tiny-random'")
     parser.add_argument("--steps", type=int, help="optimizer steps per run")
     parser.add_argument("--seeds", type=lambda s: tuple(int(v) for v in s.split(",")), help="comma-separated seeds")
     parser.add_argument("--arms", type=lambda s: tuple(v.strip() for v in s.split(",")), help="comma-separated arms")

@@ -108,7 +108,7 @@ class EvalSettings:
                              f"(the nested arm is truncated to it)")
         self.seeds = tuple(self.seeds)
         self.arms = tuple(self.arms)
-        from sits_lora._dynamic_rank_checks import DEFAULT_BUDGET_STEP_SIZE
+        from sits_lora.dynamic_rank.checks import DEFAULT_BUDGET_STEP_SIZE
 
         if self.rank_budget_mode not in DEFAULT_BUDGET_STEP_SIZE:
             raise ValueError(f"EvalSettings.rank_budget_mode={self.rank_budget_mode!r} is invalid: allowed values are "
@@ -170,14 +170,14 @@ def load_eval_model(spec: Optional[str], seq_len: int):
                              num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
                              max_position_embeddings=max(seq_len, 128), tie_word_embeddings=False)
         return LlamaForCausalLM(config), ByteTokenizer(), "tiny random Llama (1 layer, d=64), byte tokenizer"
-    from sits_lora.loading import load_model_and_tokenizer
+    from sits_lora.recipe.loading import load_model_and_tokenizer
 
     model, tokenizer, source = load_model_and_tokenizer(spec, dtype=torch.float32)
     return model, tokenizer, source.describe()
 
 
 def pack_blocks(texts, tokenizer, seq_len: int, max_blocks: int) -> torch.Tensor:
-    """(N, seq_len) int64: the texts tokenized, joined with EOS, cut into blocks (as sits_lora.data.pack_into_blocks)."""
+    """(N, seq_len) int64: the texts tokenized, joined with EOS, cut into blocks (as sits_lora.recipe.data.pack_into_blocks)."""
     ids: list[int] = []
     for text in texts:
         ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -190,11 +190,11 @@ def pack_blocks(texts, tokenizer, seq_len: int, max_blocks: int) -> torch.Tensor
 
 def load_blocks(tokenizer, settings: EvalSettings):
     """(train, validation, test) (N, seq_len) token blocks: train and validation from the training modules of the
-    standard-library corpus, test from its held-out modules (sits_lora.data's corpus and split).
+    standard-library corpus, test from its held-out modules (sits_lora.recipe.data's corpus and split).
 
     Reads the corpus file directly instead of through ``datasets`` (which the GPU image lacks).
     """
-    from sits_lora.data import build_stdlib_corpus
+    from sits_lora.recipe.data import build_stdlib_corpus
 
     train_text, heldout_text = [], []
     with open(build_stdlib_corpus()) as f:

@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="budget", choices=["budget", "smoke", "tiny"],
                         help="preset of bench/dynamic_rank_harness.py (data sizes, steps, seeds)")
-    parser.add_argument("--model", help="model spec for sits_lora.loading (default SmolLM2-135M) or 'tiny-random'")
+    parser.add_argument("--model", help="model spec for sits_lora.recipe.loading (default SmolLM2-135M) or 'tiny-random'")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--r", type=int, default=16)
     parser.add_argument("--steps", type=int)

@@ -21,8 +21,8 @@ REPO = os.path.dirname(HERE)
 
 
 def environment() -> dict:
-    """GPU, versions and git revision: stamped on every result file (sits_lora._env, shared with the CLI)."""
-    from sits_lora._env import environment as package_environment
+    """GPU, versions and git revision: stamped on every result file (sits_lora.utils.env, shared with the CLI)."""
+    from sits_lora.utils.env import environment as package_environment
 
     return package_environment()
 

@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="smoke", choices=["budget", "smoke", "tiny"],
                         help="preset of bench/dynamic_rank_harness.py (model, data sizes)")
-    parser.add_argument("--model", help="model spec for sits_lora.loading (default SmolLM2-135M) or 'tiny-random'")
+    parser.add_argument("--model", help="model spec for sits_lora.recipe.loading (default SmolLM2-135M) or 'tiny-random'")
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--arm", default="entropy-gated", choices=["entropy-gated", "learned"])
     parser.add_argument("--rules", nargs="+", type=_rule, default=[("price", 2.0), ("price", 6.0)],

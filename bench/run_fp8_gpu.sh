@@ -19,8 +19,8 @@ ARMS=("$@")
 mkdir -p "$OUT"
 status=0
 
-echo "== 1/4 GPU tests (tests/test_fp8_gpu.py) =="
-python -m pytest -q -m gpu tests/test_fp8_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" || status=1
+echo "== 1/4 GPU tests (tests/fp8/test_fp8_gpu.py) =="
+python -m pytest -q -m gpu tests/fp8/test_fp8_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" || status=1
 
 echo "== 2/4 one layer, T = 8192, r = 16: frozen bf16 floor, sits bf16, sits fp8 =="
 python bench/bench_layer.py --arms frozen sits:cublas sits:fp8 --ranks 16 --out "$OUT" || status=1

@@ -38,9 +38,9 @@ def _parser(fields) -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from sits_lora.data import DatasetTooSmallError
-    from sits_lora.loading import ModelNotFoundError, resolve_model_source
-    from sits_lora.recipe import TrainRecipe, run
+    from sits_lora.recipe.data import DatasetTooSmallError
+    from sits_lora.recipe.loading import ModelNotFoundError, resolve_model_source
+    from sits_lora.recipe.train import TrainRecipe, run
 
     fields = dataclasses.fields(TrainRecipe)
     args = _parser(fields).parse_args(argv)

@@ -18,6 +18,24 @@ if not torch.cuda.is_available():
 import sits_lora  # noqa: E402,F401  (registers SITS_LORA with PEFT)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH_DIR = os.path.join(REPO_ROOT, "bench")
+
+
+def bench_module(name: str):
+    """A script of bench/ imported by its path, for the tests of the benchmarks (bench/ is not a package; the
+    tests do not put it on sys.path, the scripts add their own folder to find their siblings)."""
+    import importlib.util
+
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(BENCH_DIR, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
 
 
 def tiny_llama_config(**overrides):

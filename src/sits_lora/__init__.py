@@ -4,22 +4,21 @@
 ``get_peft_model(model, SitsLoraConfig(...))``, ``PeftModel.from_pretrained`` and
 ``AutoPeftModelForCausalLM.from_pretrained`` work with sits_lora adapters. The import itself is light:
 the registration happens as soon as peft is imported (at once if it already is), and the public names
-below load their modules on first use (sits_lora._registry says how).
+below load their modules on first use (sits_lora.registry says how).
 """
 
 from __future__ import annotations
 
 import importlib
 
-from ._registry import register_when_peft_loads
+from .registry import register_when_peft_loads
 
 __version__ = "0.1.0"
 
 # public name -> the module that defines it (imported on first use)
 _EXPORTS = {
-    "SITS_LORA_PEFT_TYPE": "._registry",
-    "register_with_peft": "._registry",
-    "BenchmarkRunner": ".compliance",
+    "SITS_LORA_PEFT_TYPE": ".peft_type",
+    "register_with_peft": ".registry",
     "SitsLoraConfig": ".config",
     "DynamicRankLinear": ".dynamic_rank",
     "RankBudget": ".dynamic_rank",
@@ -65,7 +64,6 @@ def apply_native_lora(model, config, adapter_name: str = "default", **kwargs):
 
 
 __all__ = [
-    "BenchmarkRunner",
     "DynamicRankCallback",
     "DynamicRankLinear",
     "NativeLoraTrainer",

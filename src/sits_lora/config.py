@@ -13,9 +13,9 @@ from typing import Any, Callable, Optional
 
 from peft import LoraConfig
 
-from ._registry import SITS_LORA_PEFT_TYPE
-from . import _dynamic_rank_checks as _dynamic_rank
-from .fp8 import _checks as _fp8
+from .dynamic_rank import checks as dynamic_rank_checks
+from .fp8 import checks as fp8_checks
+from .peft_type import sits_lora_peft_type
 
 KERNEL_CHOICES = ("auto", "triton", "torch")
 
@@ -72,22 +72,22 @@ _VALIDATORS: dict[str, Callable[[Any], str | None]] = {
     "kernel": _require_choice(KERNEL_CHOICES),
     "fuse_siblings": _require_bool,
     "bias": _require_choice(("none", "all", "lora_only")),
-    "use_dynamic_rank": _dynamic_rank.require_bool,
-    "rank_scheduler": _require_choice(_dynamic_rank.RANK_SCHEDULERS),
-    "rank_buckets": _dynamic_rank.require_buckets,
-    "target_mean_rank": _dynamic_rank.require_optional_positive_number("target_mean_rank=24"),
-    "rank_histogram": _dynamic_rank.require_histogram,
-    "router_temperature": _dynamic_rank.require_positive_number("router_temperature=1.0"),
-    "rank_budget_step_size": _dynamic_rank.require_positive_number("rank_budget_step_size=0.5", allow_none=True),
-    "rank_budget_mode": _require_choice(_dynamic_rank.RANK_BUDGET_MODES),
-    "fp8": _require_choice(_fp8.FP8_RECIPES),
-    "fp8_amax_history_len": _fp8.require_positive_int("fp8_amax_history_len=1024"),
-    "fp8_amax_compute_algo": _require_choice(_fp8.AMAX_COMPUTE_ALGOS),
-    "fp8_margin": _fp8.require_non_negative_int,
-    "fp8_weight_scale": _require_choice(_fp8.WEIGHT_SCALES),
+    "use_dynamic_rank": dynamic_rank_checks.require_bool,
+    "rank_scheduler": _require_choice(dynamic_rank_checks.RANK_SCHEDULERS),
+    "rank_buckets": dynamic_rank_checks.require_buckets,
+    "target_mean_rank": dynamic_rank_checks.require_optional_positive_number("target_mean_rank=24"),
+    "rank_histogram": dynamic_rank_checks.require_histogram,
+    "router_temperature": dynamic_rank_checks.require_positive_number("router_temperature=1.0"),
+    "rank_budget_step_size": dynamic_rank_checks.require_positive_number("rank_budget_step_size=0.5", allow_none=True),
+    "rank_budget_mode": _require_choice(dynamic_rank_checks.RANK_BUDGET_MODES),
+    "fp8": _require_choice(fp8_checks.FP8_RECIPES),
+    "fp8_amax_history_len": fp8_checks.require_positive_int("fp8_amax_history_len=1024"),
+    "fp8_amax_compute_algo": _require_choice(fp8_checks.AMAX_COMPUTE_ALGOS),
+    "fp8_margin": fp8_checks.require_non_negative_int,
+    "fp8_weight_scale": _require_choice(fp8_checks.WEIGHT_SCALES),
     "fp8_keep_bf16_weight": _require_bool,
     "fp8_emulate": _require_bool,
-    "fp8_layers": _require_choice(_fp8.FP8_LAYER_CHOICES),
+    "fp8_layers": _require_choice(fp8_checks.FP8_LAYER_CHOICES),
 }
 
 
@@ -294,7 +294,7 @@ class SitsLoraConfig(LoraConfig):
             problem = check(getattr(self, name))
             if problem is not None:
                 raise ValueError(f"SitsLoraConfig.{name}={getattr(self, name)!r} is invalid: {problem}.")
-        _dynamic_rank.check_dynamic_rank_config(self)
-        _fp8.check_fp8_config(self)
+        dynamic_rank_checks.check_dynamic_rank_config(self)
+        fp8_checks.check_fp8_config(self)
         super().__post_init__()
-        self.peft_type = SITS_LORA_PEFT_TYPE
+        self.peft_type = sits_lora_peft_type()

@@ -29,12 +29,12 @@ def _linear_leaf_names(model: nn.Module) -> list[str]:
 
 
 def _fp8_layer(tuner):
-    """sits_lora.fp8.layer when an adapter of this model uses fp8, else None (it loads Triton: first use only)."""
+    """sits_lora.fp8.model when an adapter of this model uses fp8, else None (it loads Triton: first use only)."""
     if all(getattr(c, "fp8", "off") == "off" for c in tuner.peft_config.values()):
         return None
-    from .fp8 import layer
+    from .fp8 import model as fp8_model
 
-    return layer
+    return fp8_model
 
 
 def check_target_modules_exist(model: nn.Module, config) -> None:
@@ -85,8 +85,8 @@ class SitsLoraModel(LoraModel):
 
         truncate_rank(self, k, adapter_name)
 
-    # An fp8 base (issue 6) goes back to a bf16 nn.Linear before a merge or an unload: merged weights
-    # are bf16 (see sits_lora.fp8.layer.restore_bf16_base_layers for their precision).
+    # An fp8 base goes back to a bf16 nn.Linear before a merge or an unload: merged weights
+    # are bf16 (see sits_lora.fp8.model.restore_bf16_base_layers for their precision).
     def merge_adapter(self, *args, **kwargs) -> None:
         if (fp8 := _fp8_layer(self)) is not None:
             fp8.restore_bf16_base_layers(self, SitsLoraLinear)
@@ -99,7 +99,7 @@ class SitsLoraModel(LoraModel):
 
     @staticmethod
     def _create_new_module(lora_config, adapter_name, target, **kwargs):
-        # Dynamic rank (issue 5): a per-token-rank adapter gets a DynamicRankLinear, which refuses non-Linear targets.
+        # Dynamic rank: a per-token-rank adapter gets a DynamicRankLinear, which refuses non-Linear targets.
         if getattr(lora_config, "use_dynamic_rank", False):
             from .dynamic_rank.layer import create_dynamic_rank_module
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from . import ops
-from .layer import autocast_inputs
+from .bases import autocast_inputs
 
 SIBLING_NAME_SETS = (
     ("q_proj", "k_proj", "v_proj"),
@@ -76,8 +76,8 @@ class SiblingGroup:
         """(weights, biases, As, Bs, scalings) when every sibling can take the fused path now."""
         weights, biases, As, Bs, scalings = [], [], [], [], []
         for layer in self.layers:
-            if layer._fp8 is not None:
-                return None  # an fp8 base runs its own path (sits_lora.fp8)
+            if not layer.frozen_base.fuses_siblings:
+                return None  # a quantized base (sits_lora.bases.fp8) runs its own fused path
             adapter = layer._fused_adapter((), {})
             if adapter is None or ops.resolve_kernel(layer.sits_kernel[adapter], x) != "triton":
                 return None

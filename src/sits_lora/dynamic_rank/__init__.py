@@ -1,4 +1,4 @@
-"""Per-token dynamic rank (issue 5): nested rank dimensions, a router per adapted layer, a budget.
+"""Per-token dynamic rank: nested rank dimensions, a router per adapted layer, a budget.
 
 Turned on by ``SitsLoraConfig(use_dynamic_rank=True, ...)``; SitsLoraModel then builds
 :class:`DynamicRankLinear` layers. ``reference.py`` is the plain PyTorch path (mask multiply),
@@ -6,33 +6,44 @@ the oracle of a bucketed kernel; ``sampler.py`` computes the base model's token 
 the entropy probes; ``budget.py`` holds the mean active rank at its target; ``callback.py`` runs
 the budget inside a transformers Trainer. The evaluation of the method (arms, seeds, plots) is
 benchmark code: bench/dynamic_rank_harness.py, behind bench/dynamic_rank_eval.py and
-notebooks/dynamic_rank.ipynb. The config checks live in ``sits_lora/_dynamic_rank_checks.py``, so
-that config.py does not import this package.
+notebooks/dynamic_rank.ipynb. ``checks.py`` validates the dynamic-rank fields of SitsLoraConfig.
 """
 
 from __future__ import annotations
 
-from .budget import RankBudget, valid_tokens
-from .layer import DynamicRankLinear, ProbeNotFittedError, RoutingMergeError
-from .reference import (
-    BucketGroups,
-    dynamic_rank_lora_linear,
-    dynamic_rank_lora_linear_grouped,
-    dynamic_rank_lora_linear_reference,
-    group_tokens_by_bucket,
-)
-from .truncate import rank_parameter_counts, truncate_rank
-
-# transformers' Trainer machinery and the sampler's datasets / tqdm load on first use, not on `import sits_lora`
-_LAZY = {"DynamicRankCallback": ".callback", "TokenEntropySampler": ".sampler"}
+# Loaded on first use: config.py imports this package's checks whenever sits_lora is imported, and the
+# layers import layer.py, the kernels and Triton; transformers' Trainer machinery (the callback) and the
+# sampler's datasets / tqdm load only when asked for.
+_EXPORTS = {
+    "RankBudget": "budget",
+    "valid_tokens": "scope",
+    "DynamicRankLinear": "layer",
+    "ProbeNotFittedError": "layer",
+    "RoutingMergeError": "layer",
+    "BucketGroups": "reference",
+    "dynamic_rank_lora_linear": "reference",
+    "dynamic_rank_lora_linear_grouped": "reference",
+    "dynamic_rank_lora_linear_reference": "reference",
+    "group_tokens_by_bucket": "reference",
+    "rank_parameter_counts": "truncate",
+    "truncate_rank": "truncate",
+    "DynamicRankCallback": "callback",
+    "TokenEntropySampler": "sampler",
+}
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
+    if name in _EXPORTS:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
 
 
 __all__ = [

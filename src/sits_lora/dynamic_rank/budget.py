@@ -50,74 +50,9 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .._dynamic_rank_checks import ROUTED_SCHEDULERS
-
-
-class _ForwardState:
-    """What the layers of the current forward need to know, per thread: inside a counted scope (the
-    forward of a model with a RankBudget, or ``valid_tokens``), its attention mask (B, S) as given (0 =
-    padding) or None, and whether ``RankBudget.measuring()`` is on.
-
-    Attributes of one plain object, not context variables or a threading.local: torch.compile traces
-    their writes in the model's forward hooks and their reads in the layers (torch 2.11 and 2.13), while
-    ContextVar.get broke the graph in every dynamic-rank layer (12 breaks in a 2-layer Llama,
-    bench/graph_breaks.py) and a threading.local's writes inside the graph were not seen by its reads
-    on torch 2.13 (the compiled layers then counted nothing). The cost: one process runs one counted
-    forward at a time (nn.DataParallel's threaded replicas would share it; DDP, one process per GPU,
-    does not). The mask is stored as given and turned to bool where it is read: a store of a tensor
-    made inside the graph breaks it."""
-
-    def __init__(self):
-        self.in_scope = False
-        self.mask: Optional[Tensor] = None
-        self.measuring = False
-
-
-_STATE = _ForwardState()
-
-
-def _enter_scope(mask: Optional[Tensor]) -> tuple:
-    previous = (_STATE.in_scope, _STATE.mask)
-    _STATE.in_scope, _STATE.mask = True, mask
-    return previous
-
-
-def _leave_scope(previous: tuple) -> None:
-    _STATE.in_scope, _STATE.mask = previous
-
-
-@contextlib.contextmanager
-def valid_tokens(attention_mask: Optional[Tensor]):
-    """Within the block, dynamic-rank layers count their training tokens in the rank statistics (as inside
-    the forward of a model with a RankBudget) and, when their input has the mask's leading shape, skip
-    the masked tokens. For loops that call parts of a model themselves."""
-    previous = _enter_scope(attention_mask)
-    try:
-        yield
-    finally:
-        _leave_scope(previous)
-
-
-def in_token_scope() -> bool:
-    """True inside the forward of a model with a RankBudget, or inside ``valid_tokens``."""
-    return _STATE.in_scope
-
-
-def measuring_active() -> bool:
-    """True inside ``RankBudget.measuring()``."""
-    return _STATE.measuring
-
-
-def current_valid_tokens(leading_shape: torch.Size) -> Optional[Tensor]:
-    """(T,) bool for the current forward, or None when no mask applies to an input of this shape.
-
-    A mask of another shape (e.g. (B, past + 1) during cached generation) does not describe the
-    tokens of this input; then every token counts.
-    """
-    mask = _STATE.mask
-    if not _STATE.in_scope or mask is None or tuple(mask.shape) != tuple(leading_shape):
-        return None
-    return mask.reshape(-1).bool()
+from .checks import ROUTED_SCHEDULERS
+from .layer import DynamicRankLinear
+from .scope import enter_scope, leave_scope, set_measuring
 
 
 def _all_reduce_counts(counts: Tensor) -> Tensor:
@@ -134,8 +69,6 @@ def _all_reduce_counts(counts: Tensor) -> Tensor:
 
 def dynamic_rank_layers(model: nn.Module, adapter_name: Optional[str] = None) -> list[tuple[str, nn.Module]]:
     """(name, layer) of every DynamicRankLinear holding a dynamic-rank adapter (``adapter_name`` if given)."""
-    from .layer import DynamicRankLinear
-
     found = []
     for name, module in model.named_modules():
         if isinstance(module, DynamicRankLinear):
@@ -200,11 +133,11 @@ class RankBudget:
         mask = kwargs.get("attention_mask")
         if mask is not None and (not isinstance(mask, Tensor) or mask.dim() != 2):
             mask = None  # a 4-D additive mask or a custom object: cannot tell padding apart, count every token
-        self._tokens.append(_enter_scope(mask))
+        self._tokens.append(enter_scope(mask))
 
     def _exit(self, module, args, output):
         if self._tokens:
-            _leave_scope(self._tokens.pop())
+            leave_scope(self._tokens.pop())
 
     @contextlib.contextmanager
     def measuring(self):
@@ -212,11 +145,11 @@ class RankBudget:
         :meth:`read_stats` reports the ranks inference uses. Call ``read_stats(reset=True)`` before the
         block and read the statistics after it, before the next :meth:`step`, which would otherwise move λ
         with them."""
-        previous, _STATE.measuring = _STATE.measuring, True
+        previous = set_measuring(True)
         try:
             yield self
         finally:
-            _STATE.measuring = previous
+            set_measuring(previous)
 
     def read_stats(self, reset: bool = True) -> dict:
         """Rank statistics over the valid tokens seen since the last reset, all layers together.

@@ -25,14 +25,15 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
-from ..layer import SitsLoraLinear, autocast_inputs
-from .._dynamic_rank_checks import (
+from ..bases import autocast_inputs
+from ..layer import SitsLoraLinear
+from .checks import (
     DEFAULT_BUDGET_STEP_SIZE,
     ROUTED_SCHEDULERS,
     histogram_mean,
     max_entropy_histogram,
 )
-from .budget import current_valid_tokens, in_token_scope, measuring_active
+from .scope import current_valid_tokens, in_token_scope, measuring_active
 from .nested import forward_bucket_ids, layer_draw_seed
 from .reference import device_constant, dynamic_rank_lora_linear
 from .router import EntropyProbe, TokenRouter, add_budget_gradient, inverse_rms, route
@@ -102,7 +103,7 @@ def _recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _scale_preserving_alpha(scaling: float, k: int, use_rslora: bool) -> float:
+def scale_preserving_alpha(scaling: float, k: int, use_rslora: bool) -> float:
     """The lora_alpha that gives a rank-k adapter the scaling ``scaling`` (PEFT: alpha/k or alpha/√k)."""
     return scaling * (math.sqrt(k) if use_rslora else k)
 
@@ -377,7 +378,7 @@ class DynamicRankLinear(SitsLoraLinear):
         new_b.weight.requires_grad_(old_b.weight.requires_grad)
         self.lora_A[adapter_name], self.lora_B[adapter_name] = new_a, new_b
         self.r[adapter_name] = k
-        self.lora_alpha[adapter_name] = _scale_preserving_alpha(self.scaling[adapter_name], k,
+        self.lora_alpha[adapter_name] = scale_preserving_alpha(self.scaling[adapter_name], k,
                                                                 self.use_rslora.get(adapter_name, False))
         for container in ("lora_router", "lora_entropy_probe"):
             if adapter_name in getattr(self, container):

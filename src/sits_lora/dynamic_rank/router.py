@@ -201,9 +201,9 @@ _COMPILED_ROUTING = {}
 def compiled_routing_wanted() -> bool:
     """True only when ``SITS_LORA_COMPILE_ROUTER=1``. Eager is the default: on the H200 the whole routed
     layer was 0.94-0.95x as costly with the eager decision as with the compiled one at 4096 x 4096 and
-    2048 x 8192 and equal at the wide shapes (same run, bench_dynamic_rank_layer.py, session 5; the
-    compiled call's own Python cost outweighs the ~20 launches it replaces), and eager has no compile
-    wait in each new process (bench/NOTES.md, fifth run)."""
+    2048 x 8192 and equal at the wide shapes (bench_dynamic_rank_layer.py; the compiled call's own
+    Python cost outweighs the ~20 launches it replaces), and eager has no compile wait in each new
+    process (bench/NOTES.md)."""
     return os.environ.get("SITS_LORA_COMPILE_ROUTER", "0") == "1"
 
 

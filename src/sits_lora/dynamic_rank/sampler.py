@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ..utils.cache import cache_root
 from .layer import DynamicRankLinear
 from .router import rms_normalize
 
@@ -124,13 +125,11 @@ class TokenEntropySampler:
                 raise ValueError(f"TokenEntropySampler {name}={value!r} is invalid: it must be a positive integer")
         if not probe_lr > 0:
             raise ValueError(f"TokenEntropySampler probe_lr={probe_lr!r} is invalid: it must be positive")
-        from ..data import default_cache_dir
-
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.max_length = max_length
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "token_entropy"
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else cache_root() / "token_entropy"
         self.progress = progress
         self.probe_lr = probe_lr
         self.probe_steps_per_batch = probe_steps_per_batch

@@ -12,7 +12,7 @@ from typing import Optional
 
 from torch import nn
 
-from .layer import DynamicRankLinear, _scale_preserving_alpha
+from .layer import DynamicRankLinear, scale_preserving_alpha
 
 
 def _peft_model_and_config(model, adapter_name: Optional[str], caller: str):
@@ -50,7 +50,7 @@ def static_config(config, k: int):
     scaling = config.lora_alpha / (config.r ** 0.5 if config.use_rslora else config.r)
     new = copy.deepcopy(config)
     new.r = k
-    new.lora_alpha = _scale_preserving_alpha(scaling, k, config.use_rslora)
+    new.lora_alpha = scale_preserving_alpha(scaling, k, config.use_rslora)
     new.use_dynamic_rank = False
     new.rank_scheduler = "entropy-gated"
     new.rank_buckets = None

@@ -5,7 +5,9 @@ forward, dy in backward) are cast with delayed scaling by one fused pass that al
 amax; both base GEMMs run in fp8 through ``torch._scaled_mm``; the LoRA branch stays bf16 on the
 fused kernels. :class:`Fp8ScalingState` holds every layer's amax history and scales, advanced once
 per optimizer step by ``SitsHardwareCallback`` (or :func:`update_scaling` in a hand-written loop).
-The kernels and the autograd Function are in :mod:`sits_lora.ops.fp8`.
+The base module and its fused path are in :mod:`sits_lora.bases.fp8`, the kernels and the autograd
+Function in :mod:`sits_lora.ops.fp8`; here: the config checks (``checks``), the scaling state
+(``scaling``), which layers get fp8 (``selection``) and the model-level steps (``model``).
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ from __future__ import annotations
 # Loaded on first use: the layer code imports the Triton kernels, and config.py imports this
 # package (for its field checks) whenever sits_lora is imported.
 _EXPORTS = {
-    "Fp8BaseLinear": "weight",
-    "Fp8ScalingState": "scaling",
-    "Fp8UnsupportedError": "layer",
-    "fp8_layer_plan": "layer",
-    "fp8_scaling_state": "layer",
-    "frozen_weight_memory": "layer",
-    "update_scaling": "layer",
-    "without_fp8": "layer",
+    "Fp8BaseLinear": "sits_lora.bases.fp8",
+    "Fp8UnsupportedError": "sits_lora.bases.fp8",
+    "Fp8ScalingState": "sits_lora.fp8.scaling",
+    "fp8_scaling_state": "sits_lora.fp8.scaling",
+    "update_scaling": "sits_lora.fp8.scaling",
+    "fp8_layer_plan": "sits_lora.fp8.model",
+    "frozen_weight_memory": "sits_lora.fp8.model",
+    "without_fp8": "sits_lora.fp8.model",
 }
 
 
@@ -28,7 +30,7 @@ def __getattr__(name: str):
     if name in _EXPORTS:
         import importlib
 
-        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -188,3 +188,29 @@ class Fp8ScalingState(nn.Module):
     def extra_repr(self) -> str:
         return (f"layers={len(self.names)}, recipe={self.recipe!r}, history={self.history_len}, algo={self.algo!r}, "
                 f"margin={self.margin}, steps={self.steps}")
+
+
+def find_scaling_states(model: nn.Module) -> list[Fp8ScalingState]:
+    return [m for m in model.modules() if isinstance(m, Fp8ScalingState)]
+
+
+def fp8_scaling_state(model: nn.Module) -> Fp8ScalingState:
+    """The Fp8ScalingState of a PeftModel with an fp8 adapter."""
+    states = find_scaling_states(model)
+    if not states:
+        raise ValueError(
+            "this model has no fp8 base layers: create the adapter with SitsLoraConfig(fp8='hybrid', ...). With "
+            "fp8_layers='auto' (the default) a layer gets the fp8 base only where fp8 is faster at its shape; "
+            "sits_lora.fp8.fp8_layer_plan(model) says why each stayed bf16, and fp8_layers='all' quantizes them all.")
+    return states[0]
+
+
+def update_scaling(model: nn.Module) -> None:
+    """Advance the fp8 scales once; call after each ``optimizer.step()`` in a hand-written loop.
+
+    ``sits_lora.SitsHardwareCallback`` does this by itself in a transformers Trainer. Without any
+    call the casts keep using each tensor's own amax (current scaling: correct, one more read of
+    each activation and gradient).
+    """
+    for state in find_scaling_states(model):
+        state.update()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import tuning
+from .scaling import update_scaling
 
 MIN_ELEMENTS = 32 * 2**20
 
@@ -43,7 +44,6 @@ def measure_layer(in_features: int, out_features: int, tokens: int = 8192, rank:
     from torch import nn
 
     from ..config import SitsLoraConfig
-    from .layer import update_scaling
 
     device = torch.device("cuda", torch.cuda.current_device())
     times = {}

@@ -154,7 +154,7 @@ def _lora_expand_kernel(
     a loop instead cost 6-9 % of the whole layer on the H200 at 4096², r = 64). The limit is applied
     by a select after a load under the static kernel's mask, not as the load's mask: a mask that varies
     along the contiguous rank axis can keep the compiler from vectorizing the load (as the load's mask,
-    the expand took 19 % longer than the static one at 4096², H200, session 6). dynamic_rank_forward
+    the expand took 19 % longer than the static one at 4096² on the H200). dynamic_rank_forward
     passes the limit only with grouped tokens: in token order h comes limited from the shrink.
     GROUPED: the block's tokens are order[block's range] (tokens sorted by limit), so that most
     blocks hold one limit and skip every tile above it. Without a limit, h may arrive as H_PARTS partial
@@ -612,8 +612,8 @@ def limit_grad(g: torch.Tensor, rank_limit: torch.Tensor, scale: float, h_full: 
     runs the static kernel. With the unlimited ``h_full`` and ``bucket_ends`` (K,): the (T, K) fp32
     gradient of the router's bucket weights, s · Σ_{r < bucket_ends[k]} h[t, r] g[t, r] (it reads h and g
     beyond each token's limit). Limiting h and g once here and in the shrink, instead of in every pass
-    that reads them, is what made the per-token-rank passes as fast as the static ones (bench/NOTES.md,
-    sixth run); the bucket gradient in one kernel replaces six torch kernels (~16 µs at T = 8192, r 64)."""
+    that reads them, is what made the per-token-rank passes as fast as the static ones (bench/NOTES.md);
+    the bucket gradient in one kernel replaces six torch kernels (~16 µs at T = 8192, r 64)."""
     T, R = g.shape
     g_out = torch.empty_like(g)
     bucket_grad = h_full is not None

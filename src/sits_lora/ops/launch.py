@@ -14,7 +14,7 @@ specializes on, from the arguments, in one pass: each tensor's dtype and whether
 that kernel directly, with the pointers passed as integers. A Triton whose compiled kernels lack
 the launcher interface used here, a launch hook (a profiler such as proton), or the interpreter
 all take ``JITFunction``'s own path, as does every call when ``SITS_LORA_DIRECT_LAUNCH=0``.
-``tests/test_launch_gpu.py`` checks, on a GPU, that two calls with the same classes get the same
+``tests/ops/test_launch_gpu.py`` checks, on a GPU, that two calls with the same classes get the same
 Triton specialization, and that the results match the plain launch.
 """
 

@@ -19,6 +19,8 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from ..utils.cache import cache_root
+
 # Candidate configurations. The first entry of each list is the default on a GPU.
 CONFIG_SPACE: dict[str, list[dict]] = {
     "shrink": [
@@ -59,8 +61,7 @@ _answers: dict = {}
 
 
 def cache_path() -> str:
-    root = os.environ.get("SITS_LORA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "sits_lora")
-    return os.environ.get("SITS_LORA_TUNING_CACHE") or os.path.join(root, "kernel_configs.json")
+    return os.environ.get("SITS_LORA_TUNING_CACHE") or str(cache_root() / "kernel_configs.json")
 
 
 def _packaged_path() -> str:

@@ -14,7 +14,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .._env import environment
+from ..utils.env import environment
 from .constraints import (
     ConstraintResult,
     apply_policies,
@@ -37,7 +37,7 @@ from .guards import (
     activation_message,
 )
 from .hardware import HardwareReport, probe_hardware
-from .memory import GIB, MemoryPlan, UnsupportedModelError, _text_config, _unwrap, checkpointed_layers, plan_memory
+from .memory import GIB, MemoryPlan, UnsupportedModelError, text_config, unwrap_model, checkpointed_layers, plan_memory
 
 logger = logging.getLogger("sits_lora")
 
@@ -296,7 +296,7 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
         if self.policies["pcie"] != "off":
             offload_bytes = 0
             if offload and seq_len:
-                config = _text_config(_unwrap(model))
+                config = text_config(unwrap_model(model))
                 offload_bytes = n_ckpt * tokens * int(config.hidden_size) * _weight_bytes(model)
             self._pcie_parts = pcie_bytes_per_step(
                 model, batch_bytes=_batch_bytes(train_dataloader, batch), activation_offload_bytes=offload_bytes,

@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .memory import MemoryPlan, _base, _is_adapted, _linear_dims, format_bytes
+from .memory import MemoryPlan, base_layer_of, is_adapted, linear_dims, format_bytes
 
 logger = logging.getLogger("sits_lora")
 
@@ -130,7 +130,7 @@ def layer_runs_fused(module: nn.Module, cuda: bool) -> bool:
     kernels = getattr(module, "sits_kernel", None)
     if not kernels or not cuda:
         return False
-    base = _base(module)
+    base = base_layer_of(module)
     weight = getattr(base, "weight", None)
     if weight is None:
         return False
@@ -171,9 +171,9 @@ def check_rank(model: nn.Module, hardware, tokens: Optional[int], act_bytes: int
         return ConstraintResult("rank", "skipped", "matmul rate or bandwidth not measured")
     groups: dict[tuple, list[str]] = {}
     for name, module in model.named_modules():
-        if not _is_adapted(module) or not isinstance(_base(module), nn.Linear):
+        if not is_adapted(module) or not isinstance(base_layer_of(module), nn.Linear):
             continue
-        K, N = _linear_dims(module)
+        K, N = linear_dims(module)
         ranks = [v for v in getattr(module, "r", {}).values()] or [0]
         fused = (is_fused(module) if is_fused is not None
                  else layer_runs_fused(module, next(module.parameters()).device.type == "cuda"))
@@ -262,7 +262,7 @@ def estimate_step_seconds(model: nn.Module, tokens: int, flops: float, accumulat
     """Roofline of one optimizer step: forward and input-gradient GEMMs of every linear weight, 4·N·T."""
     n = 0
     for module in model.modules():
-        base = _base(module)
+        base = base_layer_of(module)
         if base is module and isinstance(module, nn.Linear) and not any(
                 p.requires_grad for p in module.parameters()):
             n += module.in_features * module.out_features

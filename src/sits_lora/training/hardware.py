@@ -22,9 +22,10 @@ from typing import Optional
 
 import torch
 
-from .._env import cpu_name
+from ..utils.cache import cache_root
+from ..utils.env import cpu_name
+from ..utils.units import GIB, format_rate
 
-GIB = 2**30
 
 # Sizes of the measurements. Large enough to reach the plateau on an H200 (a 512 MiB copy takes
 # ~0.25 ms at 4.25 TB/s; an 8192³ bf16 GEMM ~1.4 ms), small enough that all of them take ~1 s.
@@ -73,12 +74,12 @@ class HardwareReport:
         rows.append(("memory", f"{self.total_memory / GIB:.1f} GiB total, {self.free_memory / GIB:.1f} GiB free"))
         if self.is_cuda:
             rows.append(("compute capability", f"{self.compute_capability}, FP8 {'yes' if self.fp8_supported else 'no'}"))
-            rows.append(("HBM bandwidth", _rate(self.hbm_bandwidth, "B/s") + " (copy, read + write)"))
-            rows.append(("host->device (pinned)", _rate(self.h2d_bandwidth, "B/s")))
-            rows.append(("device->host (pinned)", _rate(self.d2h_bandwidth, "B/s")))
-            rows.append(("bf16 matmul", _rate(self.matmul_flops, "FLOP/s")))
+            rows.append(("HBM bandwidth", format_rate(self.hbm_bandwidth, "B/s") + " (copy, read + write)"))
+            rows.append(("host->device (pinned)", format_rate(self.h2d_bandwidth, "B/s")))
+            rows.append(("device->host (pinned)", format_rate(self.d2h_bandwidth, "B/s")))
+            rows.append(("bf16 matmul", format_rate(self.matmul_flops, "FLOP/s")))
             if self.fp8_matmul_flops:
-                rows.append(("fp8 matmul", _rate(self.fp8_matmul_flops, "FLOP/s")))
+                rows.append(("fp8 matmul", format_rate(self.fp8_matmul_flops, "FLOP/s")))
             rows.append(("measured", f"{self.measured_at}" + (" (cached)" if self.from_cache else "")))
         else:
             rows.append(("cores", str(self.cpu_cores)))
@@ -87,19 +88,9 @@ class HardwareReport:
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
-def _rate(value: Optional[float], unit: str) -> str:
-    if not value:
-        return "not measured"
-    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M")):
-        if value >= scale:
-            return f"{value / scale:.2f} {prefix}{unit}"
-    return f"{value:.0f} {unit}"
-
-
 def default_cache_dir() -> Path:
     """``$SITS_LORA_CACHE/hardware`` (default ``~/.cache/sits_lora/hardware``)."""
-    root = os.environ.get("SITS_LORA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "sits_lora")
-    return Path(root) / "hardware"
+    return cache_root() / "hardware"
 
 
 def _host_memory() -> tuple[int, int]:

@@ -41,7 +41,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-GIB = 2**30
+from ..utils.units import GIB
+
 
 OPTIMIZERS = ("adamw", "adamw_8bit", "adafactor", "sgd", "sgd_momentum", "lion", "none")
 # Optimizer state bytes per byte of trainable parameter (8-bit Adam: two 1-byte states per fp32
@@ -113,7 +114,7 @@ def format_bytes(n: float) -> str:
 # ----------------------------------------------------------------------------- model structure
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap_model(model: nn.Module) -> nn.Module:
     """The transformers model under PEFT / DDP / compile wrappers."""
     seen = set()
     while id(model) not in seen:
@@ -142,25 +143,25 @@ def decoder_layers(model: nn.Module) -> tuple[str, list[nn.Module]]:
     return best
 
 
-def _base(module: nn.Module) -> nn.Module:
+def base_layer_of(module: nn.Module) -> nn.Module:
     get = getattr(module, "get_base_layer", None)
     return get() if callable(get) else module
 
 
-def _linear_dims(module: nn.Module) -> tuple[int, int]:
-    base = _base(module)
+def linear_dims(module: nn.Module) -> tuple[int, int]:
+    base = base_layer_of(module)
     if hasattr(base, "in_features"):
         return int(base.in_features), int(base.out_features)
     weight = base.weight
     return int(weight.shape[1]), int(weight.shape[0])
 
 
-def _is_adapted(module: nn.Module) -> bool:
+def is_adapted(module: nn.Module) -> bool:
     """A PEFT tuner layer (it has a base layer) with trainable parameters."""
     return callable(getattr(module, "get_base_layer", None)) and any(p.requires_grad for p in module.parameters())
 
 
-def _text_config(model: nn.Module):
+def text_config(model: nn.Module):
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
@@ -169,7 +170,7 @@ def _text_config(model: nn.Module):
 
 def checkpointed_layers(model: nn.Module) -> int:
     """How many decoder blocks of ``model`` run under gradient checkpointing now."""
-    _, blocks = decoder_layers(_unwrap(model))
+    _, blocks = decoder_layers(unwrap_model(model))
     return sum(1 for b in blocks if getattr(b, "gradient_checkpointing", False) is True)
 
 
@@ -213,7 +214,7 @@ def _probe_layer(module: nn.Module, input_dtype: torch.dtype, autocast_dtype: Op
     layers = _sibling_layers(module)
     group = getattr(module, "_sibling_group", None) if len(layers) > 1 else None
     group_state = _snapshot(group) if group is not None else None  # the probe must leave the group as it was
-    d_in, _ = _linear_dims(module)
+    d_in, _ = linear_dims(module)
     try:
         device = next(p.device for p in module.parameters())
     except StopIteration:
@@ -272,11 +273,11 @@ def _layer_key(module: nn.Module) -> tuple:
 
 
 def _single_layer_key(module: nn.Module) -> tuple:
-    d_in, d_out = _linear_dims(module)
+    d_in, d_out = linear_dims(module)
     trainable = tuple((tuple(p.shape), p.dtype) for p in module.parameters() if p.requires_grad)
     dropout = tuple(sorted((k, getattr(v, "p", 0.0)) for k, v in getattr(module, "lora_dropout", {}).items()))
     kernel = tuple(sorted(getattr(module, "sits_kernel", {}).items()))
-    return (type(module), d_in, d_out, trainable, dropout, kernel, _base(module).weight.dtype)
+    return (type(module), d_in, d_out, trainable, dropout, kernel, base_layer_of(module).weight.dtype)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -338,8 +339,8 @@ def plan_memory(
             mlp.{gate,up,down}_proj (Llama, Mistral, Qwen2 / 3 and similar have them).
     """
     _check_args(batch_size, seq_len, optimizer, gradient_accumulation_steps)
-    inner = _unwrap(model)
-    config = _text_config(inner)
+    inner = unwrap_model(model)
+    config = text_config(inner)
     _, blocks = decoder_layers(inner)
     if not blocks or config is None:
         raise UnsupportedModelError(
@@ -365,7 +366,7 @@ def plan_memory(
     KV = int(getattr(config, "num_key_value_heads", None) or H)
     d = int(getattr(config, "head_dim", None) or h // H)
     V = int(config.vocab_size)
-    I = _linear_dims(mlp.down_proj)[0]
+    I = linear_dims(mlp.down_proj)[0]
     attn_impl = str(getattr(config, "_attn_implementation", None) or "eager")
 
     # Parameters, tied ones once.
@@ -394,9 +395,9 @@ def plan_memory(
                      f"is their sum, not the peak of one device")
     opt_bytes = _optimizer_bytes(optimizer, trainable)
 
-    weight_dtype = _base(attn.q_proj).weight.dtype
+    weight_dtype = base_layer_of(attn.q_proj).weight.dtype
     if not weight_dtype.is_floating_point:  # a quantized base: activations in the compute dtype
-        weight_dtype = getattr(_base(attn.q_proj), "compute_dtype", None) or torch.bfloat16
+        weight_dtype = getattr(base_layer_of(attn.q_proj), "compute_dtype", None) or torch.bfloat16
     act_dtype = autocast_dtype or weight_dtype
     a = torch.finfo(act_dtype).bits // 8
     resid = torch.finfo(weight_dtype).bits // 8 if weight_dtype.is_floating_point else a
@@ -416,7 +417,7 @@ def plan_memory(
             except Exception as error:  # a layer that cannot run alone (offloaded, meta): assume the common case
                 r = max((p.shape[0] for n, p in module.named_parameters() if "lora_A" in n), default=16)
                 probes[key] = LayerSaves(True, 0.0, 4.0 * r, probed=False)
-                notes.append(f"{type(module).__name__} {_linear_dims(module)} could not be probed "
+                notes.append(f"{type(module).__name__} {linear_dims(module)} could not be probed "
                              f"({type(error).__name__}); assumed it saves its input and a T x r fp32 tensor")
         return probes[key]
 
@@ -425,14 +426,14 @@ def plan_memory(
         extra = 0.0
         shared_slots = set()
         for name, module in block.named_modules():
-            if not _is_adapted(module):
+            if not is_adapted(module):
                 continue
             saves = saves_of(module)
             extra += saves.const_bytes + saves.bytes_per_token * T
             if not saves.saves_input:
                 continue
             leaf = name.rsplit(".", 1)[-1]
-            d_in = _linear_dims(module)[0]
+            d_in = linear_dims(module)[0]
             if leaf in _ATTN_IN:
                 shared_slots.add(("attn_in", a * T * d_in))
             elif leaf in _MLP_IN:
@@ -487,12 +488,12 @@ def plan_memory(
     outside = 4.0 * T * h + 2 * 4 * S * d
     block_ids = {id(m) for b in blocks for m in b.modules()}
     for name, module in inner.named_modules():
-        if id(module) in block_ids or not _is_adapted(module):
+        if id(module) in block_ids or not is_adapted(module):
             continue
-        if isinstance(_base(module), nn.Linear):
+        if isinstance(base_layer_of(module), nn.Linear):
             saves = saves_of(module)
             extra = saves.const_bytes + saves.bytes_per_token * T
-            extra += a * T * _linear_dims(module)[0] if saves.saves_input else 0
+            extra += a * T * linear_dims(module)[0] if saves.saves_input else 0
             outside += extra
     activations = saved_blocks + outside
 

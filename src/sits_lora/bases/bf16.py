@@ -1,0 +1,73 @@
+"""The plain frozen base: an ``nn.Linear`` in bf16, fp16 or fp32, run through ``sits_lora.ops.lora_linear``."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .. import ops
+
+# Whether each device type has an autocast mode ("meta", used by plans and shape checks, has none).
+# torch.amp.is_autocast_available is a builtin that torch.compile cannot trace on torch 2.11: asked in
+# every layer it broke the graph in each of them. A dict read is traced; the common types are asked here,
+# once, and any other on its first eager call.
+_AUTOCAST_AVAILABLE: dict[str, bool] = {t: torch.amp.is_autocast_available(t) for t in ("cpu", "cuda", "meta")}
+
+
+def _autocast_on(device_type: str) -> bool:
+    available = _AUTOCAST_AVAILABLE.get(device_type)
+    if available is None:
+        available = _AUTOCAST_AVAILABLE.setdefault(device_type, torch.amp.is_autocast_available(device_type))
+    return available and torch.is_autocast_enabled(device_type)
+
+
+def autocast_inputs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+    """(x, weight, bias, context) as autocast would hand them to a linear layer.
+
+    The fused path is an autograd Function, which autocast does not cast for: under autocast the
+    input and the frozen weight are cast here to the autocast dtype (as autocast does for
+    nn.Linear), and the Function then runs with autocast off so that its backward sees the same
+    dtypes as its forward. Without autocast nothing changes.
+    """
+    device_type = "cuda" if x.is_cuda else x.device.type
+    if not _autocast_on(device_type):
+        return x, weight, bias, nullcontext()
+    dtype = torch.get_autocast_dtype(device_type)
+    return (x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype),
+            torch.autocast(device_type, enabled=False))
+
+
+class Bf16Base:
+    """The base of every SitsLoraLinear whose frozen weight is a plain ``nn.Linear`` (stateless: one
+    instance, :data:`BF16_BASE`, serves every layer)."""
+
+    module_type = nn.Linear
+    # layers on this base can share one fused op with their siblings (sits_lora.siblings)
+    fuses_siblings = True
+
+    def fused_forward(self, layer, adapter: str, x: torch.Tensor) -> torch.Tensor:
+        if layer._sibling_group is not None:
+            out = layer._sibling_group.forward(layer, x)
+            if out is not None:
+                return out
+        base = layer.base_layer
+        kernel = ops.resolve_kernel(layer.sits_kernel[adapter], x)
+        if kernel == "triton" and (base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad)):
+            kernel = "torch"  # the fused kernels assume a frozen base (no dW / db); the reference computes them
+        x, weight, bias, autocast_off = autocast_inputs(x, base.weight, base.bias)
+        dropout = layer.lora_dropout[adapter]
+        x_lora = dropout(x) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else x
+        with autocast_off:
+            return ops.lora_linear(
+                x, x_lora, weight, bias, layer.lora_A[adapter].weight, layer.lora_B[adapter].weight,
+                layer.scaling[adapter], kernel,
+            )
+
+    def __repr__(self) -> str:
+        return "BF16_BASE"
+
+
+BF16_BASE = Bf16Base()

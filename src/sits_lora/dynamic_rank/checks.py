@@ -1,0 +1,200 @@
+"""Validation of the dynamic-rank fields of SitsLoraConfig.
+
+Kept apart from config.py so that the dynamic-rank rules stay in one place; config.py calls
+:func:`check_dynamic_rank_config` from ``__post_init__`` and lists the per-field checks below in its
+validator table. It imports nothing from sits_lora, and the package's ``__init__`` loads its layers on
+first use only, so config.py can import this module without pulling in the layers, ops and Triton.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+RANK_SCHEDULERS = ("entropy-gated", "learned", "random", "static")
+RANK_BUDGET_MODES = ("target", "ceiling", "price")
+# rank_budget_step_size=None: the step size of each mode (price moves logits directly, target a gradient term).
+# price 6.0: at 2.0 the H200 evaluation's routers sat 1.3 ranks over a target of 16; fitted on its traces the
+# lag is drift·r/(sensitivity·η) and the loop gain sensitivity·η/r is at most ~0.25 at 2.0, so 6.0 cuts the lag
+# threefold at a gain below 1 (bench/NOTES.md); on SmolLM2 on the CPU 6.0 halved the mean error without more
+# swing (bench/results/2026-11-30-cpu-rank-budget-trace)
+DEFAULT_BUDGET_STEP_SIZE = {"price": 6.0, "target": 0.5, "ceiling": 0.5}
+ROUTED_SCHEDULERS = ("entropy-gated", "learned")
+
+# A histogram given as fractions may be rounded when it is copied from a log; 1e-3 accepts three
+# printed decimals per bucket and still catches a wrong list.
+_HISTOGRAM_SUM_TOLERANCE = 1e-3
+# rank_histogram and target_mean_rank both given: they must describe the same mean rank, within half
+# a rank (a histogram printed to three decimals over buckets up to 64 is off by at most 0.13).
+_MEAN_RANK_TOLERANCE = 0.5
+
+
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def require_bool(value: Any) -> Optional[str]:
+    if not isinstance(value, bool):
+        return "it must be True or False"
+    return None
+
+
+def require_buckets(value: Any) -> Optional[str]:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not value:
+        return "it must be a non-empty list of ranks, e.g. rank_buckets=[16, 32, 48, 64]"
+    for b in value:
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+            return (f"every bucket must be a non-negative integer rank, found {b!r}; e.g. rank_buckets=[16, 32, 48, 64] "
+                    f"(a first bucket of 0 lets a token skip the adapter)")
+    return None
+
+
+def require_optional_positive_number(example: str):
+    def check(value: Any) -> Optional[str]:
+        if value is None:
+            return None
+        if not _is_number(value) or value <= 0:
+            return f"it must be a positive number or None, e.g. {example}"
+        return None
+
+    return check
+
+
+def require_positive_number(example: str, allow_none: bool = False):
+    def check(value: Any) -> Optional[str]:
+        if value is None and allow_none:
+            return None
+        if not _is_number(value) or value <= 0:
+            return f"it must be a positive number, e.g. {example}"
+        return None
+
+    return check
+
+
+def require_histogram(value: Any) -> Optional[str]:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not value or not all(_is_number(p) and p >= 0 for p in value):
+        return "it must be a list of non-negative fractions, one per bucket, e.g. rank_histogram=[0.4, 0.3, 0.2, 0.1]"
+    if abs(sum(value) - 1.0) > _HISTOGRAM_SUM_TOLERANCE:
+        return f"its fractions sum to {sum(value):.4f}; they must sum to 1"
+    return None
+
+
+def default_buckets(r: int) -> Optional[list[int]]:
+    """Buckets in steps of 16 up to r (tensor-core tiles want multiples of 16), or None if r is not one."""
+    if r % 16 != 0 or r < 32:
+        return None
+    return list(range(16, r + 1, 16))
+
+
+def histogram_mean(histogram: Sequence[float], buckets: Sequence[int]) -> float:
+    return float(sum(p * b for p, b in zip(histogram, buckets)) / sum(histogram))
+
+
+def max_entropy_histogram(buckets: Sequence[int], target: float) -> list[float]:
+    """The most spread-out bucket distribution whose mean rank is ``target``: p_k ∝ exp(β·b_k).
+
+    Used as the router's starting histogram and as the random scheduler's default, so that both
+    start at the budget. β is found by bisection (the mean is monotone in β).
+    """
+    b = [float(x) for x in buckets]
+    if len(b) == 1 or target <= b[0]:
+        return [1.0] + [0.0] * (len(b) - 1)
+    if target >= b[-1]:
+        return [0.0] * (len(b) - 1) + [1.0]
+    scale = b[-1] - b[0]
+
+    def mean(beta: float) -> tuple[float, list[float]]:
+        logits = [beta * (x - b[-1]) / scale for x in b]
+        top = max(logits)
+        w = [math.exp(v - top) for v in logits]
+        total = sum(w)
+        p = [v / total for v in w]
+        return sum(pk * bk for pk, bk in zip(p, b)), p
+
+    lo, hi = -200.0, 200.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        m, _ = mean(mid)
+        if m < target:
+            lo = mid
+        else:
+            hi = mid
+    return mean(0.5 * (lo + hi))[1]
+
+
+def _err(field: str, value: Any, problem: str) -> ValueError:
+    return ValueError(f"SitsLoraConfig.{field}={value!r} is invalid: {problem}.")
+
+
+def check_dynamic_rank_config(config) -> None:
+    """Cross-field checks; fills ``rank_buckets`` with its default when it is None. Raises ValueError."""
+    defaults = {"rank_scheduler": "entropy-gated", "rank_buckets": None, "target_mean_rank": None,
+                "rank_histogram": None}
+    if not config.use_dynamic_rank:
+        for name, default in defaults.items():
+            value = getattr(config, name)
+            if value != default:
+                raise _err(name, value, "it has no effect without use_dynamic_rank=True; set use_dynamic_rank=True "
+                                        "or remove it")
+        return
+
+    r = config.r
+    if config.rank_pattern or config.alpha_pattern:
+        name = "rank_pattern" if config.rank_pattern else "alpha_pattern"
+        raise _err(name, getattr(config, name), "per-layer ranks and alphas are not supported with "
+                   "use_dynamic_rank=True (the buckets are shared by all layers); remove it, or use a static adapter")
+    if config.use_dora:
+        raise _err("use_dora", True, "DoRA is not supported with use_dynamic_rank=True; set use_dora=False")
+    if config.lora_bias:
+        raise _err("lora_bias", True, "a bias on lora_B is not supported with use_dynamic_rank=True; set lora_bias=False")
+
+    if config.rank_buckets is None:
+        buckets = default_buckets(r)
+        if buckets is None:
+            raise _err("rank_buckets", None, f"with r={r} (not a multiple of 16 of at least 32) there is no default; "
+                       f"give the buckets, e.g. rank_buckets=[{max(1, r // 4)}, {max(1, r // 2)}, {r}]")
+        config.rank_buckets = buckets
+    buckets = list(config.rank_buckets)
+    if any(b2 <= b1 for b1, b2 in zip(buckets, buckets[1:])):
+        raise _err("rank_buckets", buckets, "the buckets must be strictly increasing, e.g. [16, 32, 48, 64]; "
+                   "sort them and remove duplicates")
+    if buckets[-1] > r:
+        raise _err("rank_buckets", buckets, f"bucket {buckets[-1]} is above r={r}: a token cannot use more rank "
+                   f"dimensions than the adapter has; lower the bucket or raise r to {buckets[-1]}")
+    if buckets[-1] != r:
+        raise _err("rank_buckets", buckets, f"the last bucket ({buckets[-1]}) must equal r={r}, the adapter's full "
+                   f"rank (dimensions above it would never be used); append {r} or lower r to {buckets[-1]}")
+
+    scheduler = config.rank_scheduler
+    target = config.target_mean_rank
+    histogram = config.rank_histogram
+    if target is not None and not buckets[0] <= target <= buckets[-1]:
+        raise _err("target_mean_rank", target, f"it must lie within the buckets, between {buckets[0]} and "
+                   f"{buckets[-1]} (rank_buckets={buckets})")
+    if histogram is not None:
+        if scheduler != "random":
+            raise _err("rank_histogram", histogram, f"it applies only to rank_scheduler='random', not "
+                       f"{scheduler!r}; remove it")
+        if len(histogram) != len(buckets):
+            raise _err("rank_histogram", histogram, f"it has {len(histogram)} entries but there are "
+                       f"{len(buckets)} buckets ({buckets}); give one fraction per bucket")
+    if scheduler in ROUTED_SCHEDULERS and target is None:
+        raise _err("target_mean_rank", None, f"rank_scheduler={scheduler!r} routes tokens under a budget and needs "
+                   f"a target mean rank, e.g. target_mean_rank={buckets[len(buckets) // 2 - 1] if len(buckets) > 1 else buckets[0]}")
+    if scheduler == "static" and target is not None:
+        raise _err("target_mean_rank", target, "rank_scheduler='static' does not route (every token uses the full "
+                   "rank at inference); remove target_mean_rank, or truncate the trained adapter with "
+                   "sits_lora.truncate_rank(model, k)")
+    if scheduler == "random":
+        if histogram is None and target is None:
+            raise _err("target_mean_rank", None, "rank_scheduler='random' needs target_mean_rank or rank_histogram "
+                       "(the fraction of tokens per bucket)")
+        if histogram is not None and target is not None:
+            mean = histogram_mean(histogram, buckets)
+            if abs(mean - target) > _MEAN_RANK_TOLERANCE:
+                raise _err("target_mean_rank", target, f"rank_histogram={list(histogram)} has mean rank {mean:.2f}, "
+                           f"not {target}; remove one of the two or make them agree")

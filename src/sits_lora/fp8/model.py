@@ -1,0 +1,211 @@
+"""The fp8 frozen base across a sits_lora model: check and quantize at injection, plan, merge, report.
+
+``quantize_base_layers`` (called by SitsLoraModel after each injection) swaps the ``nn.Linear``
+base of the adapted SitsLoraLinear layers that fp8 suits for an :class:`Fp8BaseLinear`, builds one
+:class:`Fp8ScalingState` for all of them and sets each layer's ``frozen_base`` to an :class:`Fp8Base`
+(sits_lora.bases.fp8), whose fused path the layer's forward then runs.
+``restore_bf16_base_layers`` undoes the swap before a merge or an unload.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from torch import nn
+
+from ..bases import BF16_BASE
+from ..bases.fp8 import Fp8Base, Fp8BaseLinear, check_fp8_hardware
+from ..ops import fp8 as fp8_ops
+from . import selection
+from .checks import FP8_DEFAULTS, SHARED_FIELDS
+from .scaling import Fp8ScalingState
+
+logger = logging.getLogger(__name__)
+
+STATE_ATTRIBUTE = "sits_fp8"   # the state's name on SitsLoraModel: model.base_model.sits_fp8
+def _fp8_settings(config) -> dict:
+    return {name: getattr(config, name, None) for name in SHARED_FIELDS}
+
+
+def _check_targets(config, adapter_name: str, targets: list) -> None:
+    """targets: (name, base module) pairs; each must be an nn.Linear with dims that are multiples of 16."""
+    wrong = [f"{key} ({type(m).__name__})" for key, m in targets if type(m) not in (nn.Linear, Fp8BaseLinear)]
+    if wrong:
+        raise ValueError(
+            f"SitsLoraConfig.fp8={config.fp8!r} quantizes torch.nn.Linear base layers only; adapter {adapter_name!r} "
+            f"targets {', '.join(wrong[:6])}{' ...' if len(wrong) > 6 else ''}. Leave these out of target_modules "
+            f"(or add them to exclude_modules), or set fp8='off'."
+        )
+    odd = [f"{key} ({m.in_features} x {m.out_features})" for key, m in targets
+           if m.in_features % 16 or m.out_features % 16]
+    if odd:
+        raise ValueError(
+            f"SitsLoraConfig.fp8={config.fp8!r} needs in_features and out_features that are multiples of 16 "
+            f"(torch._scaled_mm), but adapter {adapter_name!r} targets {', '.join(odd[:6])}"
+            f"{' ...' if len(odd) > 6 else ''}. Add these to exclude_modules, or set fp8='off'."
+        )
+
+
+def check_before_injection(tuner, model: nn.Module, adapter_name: str) -> None:
+    """Refuse an fp8 setting that cannot work before PEFT touches the model (nothing lost on bad input)."""
+    import copy
+
+    from peft.tuners.tuners_utils import BaseTunerLayer, _maybe_include_all_linear_layers, check_target_module_exists
+
+    config = tuner.peft_config[adapter_name]
+    settings = _fp8_settings(config)
+    for name, other_config in tuner.peft_config.items():
+        other = _fp8_settings(other_config)
+        if name != adapter_name and other != settings:
+            differ = ", ".join(f"{k}: {other[k]!r} vs {settings[k]!r}" for k in SHARED_FIELDS if other[k] != settings[k])
+            raise ValueError(
+                f"SitsLoraConfig of adapter {adapter_name!r} and of adapter {name!r} disagree on the fp8 base "
+                f"({differ}); the adapters of one model share one base, quantized or not. Give both the same fp8 "
+                f"settings, or load the model again for the other setting."
+            )
+    if config.fp8 == "off":
+        return
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    check_fp8_hardware(device, config.fp8_emulate)
+    resolved = _maybe_include_all_linear_layers(copy.copy(config), model)
+    targets = []
+    for key, module in model.named_modules():
+        if key and check_target_module_exists(resolved, key):
+            targets.append((key, module.get_base_layer() if isinstance(module, BaseTunerLayer) else module))
+    _check_targets(config, adapter_name, targets)
+
+
+def quantize_base_layers(tuner, adapter_name: str, layer_cls) -> int:
+    """After injecting ``adapter_name``: quantize the bases its fp8 config asks for; return how many.
+
+    ``tuner`` is the SitsLoraModel, ``layer_cls`` SitsLoraLinear. All adapters of one model share
+    the fp8 base (:func:`check_before_injection` made sure their fp8 settings agree).
+    """
+    config = tuner.peft_config[adapter_name]
+    if config.fp8 == "off":
+        return 0
+    layers = [(key, m) for key, m in tuner.model.named_modules() if hasattr(m, "lora_A") and adapter_name in m.lora_A]
+    not_ours = [f"{key} ({type(m).__name__})" for key, m in layers if type(m) is not layer_cls]
+    if not_ours:
+        raise ValueError(
+            f"SitsLoraConfig.fp8={config.fp8!r}: adapter {adapter_name!r} put PEFT layers that sits_lora does not run "
+            f"on {', '.join(not_ours[:6])}; fp8 needs torch.nn.Linear targets. Leave these out of target_modules.")
+    _check_targets(config, adapter_name, [(key, m.base_layer) for key, m in layers])
+    grad_dtype = fp8_ops.E5M2 if config.fp8 == "hybrid" else fp8_ops.E4M3
+    choose_by_speed = config.fp8_layers == "auto" and not config.fp8_emulate
+    quantized = 0
+    for _, layer in layers:
+        base = layer.base_layer
+        if type(base) is not nn.Linear:
+            continue
+        if choose_by_speed:
+            use_fp8, layer._fp8_choice = selection.choose(base.weight.device, base.in_features, base.out_features)
+            if not use_fp8:
+                continue  # stays on the bf16 fused path: fp8 would be slower at this shape
+        else:
+            layer._fp8_choice = ("fp8_emulate: every layer" if config.fp8_emulate else "fp8_layers='all'")
+        layer.base_layer = Fp8BaseLinear.from_linear(
+            base, config.fp8_weight_scale, config.fp8_keep_bf16_weight, grad_dtype, config.fp8_margin,
+            config.fp8_emulate)
+        quantized += 1
+    _bind(tuner, layer_cls, config)
+    if choose_by_speed:
+        plan = fp8_layer_plan(tuner.model)
+        kept = [name for name, entry in plan.items() if entry["base"] == "bf16"]
+        logger.info("fp8_layers='auto': %d of %d adapted layers on the fp8 base, %d stay bf16 (%s)%s",
+                    quantized, len(plan), len(kept), ", ".join(kept[:4]), " ..." if len(kept) > 4 else "")
+    return quantized
+
+
+def fp8_layer_plan(model: nn.Module) -> dict:
+    """{layer name: {"base": "fp8" | "bf16", "in_features", "out_features", "why"}} for every adapted
+    layer of a model built with fp8 on: which base each layer runs, and the reason (a measurement, the
+    size rule, or fp8_layers='all')."""
+    plan = {}
+    for name, module in model.named_modules():
+        base = getattr(module, "base_layer", None)
+        if not hasattr(module, "lora_A") or not isinstance(base, nn.Linear):
+            continue
+        plan[name] = {"base": "fp8" if isinstance(base, Fp8BaseLinear) else "bf16",
+                      "in_features": base.in_features, "out_features": base.out_features,
+                      "why": getattr(module, "_fp8_choice", None)}
+    return plan
+
+
+def _bind(tuner, layer_cls, config) -> None:
+    """One Fp8ScalingState for every fp8 layer of the model (rebuilt, keeping known layers' rows)."""
+    layers = [(key, m) for key, m in tuner.model.named_modules()
+              if isinstance(m, layer_cls) and isinstance(m.base_layer, Fp8BaseLinear)]
+    old = getattr(tuner, STATE_ATTRIBUTE, None)
+    if not layers:
+        for _, m in tuner.model.named_modules():
+            if isinstance(m, layer_cls):
+                m.frozen_base = BF16_BASE
+        if old is not None:
+            delattr(tuner, STATE_ATTRIBUTE)
+        return
+    device = layers[0][1].base_layer.weight.device
+    state = Fp8ScalingState([key for key, _ in layers], config.fp8, config.fp8_amax_history_len,
+                            config.fp8_amax_compute_algo, config.fp8_margin, config.fp8_emulate, device)
+    if old is not None:
+        state.copy_rows_from(old)
+    setattr(tuner, STATE_ATTRIBUTE, state)
+    for index, (_, layer) in enumerate(layers):
+        layer.frozen_base = Fp8Base(state, index)
+
+
+def restore_bf16_base_layers(tuner, layer_cls) -> int:
+    """Give every fp8 base back as a bf16 ``nn.Linear`` (before merge / unload); return how many.
+
+    With fp8_keep_bf16_weight=True the original weight comes back exactly; otherwise the weight
+    is the dequantized e4m3 one (codes times scale: about 3 significant bits per value).
+    """
+    restored = 0
+    for _, layer in tuner.model.named_modules():
+        if isinstance(layer, layer_cls) and isinstance(layer.base_layer, Fp8BaseLinear):
+            layer.base_layer = layer.base_layer.to_linear()
+            layer.frozen_base = BF16_BASE
+            restored += 1
+    if restored:
+        config = next(iter(tuner.peft_config.values()))
+        _bind(tuner, layer_cls, config)
+    return restored
+
+
+def without_fp8(config):
+    """A copy of a SitsLoraConfig with fp8 off and the fp8 fields at their defaults.
+
+    An fp8-trained adapter is an ordinary LoRA adapter (bf16 / fp32 A and B): pass
+    ``config=without_fp8(SitsLoraConfig.from_pretrained(path))`` to ``PeftModel.from_pretrained`` to
+    load it onto a bf16 base (on any machine), or export it with ``sits_lora.export_peft_lora``.
+    """
+    return dataclasses.replace(config, fp8="off", **FP8_DEFAULTS)
+
+
+def frozen_weight_memory(model: nn.Module) -> dict:
+    """Bytes of the frozen base weights of adapted layers, as stored now and as bf16 would store them.
+
+    Counts each adapted layer's base weight (fp8: codes, scale and any kept bf16 copy; otherwise
+    the weight as stored), not biases, embeddings or unadapted layers. ``ratio`` = stored / bf16.
+    """
+    stored = bf16 = layers = fp8_layers = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        base = getattr(module, "base_layer", None)
+        if not hasattr(module, "lora_A") or not isinstance(base, nn.Linear) or id(base) in seen:
+            continue
+        seen.add(id(base))
+        layers += 1
+        numel = base.weight.numel()
+        bf16 += 2 * numel
+        if isinstance(base, Fp8BaseLinear):
+            fp8_layers += 1
+            stored += numel * base.weight.element_size() + base.weight_scale_inv.numel() * 4
+            if base.weight_bf16 is not None:
+                stored += base.weight_bf16.numel() * base.weight_bf16.element_size()
+        else:
+            stored += numel * base.weight.element_size()
+    return {"layers": layers, "fp8_layers": fp8_layers, "stored_bytes": stored, "bf16_bytes": bf16,
+            "ratio": stored / bf16 if bf16 else None}

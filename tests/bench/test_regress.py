@@ -1,0 +1,118 @@
+"""bench/regress.py, the GPU regression gate: its checks on made-up rows, its baseline, and a CPU run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT, bench_module
+
+regress = bench_module("regress")
+
+
+def _rows(shape, **steps):
+    rows = [{"shape": shape, "arm": arm.replace("_", "+"), "step_s": s, "layers": 2} for arm, s in steps.items()]
+    bench_module("bench_model").add_floor_ratios(rows)
+    return rows
+
+
+def _by_what(checks, kind):
+    return {(c["shape"], c["what"]): c for c in checks if c["kind"] == kind}
+
+
+def test_a_sits_arm_more_than_five_percent_over_its_baseline_fails():
+    baseline = {"rows": _rows("1b", frozen=1.0, frozen_liger=0.8, sits=1.2, sits_liger=1.0)}
+    now = _rows("1b", frozen=1.0, frozen_liger=0.8, sits=1.2 * 1.04, sits_liger=1.0 * 1.06)
+    checks = _by_what(regress.compare(now, baseline, [], {}), "regression")
+    assert checks[("1b", "sits")]["ok"] is True          # 4 % over: inside the tolerance
+    assert checks[("1b", "sits+liger")]["ok"] is False   # 6 % over
+    assert "1.325x floor, baseline 1.250x" in checks[("1b", "sits+liger")]["detail"]
+    # ratios to the floor, not times: a machine 10 % slower in every arm passes
+    slower = _rows("1b", frozen=1.1, frozen_liger=0.88, sits=1.32, sits_liger=1.1)
+    assert all(c["ok"] for c in regress.compare(slower, baseline, [], {}))
+
+
+def test_failed_arms_graph_breaks_and_missing_baselines_are_reported():
+    rows = _rows("8b", frozen=1.0, sits=1.1) + [{"shape": "8b", "arm": "sits+fp8", "error": "CUDA out of memory"}]
+    breaks = [{"config": "static", "graph_breaks": 0}, {"config": "fp8 hybrid", "graph_breaks": 3},
+              {"config": "dynamic rank, random router", "graph_breaks": 22}, {"config": "some other", "graph_breaks": 5}]
+    checks = regress.compare(rows, None, breaks, {})
+    regression = _by_what(checks, "regression")
+    assert regression[("8b", "sits")]["ok"] is None and regression[("8b", "sits")]["detail"] == "no baseline"
+    assert regression[("8b", "sits+fp8")]["ok"] is False
+    compiled = _by_what(checks, "graph breaks")
+    assert compiled[("-", "static")]["ok"] is True and compiled[("-", "fp8 hybrid")]["ok"] is False
+    assert compiled[("-", "dynamic rank, random router")]["ok"] is False  # gated since it traces whole
+    assert ("-", "some other") not in compiled  # a configuration outside the gated list: in the JSON only
+
+
+def test_targets_use_the_floor_of_the_same_run():
+    rows = _rows("1b", frozen=1.2, frozen_compile=1.0, frozen_liger=0.9, peft_compile=1.8,
+                 sits=1.3, sits_compile=1.08, sits_liger=1.0, sits_fp8=1.1)
+    checks = _by_what(regress.compare(rows, None, [], regress.TARGETS), "target")
+    assert checks[("1b", "best sits bf16 <= 1.10x floor")]["ok"] is False      # 1.0 / 0.9 = 1.11
+    assert checks[("1b", "sits+compile <= 1.10x frozen+compile")]["ok"] is True  # 1.08
+    assert checks[("1b", "best sits bf16 >= 1.6x peft+compile")]["ok"] is True   # 1.8 / 1.0
+    assert checks[("1b", "best sits fp8 no slower than best sits bf16")]["ok"] is False
+    assert "sits+liger 1.111x the floor" in checks[("1b", "best sits bf16 <= 1.10x floor")]["detail"]
+    assert not any(c["shape"] == "8b" for c in regress.compare(rows, None, [], regress.TARGETS))
+
+
+def test_a_baseline_split_over_two_calls_keeps_the_other_shape(tmp_path):
+    path = tmp_path / "baseline.json"
+    regress.write_baseline(str(path), _rows("1b", frozen=1.0, sits=1.2), None, "first call")
+    first = json.loads(path.read_text())
+    regress.write_baseline(str(path), _rows("8b", frozen=2.0, sits=2.1), first, "second call")
+    both = json.loads(path.read_text())
+    assert sorted({(r["shape"], r["arm"]) for r in both["rows"]}) == [("1b", "frozen"), ("1b", "sits"),
+                                                                      ("8b", "frozen"), ("8b", "sits")]
+    assert [r["command"] for r in both["runs"]] == ["first call", "second call"]
+    regress.write_baseline(str(path), _rows("1b", frozen=1.0, sits=1.3), both, "third call")
+    again = json.loads(path.read_text())
+    assert [r["command"] for r in again["runs"]] == ["second call", "third call"]
+    assert next(r for r in again["rows"] if r["shape"] == "1b" and r["arm"] == "sits")["vs_floor"] == pytest.approx(1.3)
+
+
+@pytest.mark.slow
+def test_smoke_run_on_the_cpu(tmp_path):
+    """The whole gate on a CPU at a tiny size: arms in their own processes, graph breaks counted, files written."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "regress.py"), "--smoke", "--out",
+                           str(tmp_path), "--arms", "frozen", "sits", "sits+compile"],
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "regress.json").read_text())
+    assert [r["arm"] for r in result["rows"]] == ["frozen", "sits", "sits+compile"]
+    assert all(r["tokens_per_s"] > 0 and r["vs_floor"] > 0 for r in result["rows"])
+    assert result["rows"][0]["vs_floor"] == 1.0  # frozen is this run's only floor arm (a compiled arm may beat it)
+    assert {c["config"]: c["graph_breaks"] for c in result["graph_breaks"]} == {c: 0 for c in regress.GATED_COMPILE_CONFIGS}
+    assert (tmp_path / "regress.csv").exists() and (tmp_path / "regress.png").stat().st_size > 1000
+    assert "0 failed check(s)" in proc.stdout
+
+
+def test_refuses_a_gpu_run_without_a_gpu_and_unknown_shapes():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the refusal of a machine without a GPU")
+    script = os.path.join(REPO_ROOT, "bench", "regress.py")
+    proc = subprocess.run([sys.executable, script, "--out", "unused"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no CUDA GPU here" in proc.stderr
+    proc = subprocess.run([sys.executable, script, "--smoke", "--shapes", "70b"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "--shapes ['70b'] unknown" in proc.stderr
+
+
+def test_a_run_of_a_few_arms_updates_only_those(tmp_path):
+    path = tmp_path / "baseline.json"
+    regress.write_baseline(str(path), _rows("1b", frozen=1.0, sits=1.2, sits_compile=1.1), None, "full")
+    full = json.loads(path.read_text())
+    regress.write_baseline(str(path), _rows("1b", frozen=1.0, sits=1.1), full, "eager arms only")
+    now = json.loads(path.read_text())
+    by_arm = {r["arm"]: r["vs_floor"] for r in now["rows"]}
+    assert by_arm["sits"] == pytest.approx(1.1) and by_arm["sits+compile"] == pytest.approx(1.1)
+    assert [r["command"] for r in now["runs"]] == ["full", "eager arms only"]  # the compiled row is still full's

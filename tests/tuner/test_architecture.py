@@ -1,0 +1,137 @@
+"""The package's import graph: no cycles (function-local imports included), no private name imported from
+another module, and the layers depend downwards only (utils <- ops <- bases <- layers and features <- tooling)."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import sits_lora
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(sits_lora.__file__))
+
+# what each part of the package may import from sits_lora (by module prefix); a module not listed may import
+# anything that does not close a cycle
+ALLOWED = {
+    "sits_lora.utils": ("sits_lora.utils",),
+    "sits_lora.ops": ("sits_lora.ops", "sits_lora.utils"),
+    "sits_lora.bases": ("sits_lora.bases", "sits_lora.ops", "sits_lora.utils"),
+}
+TOOLING = ("sits_lora.cli", "sits_lora.recipe")
+ENTRY_POINTS = ("sits_lora.__main__",)  # ``python -m sits_lora`` is the command line
+
+
+def _modules() -> dict[str, str]:
+    found = {}
+    for folder, _, files in os.walk(PACKAGE_DIR):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                rel = os.path.relpath(path, os.path.dirname(PACKAGE_DIR))[:-3].replace(os.sep, ".")
+                found[rel.removesuffix(".__init__")] = path
+    return found
+
+
+def _imports(modules: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(importer, imported module, imported name or '') for every import of sits_lora, at any depth."""
+    edges = []
+    for module, path in modules.items():
+        package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Import):
+                edges += [(module, a.name, "") for a in node.names if a.name.startswith("sits_lora")]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                if not target.startswith("sits_lora"):
+                    continue
+                for alias in node.names:
+                    submodule = f"{target}.{alias.name}"
+                    edges.append((module, submodule, "") if submodule in modules else (module, target, alias.name))
+    return edges
+
+
+def _cycles(modules, edges) -> list[list[str]]:
+    graph = {m: set() for m in modules}
+    for importer, imported, _ in edges:
+        # importing a package's submodule runs the package's __init__, which is not a dependency of the
+        # package on its own child
+        if imported in modules and importer != imported and not imported.startswith(importer + "."):
+            graph[importer].add(imported)
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_package_has_no_import_cycle():
+    modules = _modules()
+    assert _cycles(modules, _imports(modules)) == []
+
+
+def test_no_private_name_is_imported_from_another_module():
+    modules = _modules()
+    private = [f"{importer} imports {name} from {imported}" for importer, imported, name in _imports(modules)
+               if name.startswith("_") and not name.startswith("__")]
+    assert private == []
+
+
+def test_layers_import_downwards_only():
+    wrong = []
+    for importer, imported, _ in _imports(_modules()):
+        for part, allowed in ALLOWED.items():
+            if (importer == part or importer.startswith(part + ".")) and not any(
+                    imported == a or imported.startswith(a + ".") for a in allowed):
+                wrong.append(f"{importer} -> {imported}")
+        # the library never reaches up into the command line or the recipe
+        if not importer.startswith(TOOLING + ENTRY_POINTS) and imported.startswith(TOOLING):
+            wrong.append(f"{importer} -> {imported}")
+    # utils.env stamps results with the package's version (sits_lora.__version__), nothing else of it
+    wrong = [w for w in wrong if w != "sits_lora.utils.env -> sits_lora"]
+    assert wrong == []
+
+
+def test_the_checker_sees_a_cycle_and_a_private_import(tmp_path):
+    """The two checks above are not vacuous: a planted cycle and a planted private import are found."""
+    modules = {"sits_lora.a": str(tmp_path / "a.py"), "sits_lora.b": str(tmp_path / "b.py")}
+    (tmp_path / "a.py").write_text("def f():\n    from .b import _helper\n")
+    (tmp_path / "b.py").write_text("from .a import f\n")
+    edges = _imports(modules)
+    assert _cycles(modules, edges) == [["sits_lora.a", "sits_lora.b"]]
+    assert ("sits_lora.a", "sits_lora.b", "_helper") in edges
+
+
+def test_the_top_level_api_is_the_users():
+    """``sits_lora.__all__`` holds the config, the model helpers, the trainer and callbacks, export and the
+    dynamic-rank tools; tooling (the command line's benchmark, the recipe) is reached through its subpackage."""
+    assert "BenchmarkRunner" not in sits_lora.__all__
+    for name in sits_lora.__all__:
+        value = getattr(sits_lora, name)
+        module = getattr(value, "__module__", "") or ""
+        assert not module.startswith(TOOLING), f"{name} comes from {module}"
