@@ -9,9 +9,8 @@ below load their modules on first use (sits_lora.registry says how).
 
 from __future__ import annotations
 
-import importlib
-
 from .registry import register_when_peft_loads
+from .utils.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -36,17 +35,7 @@ _EXPORTS = {
 register_when_peft_loads()
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 def apply_native_lora(model, config, adapter_name: str = "default", **kwargs):

@@ -23,7 +23,7 @@ from sits_lora.dynamic_rank import (
     group_tokens_by_bucket,
     rank_parameter_counts,
 )
-from sits_lora.dynamic_rank.reference import rank_step_matrix
+from sits_lora.ops.reference import rank_step_matrix
 
 from conftest import randomize_lora_weights, rel_err, tiny_llama
 

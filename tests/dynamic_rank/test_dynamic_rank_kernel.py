@@ -158,8 +158,11 @@ def test_shrink_limited_zeroes_h_from_each_limit_and_keeps_the_full_h_on_request
 def test_layer_with_kernel_triton_matches_kernel_torch(scheduler, monkeypatch):
     """The whole routed model: same outputs and gradients (routers included) with either kernel."""
     calls = []
-    fused = ops.lora_linear_dynamic_rank_triton
-    monkeypatch.setattr(ops, "lora_linear_dynamic_rank_triton", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    from sits_lora.ops import dynamic_rank as dynamic_rank_op
+
+    fused = dynamic_rank_op.lora_linear_dynamic_rank_triton
+    monkeypatch.setattr(dynamic_rank_op, "lora_linear_dynamic_rank_triton",
+                        lambda *a, **k: calls.append(1) or fused(*a, **k))
     results = {}
     for kernel in ("torch", "triton"):
         model = dyn_model(scheduler, kernel=kernel).train()

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from sits_lora import ops
-from sits_lora.ops.fused import GEMM_BACKENDS, lora_dy_pass, lora_shrink, lora_x_pass
+from sits_lora.ops.choice import GEMM_BACKENDS
+from sits_lora.ops.fused import lora_dy_pass, lora_shrink, lora_x_pass
 from sits_lora.ops.reference import lora_linear_reference
 
 from conftest import rel_err

@@ -7,7 +7,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from sits_lora import SitsLoraConfig, ops
-from sits_lora.ops.fused import GEMM_BACKENDS
+from sits_lora.ops.choice import GEMM_BACKENDS
 from sits_lora.ops.reference import lora_linear_reference
 
 from conftest import randomize_lora_weights, rel_err, tiny_llama

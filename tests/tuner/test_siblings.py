@@ -95,7 +95,7 @@ def test_fuse_siblings_must_be_bool():
 @pytest.mark.skipif(not ops.triton_interpreter_on(), reason="runs the Triton kernels under TRITON_INTERPRET=1")
 def test_siblings_backward_with_an_output_that_got_no_gradient():
     """A sibling whose output received no gradient (None) gets zero dA / dB; the others are unchanged."""
-    from sits_lora.ops import fused
+    from sits_lora.ops import siblings as siblings_op
     from sits_lora.ops.reference import lora_linear_torch
 
     gen = torch.Generator().manual_seed(3)
@@ -106,8 +106,8 @@ def test_siblings_backward_with_an_output_that_got_no_gradient():
     Bs = [torch.randn(n, r, generator=gen) / r**0.5 for n, r in zip(outs, ranks)]
     dys = [torch.randn(T, n, generator=gen) for n in outs]
     dys[1] = None
-    _, h, A_all = fused.lora_siblings_forward(x, Ws, [None] * 3, As, Bs, scales, "cublas")
-    dx, dAs, dBs = fused.lora_siblings_backward(dys, x, Ws, As, Bs, h, scales, "cublas", True, A_all)
+    _, h, A_all = siblings_op.lora_siblings_forward(x, Ws, [None] * 3, As, Bs, scales, "cublas")
+    dx, dAs, dBs = siblings_op.lora_siblings_backward(dys, x, Ws, As, Bs, h, scales, "cublas", True, A_all)
     dx_ref = torch.zeros_like(x)
     for i, (W, A, B, s, dy) in enumerate(zip(Ws, As, Bs, scales, dys)):
         if dy is None:

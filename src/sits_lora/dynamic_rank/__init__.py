@@ -1,8 +1,8 @@
 """Per-token dynamic rank: nested rank dimensions, a router per adapted layer, a budget.
 
 Turned on by ``SitsLoraConfig(use_dynamic_rank=True, ...)``; SitsLoraModel then builds
-:class:`DynamicRankLinear` layers. ``reference.py`` is the plain PyTorch path (mask multiply),
-the oracle of a bucketed kernel; ``sampler.py`` computes the base model's token entropies and fits
+:class:`DynamicRankLinear` layers. The op itself (the fused kernels, the PyTorch path and its oracle) is
+in ``sits_lora.ops.dynamic_rank`` and ``sits_lora.ops.reference``; ``sampler.py`` computes the base model's token entropies and fits
 the entropy probes; ``budget.py`` holds the mean active rank at its target; ``callback.py`` runs
 the budget inside a transformers Trainer. The evaluation of the method (arms, seeds, plots) is
 benchmark code: bench/dynamic_rank_harness.py, behind bench/dynamic_rank_eval.py and
@@ -11,40 +11,30 @@ notebooks/dynamic_rank.ipynb. ``checks.py`` validates the dynamic-rank fields of
 
 from __future__ import annotations
 
+from ..utils.lazy import lazy_exports
+
 # Loaded on first use: config.py imports this package's checks whenever sits_lora is imported, and the
 # layers import layer.py, the kernels and Triton; transformers' Trainer machinery (the callback) and the
 # sampler's datasets / tqdm load only when asked for.
 _EXPORTS = {
-    "RankBudget": "budget",
-    "valid_tokens": "scope",
-    "DynamicRankLinear": "layer",
-    "ProbeNotFittedError": "layer",
-    "RoutingMergeError": "layer",
-    "BucketGroups": "reference",
-    "dynamic_rank_lora_linear": "reference",
-    "dynamic_rank_lora_linear_grouped": "reference",
-    "dynamic_rank_lora_linear_reference": "reference",
-    "group_tokens_by_bucket": "reference",
-    "rank_parameter_counts": "truncate",
-    "truncate_rank": "truncate",
-    "DynamicRankCallback": "callback",
-    "TokenEntropySampler": "sampler",
+    "RankBudget": ".budget",
+    "valid_tokens": ".scope",
+    "DynamicRankLinear": ".layer",
+    "ProbeNotFittedError": ".layer",
+    "RoutingMergeError": ".layer",
+    "BucketGroups": "sits_lora.ops.dynamic_rank",
+    "dynamic_rank_lora_linear": "sits_lora.ops.dynamic_rank",
+    "dynamic_rank_lora_linear_grouped": "sits_lora.ops.dynamic_rank",
+    "dynamic_rank_lora_linear_reference": "sits_lora.ops.reference",
+    "group_tokens_by_bucket": "sits_lora.ops.dynamic_rank",
+    "rank_parameter_counts": ".truncate",
+    "truncate_rank": ".truncate",
+    "DynamicRankCallback": ".callback",
+    "TokenEntropySampler": ".sampler",
 }
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        import importlib
-
-        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
-
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     "BucketGroups",

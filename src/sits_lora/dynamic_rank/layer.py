@@ -27,6 +27,8 @@ from torch import Tensor, nn
 from .. import ops
 from ..bases import autocast_inputs
 from ..layer import SitsLoraLinear
+from ..ops.dynamic_rank import dynamic_rank_lora_linear
+from ..ops.reference import device_constant
 from .checks import (
     DEFAULT_BUDGET_STEP_SIZE,
     ROUTED_SCHEDULERS,
@@ -35,7 +37,6 @@ from .checks import (
 )
 from .scope import current_valid_tokens, in_token_scope, measuring_active
 from .nested import forward_bucket_ids, layer_draw_seed
-from .reference import device_constant, dynamic_rank_lora_linear
 from .router import EntropyProbe, TokenRouter, add_budget_gradient, inverse_rms, route
 
 

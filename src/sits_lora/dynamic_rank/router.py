@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from .reference import device_constant
+from ..ops.reference import device_constant
 
 
 # Prior slope of the entropy feature: the logit gap between the largest and the smallest bucket per

@@ -12,26 +12,22 @@ Function in :mod:`sits_lora.ops.fp8`; here: the config checks (``checks``), the 
 
 from __future__ import annotations
 
+from ..utils.lazy import lazy_exports
+
 # Loaded on first use: the layer code imports the Triton kernels, and config.py imports this
 # package (for its field checks) whenever sits_lora is imported.
 _EXPORTS = {
     "Fp8BaseLinear": "sits_lora.bases.fp8",
     "Fp8UnsupportedError": "sits_lora.bases.fp8",
-    "Fp8ScalingState": "sits_lora.fp8.scaling",
-    "fp8_scaling_state": "sits_lora.fp8.scaling",
-    "update_scaling": "sits_lora.fp8.scaling",
-    "fp8_layer_plan": "sits_lora.fp8.model",
-    "frozen_weight_memory": "sits_lora.fp8.model",
-    "without_fp8": "sits_lora.fp8.model",
+    "Fp8ScalingState": ".scaling",
+    "fp8_scaling_state": ".scaling",
+    "update_scaling": ".scaling",
+    "fp8_layer_plan": ".model",
+    "frozen_weight_memory": ".model",
+    "without_fp8": ".model",
 }
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = sorted(_EXPORTS)

@@ -1,4 +1,5 @@
-"""Triton kernels for the LoRA linear layer, and their launchers.
+"""Triton kernels for the LoRA linear layer, and their launchers: the building blocks that the ops
+(``lora_linear``, ``siblings``, ``dynamic_rank``, ``fp8``) drive.
 
 Notation as in ``reference``: x (T, K) the input, W (N, K) the frozen weight, A (R, K), B (N, R),
 s the scaling, h = x Aᵀ (T, R), g = dy B (T, R). R is the LoRA rank (or the summed ranks of
@@ -419,10 +420,10 @@ def lora_dy_pass_parts(dy: torch.Tensor, lora_B: torch.Tensor, h: torch.Tensor, 
 def lora_dy_pass(dy: torch.Tensor, lora_B: torch.Tensor, h: torch.Tensor, scale: float, config: Optional[dict] = None):
     """(g, dB) from one read of dy: g = dy B (T, R) fp32, dB = s·dyᵀ h (N, R) fp32."""
     g_part, db_part = lora_dy_pass_parts(dy, lora_B, h, scale, config)
-    return _sum0(g_part), _sum0(db_part)
+    return sum_leading(g_part), sum_leading(db_part)
 
 
-def _sum0(parts: torch.Tensor) -> torch.Tensor:
+def sum_leading(parts: torch.Tensor) -> torch.Tensor:
     return parts[0] if parts.shape[0] == 1 else parts.sum(0)
 
 
@@ -508,7 +509,7 @@ def lora_x_pass(x: torch.Tensor, lora_A: torch.Tensor, g: torch.Tensor, scale: f
                 config: Optional[dict] = None):
     """(dA, dx_lora or None): dA = s·gᵀ x (R, K) fp32; dx_lora = s·g A (T, K) in x's dtype."""
     da_part, dx = lora_x_pass_parts(x, lora_A, g, scale, write_dx, config)
-    return _sum0(da_part), dx
+    return sum_leading(da_part), dx
 
 
 # ----------------------------------------------------------------------------- backward: the two partial sums
@@ -632,90 +633,7 @@ def limit_grad(g: torch.Tensor, rank_limit: torch.Tensor, scale: float, h_full: 
     return g_out, d_weights
 
 
-# ----------------------------------------------------------------------------- the layer, forward and backward
-
-GEMM_BACKENDS = ("cublas", "triton")
-
-
-def lora_linear_forward(x, x_lora, weight, bias, lora_A, lora_B, scale: float, gemm: str):
-    """(y, h) for 2-D x (T, K): y = x Wᵀ + b + s·(x_lora Aᵀ) Bᵀ, h = x_lora Aᵀ (fp32).
-
-    x_lora None means the LoRA input is x itself (no dropout).
-    """
-    h = lora_shrink(x if x_lora is None else x_lora, lora_A)
-    if gemm == "triton":
-        y = lora_gemm(x, weight.t(), h, lora_B.t(), scale, bias, x.dtype)
-    else:
-        y = lora_expand(h, lora_B, scale, bias, x.dtype)
-        y.addmm_(x, weight.t())          # cuBLAS with beta = 1: the epilogue reads C, no extra pass
-    return y, h
-
-
-def lora_linear_backward(dy, x, x_lora, weight, lora_A, lora_B, h, scale: float, gemm: str, need_dx: bool):
-    """(dx, dx_lora, dA, dB) for 2-D tensors; dx_lora is None unless x_lora is given, dx None unless needed.
-
-    Launches, cuBLAS path without dropout: the dy pass, the x pass (which sums g's partials and writes
-    s·g A into dx), one launch summing dA's and dB's partials, and cuBLAS adding dy W into dx."""
-    g_part, db_part = lora_dy_pass_parts(dy, lora_B, h, scale)
-    if gemm == "triton" and x_lora is None:
-        g = _sum0(g_part)
-        da_part, _ = lora_x_pass_parts(x, lora_A, g, scale, write_dx=False)
-        dx = lora_gemm(dy, weight, g, lora_A, scale, None, dy.dtype) if need_dx else None
-        dA, dB = sum_partials(da_part, db_part)
-        return dx, None, dA, dB
-    dx = dx_lora = None
-    if x_lora is not None:
-        # dropout: the LoRA gradient belongs to x_lora, autograd applies the mask and adds it to dx
-        da_part, dx_lora = lora_x_pass_parts(x_lora, lora_A, g_part, scale, write_dx=True)
-        if need_dx:
-            dx = lora_gemm(dy, weight, None, None, 0.0, None, dy.dtype) if gemm == "triton" else dy @ weight
-    else:
-        da_part, dx = lora_x_pass_parts(x, lora_A, g_part, scale, write_dx=need_dx)
-        if need_dx:
-            dx.addmm_(dy, weight)   # cuBLAS with beta = 1 adds dy W to the LoRA part already in dx
-    dA, dB = sum_partials(da_part, db_part)
-    return dx, dx_lora, dA, dB
-
-
-def _x_side(dy, x, x_lora, weight, lora_A, g, scale, need_dx):
-    """(dA, dx, dx_lora) from g = dy B (T, R), with cuBLAS for dy W."""
-    dx = dx_lora = None
-    if x_lora is not None:
-        dA, dx_lora = lora_x_pass(x_lora, lora_A, g, scale, write_dx=True)
-        if need_dx:
-            dx = dy @ weight
-    else:
-        dA, dx = lora_x_pass(x, lora_A, g, scale, write_dx=need_dx)
-        if need_dx:
-            dx.addmm_(dy, weight)
-    return dA, dx, dx_lora
-
-
-def dynamic_rank_forward(x, x_lora, weight, bias, lora_A, lora_B, scale: float, rank_limit, keep_full: bool,
-                         token_order=None):
-    """(y, h limited, h or None) for 2-D x: token t uses the first rank_limit[t] ((T,) int32) rank columns.
-
-    The shrink writes h already limited, so the expand and, in the backward, the dy pass are the static
-    kernels; ``keep_full`` also keeps the unlimited h for the router's gradient. With ``token_order`` (tokens
-    sorted by limit) the expand takes its blocks in that order and skips the rank tiles above each
-    block's largest limit (see lora_expand). The frozen GEMM is cuBLAS.
-    """
-    h, h_full = lora_shrink_limited(x if x_lora is None else x_lora, lora_A, rank_limit, keep_full)
-    grouped = token_order is not None
-    y = lora_expand(h, lora_B, scale, bias, x.dtype, rank_limit=rank_limit if grouped else None,
-                    token_order=token_order)
-    y.addmm_(x, weight.t())
-    return y, h, h_full
-
-
-def dynamic_rank_backward(dy, x, x_lora, weight, lora_A, lora_B, h, scale: float, need_dx: bool, rank_limit,
-                          h_full=None, bucket_ends=None):
-    """(dx, dx_lora, dA, dB, bucket-weight gradient or None) for dynamic_rank_forward's outputs: the
-    static dy and x passes around one limit_grad (g limited, and the router's gradient from h_full)."""
-    g, dB = lora_dy_pass(dy, lora_B, h, scale)
-    g, d_weights = limit_grad(g, rank_limit, scale, h_full, bucket_ends)
-    dA, dx, dx_lora = _x_side(dy, x, x_lora, weight, lora_A, g, scale, need_dx)
-    return dx, dx_lora, dA, dB, d_weights
+# ----------------------------------------------------------------------------- tuning
 
 
 def tune_layer_kernels(K: int, N: int, R: int, dtype: torch.dtype, device, tokens: int = 8192, save: bool = True,
@@ -756,75 +674,3 @@ def tune_layer_kernels(K: int, N: int, R: int, dtype: torch.dtype, device, token
             "configs_tried": len(timings),
         }
     return report
-
-
-# ----------------------------------------------------------------------------- siblings: layers that read the same x
-
-
-def lora_siblings_forward(x, weights, biases, lora_As, lora_Bs, scales, gemm: str):
-    """Outputs of several LoRA linears on the same 2-D x, with one shrink pass for all of them.
-
-    Returns (outputs, h, A) with A = [A_1; A_2; ...] (ΣR, K) and h = x Aᵀ (T, ΣR) in fp32 (A is kept for
-    the backward: one concatenation per step, not two).
-    """
-    ranks = [a.shape[0] for a in lora_As]
-    A_all = torch.cat(lora_As) if len(lora_As) > 1 else lora_As[0]
-    h = lora_shrink(x, A_all)
-    outputs = []
-    start = 0
-    for W, b, B, s, r in zip(weights, biases, lora_Bs, scales, ranks):
-        h_i = h[:, start:start + r]
-        start += r
-        if gemm == "triton":
-            outputs.append(lora_gemm(x, W.t(), h_i, B.t(), s, b, x.dtype))
-        else:
-            y = lora_expand(h_i, B, s, b, x.dtype)
-            y.addmm_(x, W.t())
-            outputs.append(y)
-    return outputs, h, A_all
-
-
-def lora_siblings_backward(grads, x, weights, lora_As, lora_Bs, h, scales, gemm: str, need_dx: bool, A_all=None):
-    """(dx, dAs, dBs) for siblings on one x: one read of x for every dA, one dx for all of them.
-
-    Each sibling's dy pass writes its g, scaled by its s, into its columns of one (S, T, ΣR) stack of
-    partial sums (S: the most splits any sibling wants; a sibling with fewer writes zeros past its N),
-    so the one x pass reads every g with s = 1. dA's and every dB's partials are summed in one launch
-    (four stacks per launch). ``grads`` may hold None for an output that received no gradient.
-    """
-    ranks = [a.shape[0] for a in lora_As]
-    T = x.shape[0]
-    if A_all is None:
-        A_all = torch.cat(lora_As) if len(lora_As) > 1 else lora_As[0]
-    live = [(dy, W) for dy, W in zip(grads, weights) if dy is not None]
-    splits = max(dy_pass_splits(dy, r) for dy, r in zip(grads, ranks) if dy is not None) if live else 1
-    g_parts = torch.empty((splits, T, sum(ranks)), device=x.device, dtype=torch.float32)
-    db_parts, dead = [], []
-    start = 0
-    for i, (dy, B, s, r) in enumerate(zip(grads, lora_Bs, scales, ranks)):
-        cols = g_parts[:, :, start:start + r]
-        if dy is None:
-            cols.zero_()
-            dead.append(i)
-        else:
-            db_parts.append(lora_dy_pass_parts(dy, B, h[:, start:start + r], s, g_part=cols, g_scale=s)[1])
-        start += r
-    if gemm == "triton":
-        g_all = _sum0(g_parts)
-        da_part, _ = lora_x_pass_parts(x, A_all, g_all, 1.0, write_dx=False)
-        dx = None
-        if need_dx:
-            dx = lora_gemm(live[0][0], live[0][1], g_all, A_all, 1.0, None, x.dtype) if live else g_all.new_zeros(x.shape, dtype=x.dtype)
-            for dy, W in live[1:]:
-                dx.addmm_(dy, W)
-    else:
-        da_part, dx = lora_x_pass_parts(x, A_all, g_parts, 1.0, write_dx=need_dx)
-        if need_dx:
-            for dy, W in live:
-                dx.addmm_(dy, W)   # every sibling's dy W lands in the one dx: no autograd sums of T x K
-    dA_all, *dB_live = sum_partials(da_part, *db_parts)
-    dBs = []
-    for i, B in enumerate(lora_Bs):
-        dBs.append(torch.zeros_like(B, dtype=torch.float32) if i in dead else dB_live.pop(0))
-    dAs = list(torch.split(dA_all, ranks, dim=0))
-    return dx, dAs, dBs

@@ -22,10 +22,11 @@ Backward, with g = dy B (T, r):
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 
 def lora_linear_reference(
@@ -133,3 +134,77 @@ class LoraLinearReferenceFunction(torch.autograd.Function):
 def lora_linear_torch(x, x_lora, weight, bias, lora_A, lora_B, scaling):
     """The "torch" kernel: the reference Function. Pass x_lora=x (or None) when there is no dropout."""
     return LoraLinearReferenceFunction.apply(x, None if x_lora is x else x_lora, weight, bias, lora_A, lora_B, scaling)
+
+
+# ----------------------------------------------------------------------------- a rank per token
+# Notation of sits_lora.ops.dynamic_rank: buckets (K,) increasing ranks ending at r; bucket_ids (T,): token t
+# uses the first buckets[bucket_ids[t]] rank dimensions; bucket_weights (T, K): the router's straight-through
+# one-hot, whose gradient trains the router.
+
+
+_CONSTANTS: dict = {}
+
+
+def device_constant(key: tuple, device, build) -> Tensor:
+    """A small constant tensor built once per device: building it from Python data each forward would copy
+    host to device, and such a copy waits for the GPU (one stall per layer per step)."""
+    full_key = key + (str(device),)
+    value = _CONSTANTS.get(full_key)
+    if value is None:
+        value = _CONSTANTS[full_key] = build().to(device)
+    return value
+
+
+def rank_step_matrix(buckets: Sequence[int], r: int, device=None, dtype=torch.float32) -> Tensor:
+    """(K, r) with row k = 1 on the first buckets[k] columns, 0 after."""
+    def build():
+        b = torch.tensor(list(buckets)).unsqueeze(1)                         # (K, 1)
+        return (torch.arange(r).unsqueeze(0) < b).to(dtype)                  # (K, r)
+
+    return device_constant(("step", tuple(buckets), r, dtype), device, build)
+
+
+def rank_mask(bucket_ids: Tensor, buckets: Sequence[int], r: int, bucket_weights: Optional[Tensor] = None,
+              dtype=torch.float32) -> Tensor:
+    """(T, r) per-token mask: step[bucket_ids], or bucket_weights @ step (differentiable)."""
+    step = rank_step_matrix(buckets, r, device=bucket_ids.device, dtype=dtype)
+    if bucket_weights is not None:
+        return bucket_weights.to(dtype) @ step
+    return step[bucket_ids.reshape(-1)]
+
+
+def check_dynamic_rank_inputs(x: Tensor, lora_A: Tensor, bucket_ids: Tensor, buckets: Sequence[int],
+                  bucket_weights: Optional[Tensor]) -> None:
+    tokens = x.numel() // x.shape[-1]
+    if bucket_ids.numel() != tokens:
+        raise ValueError(f"bucket_ids has {bucket_ids.numel()} entries for {tokens} tokens")
+    if list(buckets)[-1] != lora_A.shape[0]:
+        raise ValueError(f"the last bucket ({list(buckets)[-1]}) must equal the rank of lora_A ({lora_A.shape[0]})")
+    if bucket_weights is not None and tuple(bucket_weights.shape) != (tokens, len(buckets)):
+        raise ValueError(f"bucket_weights has shape {tuple(bucket_weights.shape)}, expected ({tokens}, {len(buckets)})")
+
+
+def dynamic_rank_lora_linear_reference(
+    x: Tensor,
+    x_lora: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    lora_A: Tensor,
+    lora_B: Tensor,
+    scaling: float,
+    bucket_ids: Tensor,
+    buckets: Sequence[int],
+    bucket_weights: Optional[Tensor] = None,
+) -> Tensor:
+    """y = x Wᵀ + b + s·((x_lora Aᵀ) ⊙ mask) Bᵀ through plain autograd (the oracle; mask multiply).
+
+    Runs the LoRA branch in the adapter's dtype and casts the sum to the base output's dtype, as
+    ``sits_lora.ops.reference`` and PEFT do. Any leading dims; bucket_ids has one entry per token.
+    """
+    check_dynamic_rank_inputs(x, lora_A, bucket_ids, buckets, bucket_weights)
+    result = F.linear(x, weight, bias)                                        # (..., d_out)
+    xl = x_lora.reshape(-1, x_lora.shape[-1]).to(lora_A.dtype)                # (T, d_in)
+    mask = rank_mask(bucket_ids, buckets, lora_A.shape[0], bucket_weights, dtype=lora_A.dtype)  # (T, r)
+    h = F.linear(xl, lora_A) * mask                                           # (T, r)
+    lora_out = F.linear(h, lora_B) * scaling                                  # (T, d_out)
+    return (result + lora_out.reshape(result.shape)).to(result.dtype)

@@ -1,4 +1,6 @@
-"""Per-token dynamic rank in plain PyTorch: the oracle of the bucketed kernel, and the CPU path.
+"""The LoRA linear with a rank per token: the fused-kernel op, the bucketed algorithm in PyTorch, the dispatch.
+
+The oracle (the mask multiply through plain autograd) is ``reference.dynamic_rank_lora_linear_reference``.
 
 Notation of ``sits_lora.ops.reference`` (x, x_lora, W, b, A (r, d_in), B (d_out, r), s), plus:
     buckets         (K,) strictly increasing ranks b_0 < ... < b_{K-1} = r
@@ -34,7 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-KERNELS = ("torch", "triton")
+from .lora_linear import lora_input_grads
+from .reference import check_dynamic_rank_inputs, device_constant, dynamic_rank_lora_linear_reference
+
+DYNAMIC_RANK_KERNELS = ("torch", "triton")
 
 
 class BucketGroups(NamedTuple):
@@ -53,72 +58,103 @@ class BucketGroups(NamedTuple):
     block_bucket: Optional[Tensor] = None
 
 
-_CONSTANTS: dict = {}
+def _x_side(dy, x, x_lora, weight, lora_A, g, scale, need_dx):
+    """(dA, dx, dx_lora) from g = dy B (T, R), with cuBLAS for dy W."""
+    from . import fused as kernels
+
+    dx = dx_lora = None
+    if x_lora is not None:
+        dA, dx_lora = kernels.lora_x_pass(x_lora, lora_A, g, scale, write_dx=True)
+        if need_dx:
+            dx = dy @ weight
+    else:
+        dA, dx = kernels.lora_x_pass(x, lora_A, g, scale, write_dx=need_dx)
+        if need_dx:
+            dx.addmm_(dy, weight)
+    return dA, dx, dx_lora
 
 
-def device_constant(key: tuple, device, build) -> Tensor:
-    """A small constant tensor built once per device: building it from Python data each forward would copy
-    host to device, and such a copy waits for the GPU (one stall per layer per step)."""
-    full_key = key + (str(device),)
-    value = _CONSTANTS.get(full_key)
-    if value is None:
-        value = _CONSTANTS[full_key] = build().to(device)
-    return value
+def dynamic_rank_forward(x, x_lora, weight, bias, lora_A, lora_B, scale: float, rank_limit, keep_full: bool,
+                         token_order=None):
+    """(y, h limited, h or None) for 2-D x: token t uses the first rank_limit[t] ((T,) int32) rank columns.
 
-
-def rank_step_matrix(buckets: Sequence[int], r: int, device=None, dtype=torch.float32) -> Tensor:
-    """(K, r) with row k = 1 on the first buckets[k] columns, 0 after."""
-    def build():
-        b = torch.tensor(list(buckets)).unsqueeze(1)                         # (K, 1)
-        return (torch.arange(r).unsqueeze(0) < b).to(dtype)                  # (K, r)
-
-    return device_constant(("step", tuple(buckets), r, dtype), device, build)
-
-
-def rank_mask(bucket_ids: Tensor, buckets: Sequence[int], r: int, bucket_weights: Optional[Tensor] = None,
-              dtype=torch.float32) -> Tensor:
-    """(T, r) per-token mask: step[bucket_ids], or bucket_weights @ step (differentiable)."""
-    step = rank_step_matrix(buckets, r, device=bucket_ids.device, dtype=dtype)
-    if bucket_weights is not None:
-        return bucket_weights.to(dtype) @ step
-    return step[bucket_ids.reshape(-1)]
-
-
-def _check_inputs(x: Tensor, lora_A: Tensor, bucket_ids: Tensor, buckets: Sequence[int],
-                  bucket_weights: Optional[Tensor]) -> None:
-    tokens = x.numel() // x.shape[-1]
-    if bucket_ids.numel() != tokens:
-        raise ValueError(f"bucket_ids has {bucket_ids.numel()} entries for {tokens} tokens")
-    if list(buckets)[-1] != lora_A.shape[0]:
-        raise ValueError(f"the last bucket ({list(buckets)[-1]}) must equal the rank of lora_A ({lora_A.shape[0]})")
-    if bucket_weights is not None and tuple(bucket_weights.shape) != (tokens, len(buckets)):
-        raise ValueError(f"bucket_weights has shape {tuple(bucket_weights.shape)}, expected ({tokens}, {len(buckets)})")
-
-
-def dynamic_rank_lora_linear_reference(
-    x: Tensor,
-    x_lora: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    lora_A: Tensor,
-    lora_B: Tensor,
-    scaling: float,
-    bucket_ids: Tensor,
-    buckets: Sequence[int],
-    bucket_weights: Optional[Tensor] = None,
-) -> Tensor:
-    """y = x Wᵀ + b + s·((x_lora Aᵀ) ⊙ mask) Bᵀ through plain autograd (the oracle; mask multiply).
-
-    Runs the LoRA branch in the adapter's dtype and casts the sum to the base output's dtype, as
-    ``sits_lora.ops.reference`` and PEFT do. Any leading dims; bucket_ids has one entry per token.
+    The shrink writes h already limited, so the expand and, in the backward, the dy pass are the static
+    kernels; ``keep_full`` also keeps the unlimited h for the router's gradient. With ``token_order`` (tokens
+    sorted by limit) the expand takes its blocks in that order and skips the rank tiles above each
+    block's largest limit (see lora_expand). The frozen GEMM is cuBLAS.
     """
-    _check_inputs(x, lora_A, bucket_ids, buckets, bucket_weights)
-    result = F.linear(x, weight, bias)                                        # (..., d_out)
-    xl = x_lora.reshape(-1, x_lora.shape[-1]).to(lora_A.dtype)                # (T, d_in)
-    mask = rank_mask(bucket_ids, buckets, lora_A.shape[0], bucket_weights, dtype=lora_A.dtype)  # (T, r)
-    h = F.linear(xl, lora_A) * mask                                           # (T, r)
-    lora_out = F.linear(h, lora_B) * scaling                                  # (T, d_out)
-    return (result + lora_out.reshape(result.shape)).to(result.dtype)
+    from . import fused as kernels
+
+    h, h_full = kernels.lora_shrink_limited(x if x_lora is None else x_lora, lora_A, rank_limit, keep_full)
+    grouped = token_order is not None
+    y = kernels.lora_expand(h, lora_B, scale, bias, x.dtype, rank_limit=rank_limit if grouped else None,
+                    token_order=token_order)
+    y.addmm_(x, weight.t())
+    return y, h, h_full
+
+
+def dynamic_rank_backward(dy, x, x_lora, weight, lora_A, lora_B, h, scale: float, need_dx: bool, rank_limit,
+                          h_full=None, bucket_ends=None):
+    """(dx, dx_lora, dA, dB, bucket-weight gradient or None) for dynamic_rank_forward's outputs: the
+    static dy and x passes around one limit_grad (g limited, and the router's gradient from h_full)."""
+    from . import fused as kernels
+
+    g, dB = kernels.lora_dy_pass(dy, lora_B, h, scale)
+    g, d_weights = kernels.limit_grad(g, rank_limit, scale, h_full, bucket_ends)
+    dA, dx, dx_lora = _x_side(dy, x, x_lora, weight, lora_A, g, scale, need_dx)
+    return dx, dx_lora, dA, dB, d_weights
+
+
+class DynamicRankLoraFunction(torch.autograd.Function):
+    """The LoRA linear with a rank per token (sits_lora.dynamic_rank) on the fused kernels.
+
+    Token t uses the first rank_limit[t] rank dimensions. With ``bucket_weights`` (T, K) (the
+    router's straight-through one-hot; value ignored here, rank_limit carries the choice) its
+    gradient s·Σ_{i < b_k} h[t, i] g[t, i] is returned, which reads h and g beyond each token's
+    limit: only then is the unlimited h kept as well (one more (T, r) fp32 tensor per layer). Eager
+    only: under torch.compile the layer runs the PyTorch reference.
+    """
+
+    @staticmethod
+    def forward(ctx, x, x_lora, weight, bias, lora_A, lora_B, bucket_weights, scaling, rank_limit, bucket_ends,
+                token_order):
+        K = x.shape[-1]
+        y, h, h_full = dynamic_rank_forward(x.reshape(-1, K), None if x_lora is None else x_lora.reshape(-1, K),
+                                            weight, bias, lora_A, lora_B, scaling, rank_limit,
+                                            keep_full=ctx.needs_input_grad[6], token_order=token_order)
+        ctx.save_for_backward(x if x_lora is None else None, x_lora, weight, lora_A, lora_B, h, h_full, rank_limit,
+                              bucket_ends)
+        ctx.scaling = scaling
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, x_lora, weight, lora_A, lora_B, h, h_full, rank_limit, bucket_ends = ctx.saved_tensors
+        N, K = weight.shape
+        dx, dx_lora, dA, dB, d_weights = dynamic_rank_backward(
+            grad_y.reshape(-1, N), None if x is None else x.reshape(-1, K),
+            None if x_lora is None else x_lora.reshape(-1, K), weight, lora_A, lora_B, h, ctx.scaling,
+            ctx.needs_input_grad[0], rank_limit, h_full, bucket_ends)
+        grads = lora_input_grads(ctx, grad_y.shape[:-1], K, dx, dx_lora, dA, dB, lora_A, lora_B)
+        return (*grads, d_weights, None, None, None, None)
+
+
+def lora_linear_dynamic_rank_triton(x, x_lora, weight, bias, lora_A, lora_B, scaling: float, rank_limit: Tensor,
+                                    bucket_ends: Tensor, bucket_weights: Optional[Tensor] = None,
+                                    group_tokens: bool = False) -> Tensor:
+    """y = x Wᵀ + b + s·((x_lora Aᵀ) ⊙ [r < rank_limit]) Bᵀ on the fused kernels (see DynamicRankLoraFunction).
+
+    rank_limit (T,) int32 on x's device; bucket_ends (K,) int64, the ranks of the buckets; x_lora None:
+    the LoRA input is x. ``group_tokens`` sorts the tokens by limit for the expand kernel (one sort
+    per layer call) so that its blocks skip the rank tiles above their bucket. Off by default: on the
+    H200 the sort (~31 µs of GPU time) costs more than the tiles save (the expand is bound by writing
+    its output, not by its rank-64 arithmetic). GPU kernel time × the static kernel at r_max, training
+    (router gradient), mixed buckets, T = 8192, four Llama shapes: 1.06 / 1.01 / 1.03 / 1.05 grouped,
+    1.01 / 0.97 / 1.01 / 1.00 in token order (bench/results/2026-11-30-h200-session6/layer).
+    """
+    order = torch.argsort(rank_limit).to(torch.int32) if group_tokens else None
+    return DynamicRankLoraFunction.apply(x, x_lora, weight, bias, lora_A, lora_B, bucket_weights, float(scaling),
+                                         rank_limit, bucket_ends, order)
 
 
 def group_tokens_by_bucket(bucket_ids: Tensor, num_buckets: int, block_size: Optional[int] = None) -> BucketGroups:
@@ -171,7 +207,7 @@ def dynamic_rank_lora_linear_grouped(
     the module docstring). It does b_k / r of the LoRA work per token but one gather / scatter per
     bucket, so it is the kernel's blueprint and a test of the grouping, not a faster CPU path.
     """
-    _check_inputs(x, lora_A, bucket_ids, buckets, None)
+    check_dynamic_rank_inputs(x, lora_A, bucket_ids, buckets, None)
     result = F.linear(x, weight, bias)                                        # (..., d_out)
     xl = x_lora.reshape(-1, x_lora.shape[-1]).to(lora_A.dtype)                # (T, d_in)
     groups = groups if groups is not None else group_tokens_by_bucket(bucket_ids, len(buckets))
@@ -210,11 +246,9 @@ def dynamic_rank_lora_linear(
         return dynamic_rank_lora_linear_reference(x, x_lora, weight, bias, lora_A, lora_B, scaling, bucket_ids,
                                                   buckets, bucket_weights)
     if kernel == "triton":
-        from ..ops import lora_linear_dynamic_rank_triton
-
-        _check_inputs(x, lora_A, bucket_ids, buckets, bucket_weights)
+        check_dynamic_rank_inputs(x, lora_A, bucket_ids, buckets, bucket_weights)
         ends = device_constant(("bucket_ends", tuple(buckets)), x.device, lambda: torch.tensor(list(buckets)))
         rank_limit = ends.index_select(0, bucket_ids.reshape(-1)).to(torch.int32)          # (T,)
         return lora_linear_dynamic_rank_triton(x, None if x_lora is x else x_lora, weight, bias, lora_A, lora_B,
                                                scaling, rank_limit, ends, bucket_weights)
-    raise ValueError(f"unknown dynamic-rank kernel {kernel!r}; available: {', '.join(KERNELS)}")
+    raise ValueError(f"unknown dynamic-rank kernel {kernel!r}; available: {', '.join(DYNAMIC_RANK_KERNELS)}")
