@@ -18,6 +18,21 @@ ALLOWED = {
     "sits_lora.bases": ("sits_lora.bases", "sits_lora.ops", "sits_lora.utils"),
 }
 TOOLING = ("sits_lora.cli", "sits_lora.recipe")
+# The modules that import sits_lora's own modules inside functions, and why: each defers an optional or a slow
+# dependency. Anything else imports at the top (a local import cannot hide a cycle: the cycle test counts them).
+DEFERRED_IMPORTS = {
+    "sits_lora": "apply_native_lora: the config imports peft, `import sits_lora` must not",
+    **{f"sits_lora.cli{sub}": "the command line answers --help and bad arguments before torch loads"
+       for sub in ("", ".bench", ".check", ".compile", ".profile")},
+    "sits_lora.recipe.train": "the recipe's option checks answer before torch loads",
+    "sits_lora.registry": "registration runs when peft is imported, by whoever imports it",
+    "sits_lora.model": "a feature (fp8: Triton; dynamic rank) loads when an adapter asks for it",
+    "sits_lora.ops.lora_linear": "Triton is optional: the PyTorch reference runs without it",
+    "sits_lora.ops.siblings": "Triton is optional",
+    "sits_lora.ops.dynamic_rank": "Triton is optional",
+    "sits_lora.training": "transformers' Trainer loads when the trainer is asked for",
+    "sits_lora.training.trainer": "the dynamic-rank callback loads only for a dynamic-rank adapter",
+}
 ENTRY_POINTS = ("sits_lora.__main__",)  # ``python -m sits_lora`` is the command line
 
 
@@ -32,12 +47,16 @@ def _modules() -> dict[str, str]:
     return found
 
 
-def _imports(modules: dict[str, str]) -> list[tuple[str, str, str]]:
-    """(importer, imported module, imported name or '') for every import of sits_lora, at any depth."""
+def _imports(modules: dict[str, str], local_only: bool = False) -> list[tuple[str, str, str]]:
+    """(importer, imported module, imported name or '') for every import of sits_lora, at any depth (only
+    those inside a function with ``local_only``)."""
     edges = []
     for module, path in modules.items():
         package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
-        for node in ast.walk(ast.parse(open(path).read())):
+        tree = ast.parse(open(path).read())
+        functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        nodes = [n for f in functions for n in ast.walk(f)] if local_only else ast.walk(tree)
+        for node in nodes:
             if isinstance(node, ast.Import):
                 edges += [(module, a.name, "") for a in node.names if a.name.startswith("sits_lora")]
             elif isinstance(node, ast.ImportFrom):
@@ -117,6 +136,13 @@ def test_layers_import_downwards_only():
     assert wrong == []
 
 
+def test_function_local_imports_only_defer_a_dependency():
+    modules = _modules()
+    unexplained = sorted({f"{importer} -> {imported}" for importer, imported, _ in _imports(modules, local_only=True)
+                          if importer not in DEFERRED_IMPORTS})
+    assert unexplained == []
+
+
 def test_the_checker_sees_a_cycle_and_a_private_import(tmp_path):
     """The two checks above are not vacuous: a planted cycle and a planted private import are found."""
     modules = {"sits_lora.a": str(tmp_path / "a.py"), "sits_lora.b": str(tmp_path / "b.py")}
@@ -125,6 +151,7 @@ def test_the_checker_sees_a_cycle_and_a_private_import(tmp_path):
     edges = _imports(modules)
     assert _cycles(modules, edges) == [["sits_lora.a", "sits_lora.b"]]
     assert ("sits_lora.a", "sits_lora.b", "_helper") in edges
+    assert _imports(modules, local_only=True) == [("sits_lora.a", "sits_lora.b", "_helper")]
 
 
 def test_the_top_level_api_is_the_users():

@@ -12,14 +12,13 @@ from typing import Optional
 
 from torch import nn
 
+from ..config import SitsLoraConfig
 from .layer import DynamicRankLinear, scale_preserving_alpha
 
 
 def _peft_model_and_config(model, adapter_name: Optional[str], caller: str):
     from peft import PeftModel
     from peft.tuners.tuners_utils import BaseTuner
-
-    from ..config import SitsLoraConfig
 
     # a PeftModel, or its tuner (model.base_model), so that a SitsLoraModel method can delegate here
     if not isinstance(model, (PeftModel, BaseTuner)):

@@ -15,7 +15,10 @@ measured loss, 16 Mi, and the smallest measured win, 56 Mi).
 from __future__ import annotations
 
 import torch
+from peft import get_peft_model
+from torch import nn
 
+from ..config import SitsLoraConfig
 from ..ops import tuning
 from .scaling import update_scaling
 
@@ -40,10 +43,6 @@ def measure_layer(in_features: int, out_features: int, tokens: int = 8192, rank:
     the fp8 base on this GPU, store the verdict with the tuned kernel configs, and return it:
     {"ratio": fp8 / bf16, "use_fp8": ratio < 1, "bf16_ms", "fp8_ms", "tokens", "rank"}."""
     import triton.testing
-    from peft import get_peft_model
-    from torch import nn
-
-    from ..config import SitsLoraConfig
 
     device = torch.device("cuda", torch.cuda.current_device())
     times = {}

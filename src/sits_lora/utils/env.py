@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from .. import __version__
+
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -63,8 +65,6 @@ def cpu_name() -> str:
 
 def environment() -> dict:
     """GPU, CPU, versions and git revision."""
-    from .. import __version__
-
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {
         "gpu": gpu,
