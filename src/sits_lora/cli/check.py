@@ -33,7 +33,7 @@ class CheckError(ValueError):
 
 
 def load_recipe(config_path: Optional[str] = None, **overrides):
-    """A :class:`sits_lora.recipe.TrainRecipe` from a YAML file (recipes/configs/*.yaml) and overrides (None = keep)."""
+    """A :class:`sits_lora.recipe.train.TrainRecipe` from a YAML file (recipes/configs/*.yaml) and overrides (None = keep)."""
     import yaml
 
     from ..recipe.train import TrainRecipe

@@ -48,7 +48,7 @@ def _hash32(x: Tensor) -> Tensor:
 
 
 class _DrawState:
-    """Inside a training forward of a model with a shared draw? A plain object, as budget._ForwardState
+    """Inside a training forward of a model with a shared draw? A plain object, as scope._ForwardState
     (which says why)."""
 
     def __init__(self):

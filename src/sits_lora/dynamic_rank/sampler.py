@@ -79,7 +79,7 @@ def _examples(dataset, tokenizer, max_length: int) -> list[tuple[list, list]]:
             raise ValueError(f"example {i} has neither 'input_ids' nor 'text' (it has {sorted(row)})")
         if len(ids) > max_length:
             raise ValueError(f"example {i} has {len(ids)} tokens, more than max_length={max_length}; raise max_length "
-                             f"or cut the examples (e.g. sits_lora.data.pack_into_blocks)")
+                             f"or cut the examples (e.g. sits_lora.recipe.data.pack_into_blocks)")
         if not ids:
             raise ValueError(f"example {i} is empty")
         out.append((ids, mask))

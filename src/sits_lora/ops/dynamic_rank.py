@@ -58,10 +58,8 @@ class BucketGroups(NamedTuple):
     block_bucket: Optional[Tensor] = None
 
 
-def _x_side(dy, x, x_lora, weight, lora_A, g, scale, need_dx):
-    """(dA, dx, dx_lora) from g = dy B (T, R), with cuBLAS for dy W."""
-    from . import fused as kernels
-
+def _x_side(kernels, dy, x, x_lora, weight, lora_A, g, scale, need_dx):
+    """(dA, dx, dx_lora) from g = dy B (T, R), with cuBLAS for dy W (``kernels``: ops.fused, loaded by the caller)."""
     dx = dx_lora = None
     if x_lora is not None:
         dA, dx_lora = kernels.lora_x_pass(x_lora, lora_A, g, scale, write_dx=True)
@@ -101,7 +99,7 @@ def dynamic_rank_backward(dy, x, x_lora, weight, lora_A, lora_B, h, scale: float
 
     g, dB = kernels.lora_dy_pass(dy, lora_B, h, scale)
     g, d_weights = kernels.limit_grad(g, rank_limit, scale, h_full, bucket_ends)
-    dA, dx, dx_lora = _x_side(dy, x, x_lora, weight, lora_A, g, scale, need_dx)
+    dA, dx, dx_lora = _x_side(kernels, dy, x, x_lora, weight, lora_A, g, scale, need_dx)
     return dx, dx_lora, dA, dB, d_weights
 
 

@@ -74,12 +74,12 @@ class HardwareReport:
         rows.append(("memory", f"{self.total_memory / GIB:.1f} GiB total, {self.free_memory / GIB:.1f} GiB free"))
         if self.is_cuda:
             rows.append(("compute capability", f"{self.compute_capability}, FP8 {'yes' if self.fp8_supported else 'no'}"))
-            rows.append(("HBM bandwidth", format_rate(self.hbm_bandwidth, "B/s") + " (copy, read + write)"))
-            rows.append(("host->device (pinned)", format_rate(self.h2d_bandwidth, "B/s")))
-            rows.append(("device->host (pinned)", format_rate(self.d2h_bandwidth, "B/s")))
-            rows.append(("bf16 matmul", format_rate(self.matmul_flops, "FLOP/s")))
+            rows.append(("HBM bandwidth", format_rate(self.hbm_bandwidth or None, "B/s") + " (copy, read + write)"))
+            rows.append(("host->device (pinned)", format_rate(self.h2d_bandwidth or None, "B/s")))
+            rows.append(("device->host (pinned)", format_rate(self.d2h_bandwidth or None, "B/s")))
+            rows.append(("bf16 matmul", format_rate(self.matmul_flops or None, "FLOP/s")))
             if self.fp8_matmul_flops:
-                rows.append(("fp8 matmul", format_rate(self.fp8_matmul_flops, "FLOP/s")))
+                rows.append(("fp8 matmul", format_rate(self.fp8_matmul_flops or None, "FLOP/s")))
             rows.append(("measured", f"{self.measured_at}" + (" (cached)" if self.from_cache else "")))
         else:
             rows.append(("cores", str(self.cpu_cores)))

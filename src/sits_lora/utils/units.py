@@ -8,8 +8,9 @@ KIB, MIB, GIB = 2**10, 2**20, 2**30
 
 
 def format_rate(value: Optional[float], unit: str, missing: str = "not measured") -> str:
-    """``1.23 TB/s``, ``456.00 GFLOP/s``: the value with an SI prefix; ``missing`` for None or 0."""
-    if not value:
+    """``1.23 TB/s``, ``456.00 GFLOP/s``: the value with an SI prefix down to k, three significant digits
+    below; ``missing`` for None."""
+    if value is None:
         return missing
     for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(value) >= scale:
