@@ -8,7 +8,8 @@
 # regress table last in the output. The gate's exit status is this script's.
 #   FP8_CROSSOVER=1   first measure where the fp8 base pays per layer shape (bench/tune_kernels.py --fp8)
 #                     into OUT/tune/, and run the gate with those measurements (fp8_layers="auto")
-#   GPU_TESTS="..."   more test files after tests/tuner/test_compile_gpu.py;  HOST_PROFILE=0 skips the host profile
+#   GPU_TESTS="..."   more test files after tests/tuner/test_compile_gpu.py; GPU_TESTS=all: every test marked gpu
+#                     (about 300 s on the H200);  HOST_PROFILE=0 skips the host profile
 #   PACK=1            end with everything in one OUT.tgz (the device tool returns at most 8 files)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +35,11 @@ if [ "${FP8_CROSSOVER:-0}" = 1 ]; then
     python3 bench/tune_kernels.py --fp8 --no-kernels --out "$OUT/tune" 2>&1 | grep --line-buffered -E "^fp8|cache|Error"
     export SITS_LORA_TUNING_CACHE="$OUT/tune/kernel_configs.json"
 fi
-python3 -m pytest -q -p no:logging -rfE --tb=short tests/tuner/test_compile_gpu.py ${GPU_TESTS:-} > "$OUT/tests.log" 2>&1
+if [ "${GPU_TESTS:-}" = all ]; then
+    python3 -m pytest -q -p no:logging -rfE --tb=short -m gpu tests > "$OUT/tests.log" 2>&1
+else
+    python3 -m pytest -q -p no:logging -rfE --tb=short tests/tuner/test_compile_gpu.py ${GPU_TESTS:-} > "$OUT/tests.log" 2>&1
+fi
 grep -E "passed|failed|Error|assert" "$OUT/tests.log" | tail -n 30
 [ "${HOST_PROFILE:-1}" = 1 ] && python3 bench/profile_host.py --out "$OUT/host" 2>&1 | grep -E "host per call|layer step" | head -n 20
 python3 bench/regress.py --out "$OUT/regress" "$@" 2>&1 | grep --line-buffered -v -E "^W[0-9]{4}|Warning|warnings.warn" | tee "$OUT/regress.log"
