@@ -9,7 +9,7 @@
 #   FP8_CROSSOVER=1   first measure where the fp8 base pays per layer shape (bench/tune_kernels.py --fp8)
 #                     into OUT/tune/, and run the gate with those measurements (fp8_layers="auto")
 #   GPU_TESTS="..."   more test files after tests/tuner/test_compile_gpu.py; GPU_TESTS=all: every test marked gpu
-#                     (about 300 s on the H200);  HOST_PROFILE=0 skips the host profile
+#                     but the docs tests (their notebook runner is not in the GPU image; about 300 s);  HOST_PROFILE=0 skips the host profile
 #   PACK=1            end with everything in one OUT.tgz (the device tool returns at most 8 files)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +36,7 @@ if [ "${FP8_CROSSOVER:-0}" = 1 ]; then
     export SITS_LORA_TUNING_CACHE="$OUT/tune/kernel_configs.json"
 fi
 if [ "${GPU_TESTS:-}" = all ]; then
-    python3 -m pytest -q -p no:logging -rfE --tb=short -m gpu tests > "$OUT/tests.log" 2>&1
+    python3 -m pytest -q -p no:logging -rfE --tb=short -m gpu --ignore=tests/docs tests > "$OUT/tests.log" 2>&1
 else
     python3 -m pytest -q -p no:logging -rfE --tb=short tests/tuner/test_compile_gpu.py ${GPU_TESTS:-} > "$OUT/tests.log" 2>&1
 fi
