@@ -8,7 +8,7 @@ passes (median kept), ratios to the frozen floor and to the static fused layer a
 also each arm's kernel time alone (gpu_ms: the profiler's summed GPU activity per step, host left
 out), the measure that separates a slower kernel from a slower launch at the narrow shapes:
     frozen              the base nn.Linear alone (frozen weight, input requires grad)
-    static-r16/r64      the fused static LoRA kernels (sits_lora.ops.lora_linear, cuBLAS design)
+    static-r16/r64      the fused static LoRA kernels (sits_lora.ops.lora_linear in ops/linear.py, cuBLAS design)
     dyn:<hist>:<mode>   sits_lora.ops.lora_linear_dynamic_rank_triton with buckets 16/32/48/64 and
                         bucket histogram all-min / all-max / mixed (uniform); mode "hard" (no router
                         gradient: eval, 'random', 'static') or "router" (the bucket-weight gradient

@@ -1,4 +1,4 @@
-"""The plain frozen base: an ``nn.Linear`` in bf16, fp16 or fp32, run through ``sits_lora.ops.lora_linear``."""
+"""The plain frozen base: an ``nn.Linear`` in bf16, fp16 or fp32, run through ``sits_lora.ops.lora_linear`` (ops/linear.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 ``reference`` holds the plain PyTorch oracles (and the CPU path); ``fused`` the Triton kernels the ops
 share (shrink, expand, the dy and x passes, partial sums, the GEMM with a low-rank epilogue) with their
-launchers (``launch``) and tuned configurations (``tuning``); ``lora_linear``, ``siblings``,
+launchers (``launch``) and tuned configurations (``tuning``); ``linear``, ``siblings``,
 ``dynamic_rank`` and ``fp8`` each drive them for one op, with its autograd Function (and, for the layer,
 its ``torch.library`` custom op); ``choice`` resolves ``SitsLoraConfig.kernel``. Importing this package
 imports torch only: the Triton kernels load when an op first runs on them.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .choice import KERNELS, KernelUnavailableError, gemm_backend, resolve_kernel, set_gemm_backend, triton_interpreter_on
 from .dynamic_rank import lora_linear_dynamic_rank_triton
-from .lora_linear import lora_linear, lora_linear_triton
+from .linear import lora_linear, lora_linear_triton
 from .reference import lora_linear_reference, lora_linear_torch
 from .siblings import lora_siblings_triton
 

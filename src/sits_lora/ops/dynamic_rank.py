@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .lora_linear import lora_input_grads
+from .linear import lora_input_grads
 from .reference import check_dynamic_rank_inputs, device_constant, dynamic_rank_lora_linear_reference
 
 DYNAMIC_RANK_KERNELS = ("torch", "triton")

@@ -1,5 +1,5 @@
 """Triton kernels for the LoRA linear layer, and their launchers: the building blocks that the ops
-(``lora_linear``, ``siblings``, ``dynamic_rank``, ``fp8``) drive.
+(``linear``, ``siblings``, ``dynamic_rank``, ``fp8``) drive.
 
 Notation as in ``reference``: x (T, K) the input, W (N, K) the frozen weight, A (R, K), B (N, R),
 s the scaling, h = x Aᵀ (T, R), g = dy B (T, R). R is the LoRA rank (or the summed ranks of
