@@ -1,9 +1,9 @@
 """The one benchmark harness every script in bench/ uses.
 
-Timing: ``triton.testing.do_bench`` medians (CUDA events, warm-up first, many repeats), for
-forward, backward and full (forward + backward); peak memory from the CUDA allocator. Results:
-rows of dicts written as JSON and CSV with the GPU name, versions and git revision, so a number in
-the README can always be traced to a file and the command that made it.
+Timing: medians from ``sits_lora.utils.timing`` (on a GPU ``triton.testing.do_bench``: CUDA events,
+warm-up first, many repeats), for forward, backward and full (forward + backward); peak memory from
+the CUDA allocator. Results: rows of dicts written as JSON and CSV with the GPU name, versions and
+git revision, so a number in the README can always be traced to a file and the command that made it.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import os
 from typing import Callable, Iterable, Optional
 
 import torch
+
+from sits_lora.utils.timing import median_seconds
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -28,22 +30,9 @@ def environment() -> dict:
 
 
 def median_ms(fn: Callable[[], object], warmup_ms: int = 100, rep_ms: int = 400) -> float:
-    """Median time of fn() in milliseconds (CUDA events via do_bench; a host timer on the CPU)."""
-    if torch.cuda.is_available():
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-    import statistics
-    import time
-
-    fn()
-    times = []
-    deadline = time.perf_counter() + rep_ms / 1000
-    while time.perf_counter() < deadline or len(times) < 3:
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1000)
-    return statistics.median(times)
+    """Median time of fn() in milliseconds: ``sits_lora.utils.timing.median_seconds`` (CUDA events via
+    do_bench on a GPU; on the CPU a host timer, one warm-up call, then calls for ``rep_ms``, at least 3)."""
+    return median_seconds(fn, warmup_ms=warmup_ms, rep_ms=rep_ms) * 1e3
 
 
 def gpu_kernels_ms(fn: Callable[[], object], steps: int = 20, warmup: int = 3) -> Optional[dict]:

@@ -46,6 +46,8 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from ..utils import device_probe
+from ..utils.timing import gpu_seconds, host_seconds
 from ..utils.units import GIB, KIB, MIB, format_rate
 
 BACKENDS = ("auto", "cuda", "rocm", "cpu")
@@ -142,33 +144,7 @@ def _resolve_offsets(offsets) -> tuple[int, ...]:
     return tuple(sorted(values))
 
 
-# ----------------------------------------------------------------------------- timing
-
-
-def _host_seconds(fn: Callable[[], object], reps: int = 5, budget_s: float = 1.0, sync: bool = False) -> float:
-    """Median wall-clock seconds of fn() after one warm-up call (at least 3 calls, up to ``reps`` within the budget)."""
-    def once() -> float:
-        if sync:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if sync:
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    once()
-    times: list[float] = []
-    deadline = time.perf_counter() + budget_s
-    while len(times) < 3 or (len(times) < reps and time.perf_counter() < deadline):
-        times.append(once())
-    return statistics.median(times)
-
-
-def _gpu_seconds(fn: Callable[[], object], rep_ms: int = 100) -> float:
-    """Median seconds of fn() on the GPU: triton's do_bench (CUDA events, L2 flushed before each call)."""
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")) / 1e3
+# ----------------------------------------------------------------------------- formatting
 
 
 def _rate(value: Optional[float], unit: str) -> str:
@@ -425,17 +401,12 @@ class BenchmarkRunner:
         if self.gpu:
             free, _ = torch.cuda.mem_get_info()
             n = GIB if free > 8 * GIB else max(free // 8, MIB)
-            src = torch.empty(n, dtype=torch.uint8, device="cuda")
-            dst = torch.empty_like(src)
-            seconds = _gpu_seconds(lambda: dst.copy_(src))
+            bandwidth, seconds = device_probe.copy_bandwidth("cuda", n)
             name, where = "copy bandwidth", "device"
         else:
             n = 128 * MIB  # well past the last-level cache of a server CPU
-            src = torch.ones(n, dtype=torch.uint8)
-            dst = torch.empty_like(src)
-            seconds = _host_seconds(lambda: dst.copy_(src), reps=10)
+            bandwidth, seconds = device_probe.copy_bandwidth("cpu", n, reps=10)
             name, where = "copy bandwidth (host memory)", "host"
-        bandwidth = 2 * n / seconds
         self._copy_bandwidth = bandwidth
         return BenchItem(mem, name, "measured", bandwidth, "B/s",
                          f"{_size(n)} {where} copy, read + write counted, {seconds * 1e3:.3f} ms",
@@ -446,49 +417,35 @@ class BenchmarkRunner:
         items = []
         if self.gpu:
             n = 8192
-            a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-            b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-            seconds = _gpu_seconds(lambda: a @ b)
-            items.append(BenchItem(mem, "bf16 matmul", "measured", 2 * n**3 / seconds, "FLOP/s",
+            rate, seconds = device_probe.matmul_rate("cuda", n, torch.bfloat16)
+            items.append(BenchItem(mem, "bf16 matmul", "measured", rate, "FLOP/s",
                                    f"{n}³, random data, {seconds * 1e3:.3f} ms", {"n": n, "seconds": seconds}))
-            items.append(self._fp8_matmul(a, b, n))
+            items.append(self._fp8_matmul(n))
             return items
         n = 1024
         for dtype in (torch.float32, torch.bfloat16):
-            a = torch.randn(n, n, dtype=dtype)
-            b = torch.randn(n, n, dtype=dtype)
-            seconds = _host_seconds(lambda: a @ b, reps=5)
+            rate, seconds = device_probe.matmul_rate("cpu", n, dtype, reps=5)
             label = str(dtype).removeprefix("torch.").replace("float32", "fp32").replace("bfloat16", "bf16")
-            items.append(BenchItem(mem, f"{label} matmul (CPU)", "measured", 2 * n**3 / seconds, "FLOP/s",
+            items.append(BenchItem(mem, f"{label} matmul (CPU)", "measured", rate, "FLOP/s",
                                    f"{n}³ on {torch.get_num_threads()} threads, {seconds * 1e3:.1f} ms",
                                    {"n": n, "seconds": seconds, "threads": torch.get_num_threads()}))
         items.append(_not_applicable(mem, "fp8 matmul", "fp8 matmul (torch._scaled_mm) needs a GPU with fp8 tensor cores"))
         return items
 
-    def _fp8_matmul(self, a: torch.Tensor, b: torch.Tensor, n: int) -> BenchItem:
+    def _fp8_matmul(self, n: int) -> BenchItem:
         mem = "device memory"
         major, minor = torch.cuda.get_device_capability()
         if self.backend == "cuda" and (major, minor) < (8, 9):
             return _not_applicable(mem, "fp8 matmul", f"compute capability {major}.{minor} has no fp8 tensor cores (8.9+)")
-        one = torch.ones((), device="cuda")
-        errors = []
-        for name in ("float8_e4m3fn", "float8_e4m3fnuz"):  # NVIDIA's format, then AMD MI300's
-            dtype = getattr(torch, name, None)
-            if dtype is None:
-                continue
-            try:
-                a8 = a.to(dtype)
-                b8 = b.to(dtype).t().contiguous().t()  # _scaled_mm wants b column-major
-                fn = lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
-                fn()
-                seconds = _gpu_seconds(fn)
-            except (RuntimeError, TypeError) as error:
-                errors.append(f"{name}: {_first_line(error)}")
-                continue
-            return BenchItem(mem, "fp8 matmul", "measured", 2 * n**3 / seconds, "FLOP/s",
-                             f"{n}³ {name.removeprefix('float8_')} torch._scaled_mm, {seconds * 1e3:.3f} ms",
-                             {"n": n, "seconds": seconds, "dtype": name})
-        return _not_applicable(mem, "fp8 matmul", "torch._scaled_mm did not run: " + "; ".join(errors))
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        try:
+            rate, seconds, name = device_probe.fp8_matmul_rate(a, b)  # NVIDIA's format, then AMD MI300's
+        except device_probe.Fp8MatmulError as error:
+            return _not_applicable(mem, "fp8 matmul", f"torch._scaled_mm did not run: {error}")
+        return BenchItem(mem, "fp8 matmul", "measured", rate, "FLOP/s",
+                         f"{n}³ {name.removeprefix('float8_')} torch._scaled_mm, {seconds * 1e3:.3f} ms",
+                         {"n": n, "seconds": seconds, "dtype": name})
 
     def _lora_kernels(self) -> Union[BenchItem, list[BenchItem]]:
         """Each fused side kernel's achieved bandwidth: the bytes it must move over its time."""
@@ -516,7 +473,7 @@ class BenchmarkRunner:
         items = []
         ceiling = self._copy_bandwidth
         for name, (run, nbytes) in kernels.items():
-            seconds = _gpu_seconds(run)
+            seconds = gpu_seconds(run)
             bandwidth = nbytes / seconds
             share = f" = {bandwidth / ceiling:.0%} of the copy bandwidth" if ceiling else ""
             items.append(BenchItem(mem, f"LoRA {name}", "measured", bandwidth, "B/s",
@@ -555,7 +512,7 @@ class BenchmarkRunner:
         y32.backward(dy.float())
         errors = {"y": _rel_err(y_fused, y32), "dx": _rel_err(grads_fused[0], x32.grad),
                   "dA": _rel_err(grads_fused[1], A32.grad), "dB": _rel_err(grads_fused[2], B32.grad)}
-        times = {name: _gpu_seconds(lambda k=kernel: step(k), rep_ms=200)
+        times = {name: gpu_seconds(lambda k=kernel: step(k), rep_ms=200)
                  for name, kernel in (("frozen", None), ("fused", "triton"), ("reference", "torch"))}
         # bf16 inputs against fp32 products: 1e-2 is ~3 bf16 ulps of accumulated error
         ok = all(e < 1e-2 for e in errors.values())
@@ -585,8 +542,8 @@ class BenchmarkRunner:
                     h, d = host[:size], device[:size]
                     src, dst = (h, d) if direction == "host->device" else (d, h)
                     reps = 50 if size <= MIB else (10 if size <= 16 * MIB else 3)
-                    seconds = _host_seconds(lambda: dst.copy_(src, non_blocking=memory == "pinned"), reps=reps,
-                                            budget_s=2.0, sync=True)
+                    seconds = host_seconds(lambda: dst.copy_(src, non_blocking=memory == "pinned"), reps=reps,
+                                           budget_s=2.0, sync=True)
                     rows.append({"bytes": size, "seconds": seconds, "bandwidth": size / seconds})
                 peak = rows[-1]["bandwidth"]
                 items.append(BenchItem("pcie", f"{direction} {memory}", "measured", peak, "B/s",
@@ -604,7 +561,7 @@ class BenchmarkRunner:
 
         with tempfile.TemporaryDirectory(prefix="sits-lora-bench-") as folder:
             nbytes, tensors = _write_adapter_checkpoint(folder)
-            seconds = _host_seconds(lambda: load_peft_weights(folder, device="cuda"), reps=5, budget_s=5.0, sync=True)
+            seconds = host_seconds(lambda: load_peft_weights(folder, device="cuda"), reps=5, budget_s=5.0, sync=True)
         return BenchItem("pcie", "adapter checkpoint load", "measured", seconds * 1e3, "ms",
                          f"{nbytes / MIB:.0f} MiB adapter (Llama-3-8B shapes, r 16, 7 projections, {tensors} tensors) "
                          f"to the GPU: {nbytes / seconds / 1e9:.1f} GB/s (file in the page cache)",
@@ -649,8 +606,8 @@ class BenchmarkRunner:
         for _ in range(1 if interpreter else 5):  # interpreter timings get no verdict: one round shows them
             for offset in self.int4_offsets:
                 view = views[offset]
-                seconds = (_gpu_seconds(lambda: dequant(view), rep_ms=40) if self.gpu
-                           else _host_seconds(lambda: dequant(view), reps=3 if interpreter else 10, budget_s=0.1))
+                seconds = (gpu_seconds(lambda: dequant(view), rep_ms=40) if self.gpu
+                           else host_seconds(lambda: dequant(view), reps=3 if interpreter else 10, budget_s=0.1))
                 samples[offset].append(seconds)
         # Medians of five rounds; the tolerance is the typical (median over offsets) spread of a round.
         micro = {o: statistics.median(v) * 1e6 for o, v in samples.items()}

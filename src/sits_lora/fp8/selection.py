@@ -20,6 +20,7 @@ from torch import nn
 
 from ..config import SitsLoraConfig
 from ..ops import tuning
+from ..utils.timing import gpu_seconds
 from .scaling import update_scaling
 
 MIN_ELEMENTS = 32 * 2**20
@@ -42,36 +43,38 @@ def measure_layer(in_features: int, out_features: int, tokens: int = 8192, rank:
     """Time one adapted layer's training step (forward + backward) with the bf16 fused path and with
     the fp8 base on this GPU, store the verdict with the tuned kernel configs, and return it:
     {"ratio": fp8 / bf16, "use_fp8": ratio < 1, "bf16_ms", "fp8_ms", "tokens", "rank"}."""
-    import triton.testing
-
     device = torch.device("cuda", torch.cuda.current_device())
-    times = {}
-    for arm, fp8 in (("bf16_ms", {}), ("fp8_ms", {"fp8": "hybrid", "fp8_layers": "all"})):
-        torch.manual_seed(0)
-        holder = nn.Module()  # the adapted layer is called directly below: no forward of its own needed
-        holder.proj = nn.Linear(in_features, out_features, bias=False, device=device, dtype=torch.bfloat16)
-        model = get_peft_model(holder, SitsLoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["proj"], **fp8))
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.02)
-        layer = model.base_model.model.proj
-        x = torch.randn(tokens, in_features, device=device, dtype=torch.bfloat16, requires_grad=True)
-        dy = torch.randn(tokens, out_features, device=device, dtype=torch.bfloat16)
-        params = [p for p in model.parameters() if p.requires_grad]
-
-        def step():
-            x.grad = None
-            for p in params:
-                p.grad = None
-            layer(x).backward(dy)
-
-        step()
-        if fp8:
-            update_scaling(model)  # delayed scaling from here on: the steady state
-        times[arm] = triton.testing.do_bench(step, warmup=25, rep=200, return_mode="median")
-        del model, holder, layer, x, dy, params
+    times = {arm: _step_ms(device, in_features, out_features, tokens, rank, fp8)
+             for arm, fp8 in (("bf16_ms", {}), ("fp8_ms", {"fp8": "hybrid", "fp8_layers": "all"}))}
     ratio = times["fp8_ms"] / times["bf16_ms"]
     entry = {"ratio": ratio, "use_fp8": ratio < 1.0, "tokens": tokens, "rank": rank, **times}
     tuning.store_fp8_layer_measurement(device, in_features, out_features, entry, save=save)
     return entry
+
+
+def _step_ms(device: torch.device, in_features: int, out_features: int, tokens: int, rank: int, fp8: dict) -> float:
+    """Median milliseconds of one training step of an adapted layer built with the config options ``fp8``
+    (its memory is freed on return, before the other arm builds its own)."""
+    torch.manual_seed(0)
+    holder = nn.Module()  # the adapted layer is called directly below: no forward of its own needed
+    holder.proj = nn.Linear(in_features, out_features, bias=False, device=device, dtype=torch.bfloat16)
+    model = get_peft_model(holder, SitsLoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["proj"], **fp8))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    layer = model.base_model.model.proj
+    x = torch.randn(tokens, in_features, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, out_features, device=device, dtype=torch.bfloat16)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step():
+        x.grad = None
+        for p in params:
+            p.grad = None
+        layer(x).backward(dy)
+
+    step()
+    if fp8:
+        update_scaling(model)  # delayed scaling from here on: the steady state
+    return gpu_seconds(step, rep_ms=200) * 1e3

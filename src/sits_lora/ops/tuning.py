@@ -20,6 +20,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from ..utils.cache import cache_root
+from ..utils.timing import gpu_seconds
 
 # Candidate configurations. The first entry of each list is the default on a GPU.
 CONFIG_SPACE: dict[str, list[dict]] = {
@@ -125,13 +126,14 @@ def store_fp8_layer_measurement(device: torch.device, in_features: int, out_feat
 
 def tune(kernel: str, device: torch.device, dims: tuple, dtype: torch.dtype,
          run: Callable[[dict], object], configs: Optional[Iterable[dict]] = None, save: bool = True) -> tuple[dict, list]:
-    """Time ``run(config)`` for every candidate; remember and return the fastest (and all timings)."""
-    import triton.testing
-
+    """Time ``run(config)`` for every candidate; remember and return the fastest (and all timings: (median
+    milliseconds, config))."""
     timings = []
     for cfg in configs or CONFIG_SPACE[kernel]:
         try:
-            ms = triton.testing.do_bench(lambda: run(cfg), warmup=25, rep=100, return_mode="median")
+            ms = gpu_seconds(lambda: run(cfg)) * 1e3
+        except ImportError:  # no Triton: nothing can be tuned
+            raise
         except Exception:  # a config the GPU cannot run (too much shared memory) is skipped
             continue
         timings.append((ms, cfg))

@@ -3,10 +3,12 @@
 On a CUDA device: name, memory, compute capability, FP8 support, and four measurements:
 HBM bandwidth (a device-to-device copy, read + write counted), host->device and device->host
 bandwidth over pinned memory, and the bf16 matmul rate (an 8192³ GEMM, 4096³ when memory is
-short). Measurements take about a second and are cached in ``$SITS_LORA_CACHE/hardware/`` (default
-``~/.cache/sits_lora/hardware/``) under a key of device name, UUID, torch and CUDA versions, so a
-restarted run reads them back. Free memory is read live every time. A CPU machine reports the CPU
-and its memory and measures nothing: the GPU checks are skipped there.
+short), plus the fp8 ``torch._scaled_mm`` rate where the GPU has fp8 tensor cores; each measured by
+``sits_lora.utils.device_probe`` (medians of CUDA-event timings). Measurements take about a second
+and are cached in ``$SITS_LORA_CACHE/hardware/`` (default ``~/.cache/sits_lora/hardware/``) under a
+key of device name, UUID, torch and CUDA versions, so a restarted run reads them back. Free memory is
+read live every time. A CPU machine reports the CPU and its memory and measures nothing: the GPU
+checks are skipped there.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from ..utils import device_probe
 from ..utils.cache import cache_root
 from ..utils.env import cpu_name
 from ..utils.units import GIB, format_rate
@@ -31,7 +34,6 @@ from ..utils.units import GIB, format_rate
 # ~0.25 ms at 4.25 TB/s; an 8192³ bf16 GEMM ~1.4 ms), small enough that all of them take ~1 s.
 _COPY_BYTES = 512 * 2**20
 _PINNED_BYTES = 256 * 2**20
-_REPEATS = 10
 
 
 @dataclass
@@ -107,54 +109,31 @@ def _host_memory() -> tuple[int, int]:
         return pages, pages
 
 
-def _timed_cuda(fn, repeats: int = _REPEATS) -> float:
-    """Median seconds of ``fn()`` on the current stream, after one warm-up call."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def _measure_cuda(device: torch.device, free: int) -> dict:
     out: dict = {}
     with torch.cuda.device(device):
         copy_bytes = _COPY_BYTES if free > 6 * _COPY_BYTES else max(free // 8, 2**20)
-        src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
-        out["hbm_bandwidth"] = 2 * copy_bytes / _timed_cuda(lambda: dst.copy_(src))
-        del src, dst
-
-        host = torch.empty(_PINNED_BYTES, dtype=torch.uint8, pin_memory=True)
-        dev = torch.empty(_PINNED_BYTES, dtype=torch.uint8, device=device)
-        out["h2d_bandwidth"] = _PINNED_BYTES / _timed_cuda(lambda: dev.copy_(host, non_blocking=True))
-        out["d2h_bandwidth"] = _PINNED_BYTES / _timed_cuda(lambda: host.copy_(dev, non_blocking=True))
-        del host, dev
+        out["hbm_bandwidth"], _ = device_probe.copy_bandwidth(device, copy_bytes)
+        out["h2d_bandwidth"], _ = device_probe.pinned_bandwidth(device, _PINNED_BYTES, "host->device")
+        out["d2h_bandwidth"], _ = device_probe.pinned_bandwidth(device, _PINNED_BYTES, "device->host")
 
         n = 8192 if free > 8 * 8192 * 8192 * 2 else 4096
-        a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-        b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-        out["matmul_flops"] = 2 * n**3 / _timed_cuda(lambda: a @ b, repeats=5)
+        out["matmul_flops"], _ = device_probe.matmul_rate(device, n, torch.bfloat16)
 
         major, minor = torch.cuda.get_device_capability(device)
         out["fp8_supported"] = False
         if (major, minor) >= (8, 9) and hasattr(torch, "float8_e4m3fn"):
+            a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+            b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
             try:
-                a8 = a.to(torch.float8_e4m3fn)
-                b8 = b.to(torch.float8_e4m3fn).t().contiguous().t()  # _scaled_mm wants b column-major
-                one = torch.ones((), device=device)
-                fn = lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
-                out["fp8_matmul_flops"] = 2 * n**3 / _timed_cuda(fn, repeats=5)
+                # e4m3fn only: the format sits_lora's fp8 base trains in (ops.fp8.E4M3)
+                out["fp8_matmul_flops"], _, _ = device_probe.fp8_matmul_rate(a, b, formats=("float8_e4m3fn",))
                 out["fp8_supported"] = True
-            except (RuntimeError, TypeError) as error:
-                out["notes"] = [f"fp8: torch._scaled_mm failed ({str(error).splitlines()[0][:120]})"]
-        del a, b
+            except device_probe.Fp8MatmulError as failed:
+                _, error = failed.errors[0]
+                text = (str(error).splitlines() or [type(error).__name__])[0]
+                out["notes"] = [f"fp8: torch._scaled_mm failed ({text[:120]})"]
+            del a, b
         torch.cuda.empty_cache()
     return out
 
