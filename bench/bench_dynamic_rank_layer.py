@@ -14,7 +14,7 @@ out), the measure that separates a slower kernel from a slower launch at the nar
                         gradient: eval, 'random', 'static') or "router" (the bucket-weight gradient
                         that trains the router); "-ungrouped" = tokens not sorted by bucket
     reference:mixed     the mask-multiply reference (sits_lora.dynamic_rank), the CPU path
-    layer:learned       a whole DynamicRankLinear in training (router, Gumbel sampling, budget term),
+    layer:learned       a whole dynamic-rank SitsLoraLinear in training (router, Gumbel sampling, budget term),
                         the router's decision eager (the default since session 5)
     layer:learned-compiled-router   the same with the decision compiled (SITS_LORA_COMPILE_ROUTER=1)
 """
@@ -118,14 +118,14 @@ def _layer_arm(d_in, d_out, T, dtype, device, x, dy):
     from peft import get_peft_model
 
     from sits_lora import SitsLoraConfig
-    from sits_lora.dynamic_rank import DynamicRankLinear
+    from sits_lora.dynamic_rank.variant import dynamic_rank_adapters
 
     base = torch.nn.Sequential()
     base.add_module("proj", torch.nn.Linear(d_in, d_out, bias=False))
     model = get_peft_model(base.to(device, dtype), SitsLoraConfig(
         r=64, lora_alpha=16, use_rslora=True, target_modules=["proj"], use_dynamic_rank=True,
         rank_scheduler="learned", rank_buckets=list(BUCKETS), target_mean_rank=32))
-    layer = next(m for m in model.modules() if isinstance(m, DynamicRankLinear))
+    layer = next(m for m in model.modules() if dynamic_rank_adapters(m))
     layer.rank_budget_attached = True  # timed alone: no Trainer / RankBudget around it
     with torch.no_grad():
         layer.lora_B["default"].weight.normal_(0, 0.02)

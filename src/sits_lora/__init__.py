@@ -19,7 +19,7 @@ _EXPORTS = {
     "SITS_LORA_PEFT_TYPE": ".peft_type",
     "register_with_peft": ".registry",
     "SitsLoraConfig": ".config",
-    "DynamicRankLinear": ".dynamic_rank",
+    "DynamicRankLinear": ".dynamic_rank",  # deprecated name: SitsLoraLinear serves dynamic-rank adapters
     "RankBudget": ".dynamic_rank",
     "truncate_rank": ".dynamic_rank",
     "DynamicRankCallback": ".dynamic_rank",
@@ -54,7 +54,6 @@ def apply_native_lora(model, config, adapter_name: str = "default", **kwargs):
 
 __all__ = [
     "DynamicRankCallback",
-    "DynamicRankLinear",
     "NativeLoraTrainer",
     "RankBudget",
     "SITS_LORA_PEFT_TYPE",

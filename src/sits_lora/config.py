@@ -132,7 +132,10 @@ class SitsLoraConfig(LoraConfig):
                 "budget. Adapted layers must be torch.nn.Linear; not with rank_pattern, alpha_pattern, "
                 "use_dora or lora_bias. merge_and_unload needs a static adapter first "
                 "(sits_lora.truncate_rank(model, k))."
-            )
+            ),
+            # PEFT resolves LoRA variants from fields tagged so: SitsLoraLinear.lora_variants maps this one to
+            # sits_lora.dynamic_rank.variant.DynamicRankVariant
+            "is_lora_variant": True,
         },
     )
     rank_scheduler: str = field(

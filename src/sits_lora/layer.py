@@ -5,32 +5,95 @@ adapters, DoRA and the other LoRA variants are PEFT's, inherited unchanged. Only
 and inference path (one active vanilla adapter over the frozen base's module) is replaced by one call
 to the frozen base's fused path (``sits_lora.bases``), which computes the base GEMM and the LoRA branch
 together; every other case falls through to PEFT's own forward, so behaviour stays PEFT's.
+
+A feature that changes what an adapter computes is a LoRA variant of this layer (PEFT's ``LoraVariant``,
+as DoRA is): a :class:`SitsLoraVariant`, registered for the config field that turns it on. Per-token
+dynamic rank is one (``sits_lora.dynamic_rank.variant``): while its adapter routes, the variant computes
+the layer's whole output (base + routed LoRA) through its op; otherwise the adapter is plain LoRA and
+takes the paths above. A layer without such an adapter pays nothing for it: its fused path checks one
+dict, as before.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from peft.tuners.lora.layer import Linear as LoraLinear
+from peft.tuners.lora.layer import LoraVariant
 from torch import nn
 
 from .bases import BF16_BASE
 
 
+class SitsLoraVariant(LoraVariant):
+    """A LoRA variant that a sits_lora feature adds to SitsLoraLinear (static methods, as PEFT's variants).
+
+    Besides PEFT's ``init`` / ``merge_safe`` / ``merge_unsafe`` / ``unmerge`` / ``forward`` (which PEFT's
+    own forward, mixed batches and merges call), it answers the layer: whether its adapter is plain LoRA
+    now (the fused path may run it), which adapter a call routes (the variant then computes the whole
+    output), whether a merge is allowed, and what to drop or move with the layer. The defaults: never
+    plain, never routes, merges.
+    """
+
+    @staticmethod
+    def runs_plain(module: nn.Module, adapter_name: str) -> bool:
+        return False
+
+    @staticmethod
+    def routes(module: nn.Module, adapter_name: str) -> bool:
+        return False
+
+    @staticmethod
+    def routed_adapter(module: nn.Module, args: tuple, kwargs: dict) -> Optional[str]:
+        """The adapter of ``module`` whose variant computes this call's whole output, or None (the layer's
+        other paths run); raise for a call the variant cannot run."""
+        return None
+
+    @staticmethod
+    def forward_routed(module: nn.Module, adapter_name: str, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def check_merge(module: nn.Module, adapter_name: str) -> None:
+        """Raise if the adapter cannot be merged now (before anything of the call merges)."""
+
+    @staticmethod
+    def forget(module: nn.Module, adapter_name: str) -> None:
+        """After PEFT's delete_adapter: drop the adapter's state PEFT does not know."""
+
+    @staticmethod
+    def follow_layer(module: nn.Module, adapter_name: str) -> None:
+        """After the layer's ``_apply`` (``.to()``, ``.half()``, ``to_empty()``): move state that is not a
+        parameter or buffer."""
+
+
 class SitsLoraLinear(LoraLinear):
-    # Per-adapter state that PEFT's delete_adapter / set_adapter must carry along.
+    # Per-adapter state that PEFT's delete_adapter / set_adapter must carry along (a variant adds its own to
+    # the instance, as PEFT's DoRA does).
     other_param_names = LoraLinear.other_param_names + ("sits_kernel",)
     # Set by SitsLoraModel for layers that read the same input as others (sits_lora.siblings).
     _sibling_group = None
     # The frozen base's fused path (sits_lora.bases): plain nn.Linear unless a feature quantizes the base
     # (sits_lora.fp8 sets an Fp8Base). A plain object, not a submodule: it holds no parameters.
     frozen_base = BF16_BASE
+    # The features' LoRA variants, keyed as PEFT's lora_variants (a tuple of config fields tagged
+    # is_lora_variant); SitsLoraModel registers one when an adapter first asks for it.
+    feature_variants: dict[tuple, type] = {}
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, config, r: int = 0, lora_alpha: int = 1, **kwargs):
         self.sits_kernel: dict[str, str] = {}
         super().__init__(base_layer, adapter_name, config=config, r=r, lora_alpha=lora_alpha, **kwargs)
+
+    @classmethod
+    def register_variant(cls, config_field: str, variant: type) -> None:
+        """Resolve ``variant`` for adapters whose config sets ``config_field``, as PEFT resolves use_dora."""
+        cls.feature_variants[(config_field,)] = variant
+
+    @property
+    def lora_variants(self):
+        return {**super().lora_variants, **self.feature_variants}
 
     def update_layer(self, adapter_name: str, r: int, lora_alpha: int, config, **kwargs) -> None:
         smaller = min(self.in_features, self.out_features)
@@ -48,8 +111,16 @@ class SitsLoraLinear(LoraLinear):
         super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
         self.sits_kernel[adapter_name] = getattr(config, "kernel", "auto")
 
+    def _sits_variant(self, adapter_name: str) -> Optional[SitsLoraVariant]:
+        variant = self.lora_variant.get(adapter_name)
+        return variant if isinstance(variant, SitsLoraVariant) else None
+
+    def _runs_plain(self, adapter_name: str) -> bool:
+        variant = self._sits_variant(adapter_name)
+        return variant is not None and variant.runs_plain(self, adapter_name)
+
     def _fused_adapter(self, args: tuple, kwargs: dict) -> str | None:
-        """The single active adapter the frozen base's fused path can run, or None to use PEFT's forward."""
+        """The single active adapter the frozen base's fused path can run, or None to use another path."""
         if self.disable_adapters or self.merged or args:
             return None
         if kwargs and any(v is not None for v in kwargs.values()):  # adapter_names and the like
@@ -60,7 +131,8 @@ class SitsLoraLinear(LoraLinear):
         adapter = active[0]
         base = self.base_layer
         if (
-            adapter in self.lora_variant
+            # a variant's adapter, unless it is plain LoRA now (a dynamic-rank adapter that does not route)
+            (adapter in self.lora_variant and not self._runs_plain(adapter))
             or self.lora_bias[adapter]
             or self.fan_in_fan_out
             or type(base) is not self.frozen_base.module_type
@@ -70,12 +142,69 @@ class SitsLoraLinear(LoraLinear):
             return None
         return adapter
 
+    def _routed_adapter(self, args: tuple, kwargs: dict) -> Optional[str]:
+        # the layer's rule is its feature variant's (one kind per layer: dynamic rank); PEFT's variants do not route
+        for variant in self.lora_variant.values():
+            if isinstance(variant, SitsLoraVariant):
+                return variant.routed_adapter(self, args, kwargs)
+        return None
+
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         adapter = self._fused_adapter(args, kwargs)
-        if adapter is None:
-            # PEFT's own forward (an fp8 base module then runs its fp8 GEMM with current scaling)
-            return super().forward(x, *args, **kwargs)
-        return self.frozen_base.fused_forward(self, adapter, x)
+        if adapter is not None:
+            return self.frozen_base.fused_forward(self, adapter, x)
+        if self.lora_variant:
+            adapter = self._routed_adapter(args, kwargs)
+            if adapter is not None:
+                # the variant computes base + routed LoRA itself (layer → variant → ops)
+                return self.lora_variant[adapter].forward_routed(self, adapter, x)
+        # PEFT's own forward (an fp8 base module then runs its fp8 GEMM with current scaling)
+        return super().forward(x, *args, **kwargs)
+
+    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
+        for name in adapter_names if adapter_names is not None else self.active_adapters:
+            if (variant := self._sits_variant(name)) is not None:
+                variant.check_merge(self, name)  # e.g. a routed adapter: RoutingMergeError
+        super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        variant = self._sits_variant(adapter_name)
+        super().delete_adapter(adapter_name)
+        if variant is not None:
+            variant.forget(self, adapter_name)
+
+    def _apply(self, fn, recurse: bool = True):
+        result = super()._apply(fn, recurse)
+        for name, variant in self.lora_variant.items():
+            if isinstance(variant, SitsLoraVariant):
+                variant.follow_layer(self, name)
+        return result
+
+    # ------------------------------------------------------------------ dynamic rank's calls
+    # A dynamic-rank adapter's variant (sits_lora.dynamic_rank.variant.DynamicRankVariant) answers them.
+
+    def routing_on(self, adapter_name: str) -> bool:
+        """True while forward applies a per-token rank mask for this adapter (it routes, or trains nested)."""
+        variant = self._sits_variant(adapter_name)
+        return variant is not None and variant.routes(self, adapter_name)
+
+    def choose_buckets(self, adapter_name: str, x: torch.Tensor):
+        """(used (T,), bucket_weights (T, K) or None, decided (T,)) bucket ids for the tokens of x (..., d_in)."""
+        return self.lora_variant[adapter_name].choose_buckets(self, adapter_name, x)
+
+    def probe_entropy(self, adapter_name: str, x: torch.Tensor, inv_rms: torch.Tensor) -> torch.Tensor:
+        """The entropy probe's standardized prediction (T,) for the raw input x (T, d_in), 1/rms(x) (T,)."""
+        return self.lora_variant[adapter_name].probe_entropy(self, adapter_name, x, inv_rms)
+
+    def rank_counts(self, adapter_name: str, reset: bool = True) -> torch.Tensor:
+        """(2, K) int64: per bucket, the valid tokens the routing rule sent there and those computed with."""
+        return self.lora_variant[adapter_name].rank_counts(self, adapter_name, reset)
+
+    def truncate_adapter(self, adapter_name: str, k: int) -> None:
+        """Keep the first k rank dimensions as a static rank-k adapter with the same scaling (plain LoRA)."""
+        self.lora_variant[adapter_name].truncate(self, adapter_name, k)
 
     def __repr__(self) -> str:
-        return "sits_lora." + super().__repr__().removeprefix("lora.")
+        routed = {a: s.scheduler for a, s in getattr(self, "rank_spec", {}).items() if s is not None}
+        return "sits_lora." + super().__repr__().removeprefix("lora.") + (
+            f"  # dynamic rank: {routed}" if routed else "")

@@ -37,6 +37,14 @@ def _fp8_layer(tuner):
     return fp8_model
 
 
+def _register_dynamic_rank(config) -> None:
+    """Make SitsLoraLinear resolve use_dynamic_rank to its variant (it loads the routers: first use only)."""
+    if getattr(config, "use_dynamic_rank", False) and ("use_dynamic_rank",) not in SitsLoraLinear.feature_variants:
+        from .dynamic_rank.variant import DynamicRankVariant
+
+        SitsLoraLinear.register_variant("use_dynamic_rank", DynamicRankVariant)
+
+
 def check_target_modules_exist(model: nn.Module, config) -> None:
     """Raise a ValueError naming each entry of target_modules that matches no module."""
     targets = config.target_modules
@@ -65,6 +73,7 @@ class SitsLoraModel(LoraModel):
 
     def inject_adapter(self, model: nn.Module, adapter_name: str, *args, **kwargs) -> None:
         check_target_modules_exist(model, self.peft_config[adapter_name])
+        _register_dynamic_rank(self.peft_config[adapter_name])  # before the layers resolve their variants
         fp8 = _fp8_layer(self)
         if fp8 is not None:
             fp8.check_before_injection(self, model, adapter_name)
@@ -97,13 +106,22 @@ class SitsLoraModel(LoraModel):
             fp8.restore_bf16_base_layers(self, SitsLoraLinear)
         return super()._unload_and_optionally_merge(*args, **kwargs)
 
+    def _create_and_replace(self, lora_config, adapter_name, target, target_name, parent, current_key=None,
+                            **kwargs):
+        # dynamic rank is a variant of SitsLoraLinear (sits_lora.dynamic_rank.variant), which adapts nn.Linear:
+        # refused for any other target, new or already adapted
+        base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+        if getattr(lora_config, "use_dynamic_rank", False) and (
+                type(base) is not nn.Linear or kwargs.get("parameter_name") is not None):
+            raise ValueError(
+                f"SitsLoraConfig.use_dynamic_rank=True supports torch.nn.Linear layers only; target "
+                f"{current_key or type(base).__name__!r} is a {type(base).__module__}.{type(base).__qualname__}. "
+                f"Remove it from target_modules, or adapt it with a second, static adapter."
+            )
+        super()._create_and_replace(lora_config, adapter_name, target, target_name, parent, current_key, **kwargs)
+
     @staticmethod
     def _create_new_module(lora_config, adapter_name, target, **kwargs):
-        # Dynamic rank: a per-token-rank adapter gets a DynamicRankLinear, which refuses non-Linear targets.
-        if getattr(lora_config, "use_dynamic_rank", False):
-            from .dynamic_rank.layer import create_dynamic_rank_module
-
-            return create_dynamic_rank_module(lora_config, adapter_name, target, **kwargs)
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
         if type(base) is nn.Linear and kwargs.get("parameter_name") is None:
             if lora_config.fan_in_fan_out:
@@ -111,4 +129,3 @@ class SitsLoraModel(LoraModel):
                 lora_config.fan_in_fan_out = False
             return SitsLoraLinear(target, adapter_name, config=lora_config, **kwargs)
         return LoraModel._create_new_module(lora_config, adapter_name, target, **kwargs)
-

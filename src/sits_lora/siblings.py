@@ -78,11 +78,10 @@ class SiblingGroup:
         for layer in self.layers:
             if not layer.frozen_base.fuses_siblings:
                 return None  # a quantized base (sits_lora.bases.fp8) runs its own fused path
+            # None also for a dynamic-rank adapter that routes (a per-token rank is not the static product here)
             adapter = layer._fused_adapter((), {})
             if adapter is None or ops.resolve_kernel(layer.sits_kernel[adapter], x) != "triton":
                 return None
-            if getattr(layer, "routing_on", None) is not None and layer.routing_on(adapter):
-                return None  # a per-token rank (sits_lora.dynamic_rank) is not the static product computed here
             base = layer.base_layer
             dropout = layer.lora_dropout[adapter]
             if base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):

@@ -162,7 +162,7 @@ def test_static_scheduler_trains_nested_and_infers_at_full_rank():
 
 def _capture_buckets(monkeypatch):
     """The bucket ids every dynamic-rank layer computes with, in call order."""
-    from sits_lora.dynamic_rank import layer as layer_module
+    from sits_lora.dynamic_rank import variant as layer_module  # the module whose forward_routed calls the op
 
     seen = []
     original = layer_module.dynamic_rank_lora_linear

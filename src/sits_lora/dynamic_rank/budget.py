@@ -35,7 +35,7 @@ it is 0, in the statistics and in the λ term. Tokens with label -100 count (the
 What counts: each training forward of the model once (autograd on, inside the model's forward).
 Evaluation and no_grad forwards do not count (``RankBudget.measuring()`` turns them on), nor layers called on
 their own (the memory plan's probes), nor gradient-checkpoint recomputation in backward, which
-would count the tokens twice (see ``DynamicRankLinear._token_accounting``).
+would count the tokens twice (see ``DynamicRankVariant._token_accounting``).
 
 Data parallel: every rank routes its own tokens, so :meth:`RankBudget.read_stats` sums the counts of
 all ranks (one all_reduce) before λ moves, and λ stays the same on every rank. Every rank must call
@@ -51,8 +51,8 @@ import torch
 from torch import Tensor, nn
 
 from .checks import ROUTED_SCHEDULERS
-from .layer import DynamicRankLinear
 from .scope import enter_scope, leave_scope, set_measuring
+from .variant import dynamic_rank_adapters
 
 
 def _all_reduce_counts(counts: Tensor) -> Tensor:
@@ -68,20 +68,19 @@ def _all_reduce_counts(counts: Tensor) -> Tensor:
 
 
 def dynamic_rank_layers(model: nn.Module, adapter_name: Optional[str] = None) -> list[tuple[str, nn.Module]]:
-    """(name, layer) of every DynamicRankLinear holding a dynamic-rank adapter (``adapter_name`` if given)."""
+    """(name, layer) of every layer holding a dynamic-rank adapter (``adapter_name`` if given)."""
     found = []
     for name, module in model.named_modules():
-        if isinstance(module, DynamicRankLinear):
-            names = [adapter_name] if adapter_name is not None else list(module.rank_spec)
-            if any(module.rank_spec.get(a) is not None for a in names):
-                found.append((name, module))
+        adapters = dynamic_rank_adapters(module)
+        if adapters and (adapter_name is None or adapter_name in adapters):
+            found.append((name, module))
     return found
 
 
 def _single_dynamic_adapter(model: nn.Module, adapter_name: Optional[str]) -> str:
     names = set()
     for _, layer in dynamic_rank_layers(model):
-        names.update(a for a, spec in layer.rank_spec.items() if spec is not None)
+        names.update(dynamic_rank_adapters(layer))
     if adapter_name is not None:
         if adapter_name not in names:
             raise ValueError(f"adapter_name={adapter_name!r} is not a dynamic-rank adapter of this model; "

@@ -20,7 +20,7 @@ each training forward of ``model``. Its seed comes from torch's CPU generator at
 and each sequence's bucket is a hash of (seed, sequence index): the same in every layer without a
 shared cache, and the draw consumes no random numbers inside the model, so a gradient-checkpoint
 recompute replays dropout exactly and takes each layer's buckets from its forward (the layer keeps
-them, see DynamicRankLinear.choose_buckets). A layer called outside any scope draws per token for
+them, see DynamicRankVariant.choose_buckets). A layer called outside any scope draws per token for
 itself. The seed stays a tensor and the state a plain object, so that torch.compile traces the
 draw (a Python int of the seed, or a context variable, broke the graph).
 """
@@ -113,5 +113,5 @@ def attach_forward_draw(model: nn.Module) -> None:
         setattr(model, _HOOKS_ATTR, (model.register_forward_pre_hook(enter),
                                      model.register_forward_hook(leave, always_call=True)))
     for module in model.modules():
-        if hasattr(module, "_nested_ids"):  # a DynamicRankLinear
+        if hasattr(module, "_nested_ids"):  # a layer holding a dynamic-rank adapter
             setattr(module, _SEED_ATTR, seed)

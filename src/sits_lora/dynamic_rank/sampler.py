@@ -23,9 +23,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ..layer import SitsLoraLinear
 from ..utils.cache import cache_root
-from .layer import DynamicRankLinear
 from .router import rms_normalize
+from .variant import holds_dynamic_rank
 
 logger = logging.getLogger("sits_lora")
 
@@ -187,10 +188,10 @@ class TokenEntropySampler:
         if self.progress:
             print(f"[sits_lora] {message}")
 
-    def _probe_layers(self) -> list[tuple[str, DynamicRankLinear, str]]:
+    def _probe_layers(self) -> list[tuple[str, SitsLoraLinear, str]]:
         found = []
         for name, module in self.model.named_modules():
-            if isinstance(module, DynamicRankLinear):
+            if holds_dynamic_rank(module):
                 for adapter in module.lora_entropy_probe:
                     found.append((f"{_normalized_name(name)}:{adapter}", module, adapter))
         return found

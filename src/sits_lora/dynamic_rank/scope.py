@@ -1,7 +1,7 @@
 """The dynamic-rank layers' view of the current forward: counted or not, which tokens are padding.
 
 The model's forward hooks (installed by :class:`~sits_lora.dynamic_rank.budget.RankBudget`) and
-:func:`valid_tokens` write it; each DynamicRankLinear reads it to decide what its rank statistics count.
+:func:`valid_tokens` write it; each dynamic-rank layer (DynamicRankVariant) reads it to decide what its rank statistics count.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Turn a nested dynamic-rank adapter into a static rank-k adapter; count the routing parameters.
 
 The first k rank dimensions of a nested adapter form a working rank-k adapter at the same scaling
-(one scale for all tokens, see layer.py). PEFT computes the scaling from r and lora_alpha, so a
+(one scale for all tokens, see variant.py). PEFT computes the scaling from r and lora_alpha, so a
 rank-k adapter keeps it by carrying lora_alpha' = s·k (or s·√k with use_rslora).
 """
 
@@ -13,7 +13,7 @@ from typing import Optional
 from torch import nn
 
 from ..config import SitsLoraConfig
-from .layer import DynamicRankLinear, scale_preserving_alpha
+from .variant import holds_dynamic_rank, scale_preserving_alpha
 
 
 def _peft_model_and_config(model, adapter_name: Optional[str], caller: str):
@@ -72,7 +72,7 @@ def truncate_rank(model, k: int, adapter_name: Optional[str] = None):
                          f"(use_dynamic_rank=False), so its first k dimensions are not a rank-k adapter; train it with "
                          f"SitsLoraConfig(use_dynamic_rank=True, ...) to truncate it.")
     check_truncation_rank(k, config, adapter_name, "truncate_rank")
-    layers = [m for m in model.modules() if isinstance(m, DynamicRankLinear) and adapter_name in m.lora_A]
+    layers = [m for m in model.modules() if holds_dynamic_rank(m) and adapter_name in m.lora_A]
     if any(m.merged for m in layers):
         raise ValueError("truncate_rank: the model is merged; call model.unmerge_adapter() first.")
     for layer in layers:
@@ -99,7 +99,7 @@ def rank_parameter_counts(model: nn.Module) -> dict:
     """Parameter counts of the dynamic-rank parts: routers (trainable), entropy probes (fitted, frozen), LoRA A/B."""
     counts = {"router": 0, "entropy_probe": 0, "lora": 0, "layers": 0}
     for module in model.modules():
-        if isinstance(module, DynamicRankLinear):
+        if holds_dynamic_rank(module):
             counts["layers"] += 1
             counts["router"] += sum(p.numel() for p in module.lora_router.parameters())
             counts["entropy_probe"] += sum(p.numel() for p in module.lora_entropy_probe.parameters())
