@@ -45,7 +45,9 @@ OPTIONAL_ARMS = ["peft+liger", "sits+liger", "sits+gc", "peft+gc", "sits+fp8", "
                  "frozen+compile+cg", "sits+compile+cg", "sits+fp8+compile+cg",
                  # Liger's fused RMSNorm / SwiGLU / linear cross-entropy under the fp8 base, and the frozen
                  # model with Liger: the floor for a run that uses Liger, reported next to the issue's floor
-                 "sits+fp8+liger", "frozen+liger", "frozen+liger+compile", "sits+liger+compile"]
+                 "sits+fp8+liger", "frozen+liger", "frozen+liger+compile", "sits+liger+compile",
+                 # "+saved": recompute_lora_inputs=False, the LoRA layers save their inputs (sits_lora.activations)
+                 "sits+saved", "sits+liger+saved"]
 
 
 def build(model_name: str, arm: str, device: str, dtype, layers: int = 0):
@@ -83,8 +85,9 @@ def build(model_name: str, arm: str, device: str, dtype, layers: int = 0):
         fp8 = {}
         if "fp8" in arm.split("+"):  # fp8 frozen base, "hybrid" recipe (issue 6); emulated on a CPU for --smoke
             fp8 = dict(fp8="hybrid", fp8_emulate=device == "cpu")
+        saved = {"recompute_lora_inputs": False} if "saved" in arm.split("+") else {}
         model = get_peft_model(model, SitsLoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS,
-                                                     **fp8))
+                                                     **fp8, **saved))
     if "gc" in arm.split("+"):
         model.enable_input_require_grads()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -157,6 +160,13 @@ def worker(args) -> None:
         "peak_includes_warmup": cuda_graphs,
         "warmup_s": warmup_s, "loss": float(loss), "trainable_params": sum(p.numel() for p in params),
     }
+    if args.arm.startswith("sits"):
+        from sits_lora.activations import input_recompute_report
+
+        report = input_recompute_report(model)
+        # per adapted layer: did the last timed steps rebuild its input in backward instead of saving it
+        row["inputs_rebuilt"] = sum(1 for r in report if r["rebuilt"])
+        row["inputs_saved"] = len(report) - row["inputs_rebuilt"] if report else None
     if fp8:
         from sits_lora.fp8 import fp8_layer_plan, fp8_scaling_state, frozen_weight_memory
 

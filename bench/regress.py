@@ -94,11 +94,28 @@ def _fp8_vs_bf16(rows):
     return ratio <= 1.0, f"{fp8[0]} {ratio:.3f}x {bf16[0]} (<= 1.0)"
 
 
+def _memory_target(arm: str, extra_gib: float) -> Callable:
+    """A target: ``arm``'s peak memory at most the floor arm's peak + ``extra_gib`` (LoRA inputs rebuilt in
+    backward instead of saved: sits_lora.activations)."""
+    def check(rows):
+        peak = next((r.get("peak_gib") for r in rows if r["arm"] == arm and "step_s" in r), None)
+        floors = [r for r in rows if r["arm"] in FLOOR_ARMS and r.get("peak_gib") and "step_s" in r]
+        if peak is None or not floors:
+            return None, "not measured"
+        floor = min(floors, key=lambda r: r["step_s"])  # the floor arm: the fastest frozen step
+        extra = peak - floor["peak_gib"]
+        return extra <= extra_gib, (f"{arm} peak {peak:.2f} GiB, floor ({floor['arm']}) {floor['peak_gib']:.2f} GiB "
+                                    f"(+{extra:.2f}, <= +{extra_gib})")
+    return check
+
+
 TARGETS = {
     "8b": [("best sits bf16 <= 1.05x floor", _ratio_target(BF16_SITS, 1.05)),
+           ("sits+liger peak <= floor peak + 1 GiB", _memory_target("sits+liger", 1.0)),
            ("sits+compile <= 1.05x frozen+compile", _ratio_target(("sits+compile",), 1.05, "frozen+compile")),
            ("best sits fp8 <= 0.80x floor", _ratio_target(FP8_SITS, 0.80))],
     "1b": [("best sits bf16 <= 1.10x floor", _ratio_target(BF16_SITS, 1.10)),
+           ("sits+liger peak <= floor peak + 1 GiB", _memory_target("sits+liger", 1.0)),
            ("sits+compile <= 1.10x frozen+compile", _ratio_target(("sits+compile",), 1.10, "frozen+compile")),
            ("best sits bf16 >= 1.6x peft+compile", _speedup_target(BF16_SITS, "peft+compile", 1.6)),
            ("best sits fp8 no slower than best sits bf16", _fp8_vs_bf16)],

@@ -71,6 +71,7 @@ _VALIDATORS: dict[str, Callable[[Any], str | None]] = {
     "rank_pattern": _require_pattern_of_positive_ints,
     "kernel": _require_choice(KERNEL_CHOICES),
     "fuse_siblings": _require_bool,
+    "recompute_lora_inputs": _require_bool,
     "bias": _require_choice(("none", "all", "lora_only")),
     "use_dynamic_rank": dynamic_rank_checks.require_bool,
     "rank_scheduler": _require_choice(dynamic_rank_checks.RANK_SCHEDULERS),
@@ -118,6 +119,18 @@ class SitsLoraConfig(LoraConfig):
                 "Run adapted layers of one parent that read the same input (q/k/v, gate/up) as one "
                 "operation on the Triton path: one pass over the input for all of them in forward and "
                 "backward, and one saved copy of it. Eager mode only; no effect on outputs."
+            )
+        },
+    )
+    recompute_lora_inputs: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "Save no LoRA input for backward where the frozen model already keeps what it is made from: "
+                "the q/k/v and gate/up input is rebuilt from the norm's input, o_proj's from the output that "
+                "attention keeps, down_proj's from the gate and up outputs (sits_lora.activations). The "
+                "gradients are bit-identical; the adapter's activation memory goes, for the cost of "
+                "recomputing those inputs in backward. Eager mode; torch.compile decides what it saves itself."
             )
         },
     )

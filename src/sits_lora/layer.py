@@ -81,6 +81,9 @@ class SitsLoraLinear(LoraLinear):
     # The features' LoRA variants, keyed as PEFT's lora_variants (a tuple of config fields tagged
     # is_lora_variant); SitsLoraModel registers one when an adapter first asks for it.
     feature_variants: dict[tuple, type] = {}
+    # Set by sits_lora.activations where the frozen model keeps what this layer's input is made from: the
+    # ops then save a rebuild of the input instead of the input (SitsLoraConfig.recompute_lora_inputs).
+    input_recompute = None
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, config, r: int = 0, lora_alpha: int = 1, **kwargs):
         self.sits_kernel: dict[str, str] = {}
@@ -150,6 +153,16 @@ class SitsLoraLinear(LoraLinear):
         return None
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        recompute = self.input_recompute
+        group = self._sibling_group
+        if recompute is not None and (group is None or not group.holds_output(self, x)):
+            hooks = recompute.saving(x)  # saved-tensor hooks that save a rebuild of x instead of x, or None
+            if hooks is not None:
+                with hooks:
+                    return self._forward(x, *args, **kwargs)
+        return self._forward(x, *args, **kwargs)
+
+    def _forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         adapter = self._fused_adapter(args, kwargs)
         if adapter is not None:
             return self.frozen_base.fused_forward(self, adapter, x)

@@ -9,6 +9,7 @@ from peft.tuners.lora import LoraModel
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from .activations import attach_input_recompute, detach_input_recompute
 from .layer import SitsLoraLinear
 from .siblings import assign_sibling_groups
 
@@ -82,6 +83,10 @@ class SitsLoraModel(LoraModel):
             fp8.quantize_base_layers(self, adapter_name, SitsLoraLinear)
         fuse = all(getattr(c, "fuse_siblings", True) for c in self.peft_config.values())
         assign_sibling_groups(model, SitsLoraLinear, enabled=fuse)
+        if all(getattr(c, "recompute_lora_inputs", True) for c in self.peft_config.values()):
+            attach_input_recompute(model, SitsLoraLinear)
+        else:
+            detach_input_recompute(model)
         config = self.peft_config[adapter_name]
         if getattr(config, "use_dynamic_rank", False) and config.rank_scheduler == "static":
             from .dynamic_rank.nested import attach_forward_draw
@@ -102,6 +107,7 @@ class SitsLoraModel(LoraModel):
         super().merge_adapter(*args, **kwargs)
 
     def _unload_and_optionally_merge(self, *args, **kwargs):
+        detach_input_recompute(self.model)
         if (fp8 := _fp8_layer(self)) is not None:
             fp8.restore_bf16_base_layers(self, SitsLoraLinear)
         return super()._unload_and_optionally_merge(*args, **kwargs)

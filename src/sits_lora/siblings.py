@@ -44,6 +44,11 @@ class SiblingGroup:
     def _clear(self) -> None:
         self._pending_x, self._pending = None, {}
 
+    def holds_output(self, layer, x: torch.Tensor) -> bool:
+        """Whether the group already computed ``layer``'s output for ``x`` (a sibling ran first): the layer's
+        call then only hands it over, and saves nothing for backward."""
+        return x is self._pending_x and id(layer) in self._pending
+
     def forward(self, layer, x: torch.Tensor) -> Optional[torch.Tensor]:
         """layer's output through the group, or None when the layer must run on its own."""
         if not self.enabled or torch.compiler.is_compiling():
