@@ -13,6 +13,7 @@ that run. The plan is a function of the model and the batch; only the measured s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -24,8 +25,25 @@ sys.path.insert(0, HERE)
 from bench_model import build  # noqa: E402
 from harness import print_table, write_results  # noqa: E402
 
-PLANNED_ARMS = {"sits": False, "sits+gc": True, "peft": False, "peft+gc": True}
+PLANNED_ARMS = {"sits": False, "sits+gc": True, "peft": False, "peft+gc": True, "frozen+liger": False,
+                "sits+liger": False, "sits+liger+saved": False, "sits+saved": False}
 TOLERANCE = 0.15
+
+
+@contextlib.contextmanager
+def liger_patch_undone():
+    """bench_model.build applies Liger-Kernel to transformers' Llama module for the process; undo it after."""
+    from transformers.models.llama import modeling_llama
+
+    names = ("LlamaRMSNorm", "LlamaMLP", "apply_rotary_pos_emb")
+    saved = {n: getattr(modeling_llama, n) for n in names}
+    forward = modeling_llama.LlamaForCausalLM.forward
+    try:
+        yield
+    finally:
+        for n, value in saved.items():
+            setattr(modeling_llama, n, value)
+        modeling_llama.LlamaForCausalLM.forward = forward
 
 
 def main(argv=None) -> int:
@@ -41,9 +59,10 @@ def main(argv=None) -> int:
         for run in data["rows"]:
             if run.get("arm") not in PLANNED_ARMS or run.get("peak_gib") is None:
                 continue
-            model, _ = build(run["model"], run["arm"], "meta", torch.bfloat16)
-            plan = plan_memory(model, run["batch"], run["seq"], gradient_checkpointing=PLANNED_ARMS[run["arm"]],
-                               optimizer="adamw")
+            with liger_patch_undone():
+                model, params = build(run["model"], run["arm"], "meta", torch.bfloat16, run.get("layers") or 0)
+                plan = plan_memory(model, run["batch"], run["seq"], gradient_checkpointing=PLANNED_ARMS[run["arm"]],
+                                   optimizer="adamw" if params else "none")
             planned = plan.total / 2**30
             error = planned / run["peak_gib"] - 1
             rows.append({"model": run["model"], "arm": run["arm"], "planned_gib": planned,

@@ -8,19 +8,25 @@ size, V vocabulary, H / KV query / key-value heads of size d, a the activation e
 - adapter gradients: made during backward, after the peak, and set to None by ``zero_grad``; they
   are at the peak only with gradient accumulation (they live through the next forward).
 - activations, per decoder layer, what autograd saves for backward:
-    every RMSNorm upcasts its input to fp32 and saves it (4·T·h);
+    every RMSNorm upcasts its input to fp32 and saves it (4·T·h); Liger's keeps its input as it is and
+    the fp32 1/rms (a·T·h + 4·T);
     attention (sdpa / flash) saves q, k, v (k, v at KV heads: transformers passes enable_gqa to
     sdpa when there is no padding mask) and its output (a·T·H·d), plus the fp32 log-sum-exp;
     eager attention saves q and K/V repeated to H heads and the T x S probabilities twice (fp32 and a);
-    the gated MLP saves the gate output, its activation and the up output (3·a·T·I);
+    the gated MLP saves the gate output, its activation and the up output (3·a·T·I; Liger's fused
+    SiLU·mul the gate and up outputs, 2·a·T·I);
     each adapted layer saves what a probe of that very layer shows (below); layers that read the
-    same tensor (q / k / v, gate / up) share one saved input, and o_proj's input is the attention
-    output sdpa already saved.
+    same tensor (q / k / v, gate / up) share one saved input; o_proj's input is a contiguous copy of
+    the attention output. With ``recompute_lora_inputs`` (sits_lora.activations) an input is not saved
+    where the frozen block keeps what it is made from: q/k/v (not in the first block unless the
+    embeddings pass a gradient) and gate/up when the norm keeps its input (Liger's, or an fp32 residual
+    stream), o_proj's under sdpa / flash, down_proj's always.
   A checkpointed layer keeps only its input (a·T·h); during backward one layer is recomputed at a
   time.
 - logits and loss: transformers upcasts the logits to fp32 for the cross-entropy; at the start of
   backward the saved log-softmax, its incoming gradient and the gradient it produces are three
-  fp32 T x V buffers (12·T·V), on top of every saved activation: that is the peak.
+  fp32 T x V buffers (12·T·V), on top of every saved activation: that is the peak. Liger's fused
+  linear cross-entropy holds its input's gradient (a·T·h) and one chunk of about T x h logits instead.
 
 Adapted layers are probed, not assumed: one forward of each distinct layer on 16 and 32 tokens
 under ``torch.autograd.graph.saved_tensors_hooks`` records what it saves for backward (its own
@@ -51,6 +57,26 @@ _STATE_PER_PARAM_BYTE = {"adamw": 2.0, "adamw_8bit": 0.5, "sgd": 0.0, "sgd_momen
 
 _ATTN_IN = ("q_proj", "k_proj", "v_proj")
 _MLP_IN = ("gate_proj", "up_proj")
+
+
+def _from_liger(module: Optional[nn.Module]) -> bool:
+    """Whether ``module``'s forward is Liger-Kernel's (its class, or a forward Liger bound to a loaded model)."""
+    if module is None:
+        return False
+    forward = getattr(module, "forward", None)
+    return getattr(getattr(forward, "__func__", forward), "__module__", "").startswith("liger_kernel")
+
+
+def _inputs_require_grad(model: nn.Module) -> bool:
+    """Whether the first decoder layer's input needs a gradient (trainable embeddings, or transformers' /
+    PEFT's ``enable_input_require_grads``), so that its norm keeps that input for backward."""
+    get = getattr(model, "get_input_embeddings", None)
+    embeddings = get() if callable(get) else None
+    if embeddings is None:
+        return False
+    if any(p.requires_grad for p in embeddings.parameters()):
+        return True
+    return any(getattr(hook, "__name__", "") == "make_inputs_require_grads" for hook in embeddings._forward_hooks.values())
 
 
 class UnsupportedModelError(ValueError):
@@ -368,6 +394,8 @@ def plan_memory(
     V = int(config.vocab_size)
     I = linear_dims(mlp.down_proj)[0]
     attn_impl = str(getattr(config, "_attn_implementation", None) or "eager")
+    norm_module = getattr(first, "input_layernorm", None)
+    liger_norm, liger_mlp, liger_loss = _from_liger(norm_module), _from_liger(mlp), _from_liger(inner)
 
     # Parameters, tied ones once.
     seen: set[int] = set()
@@ -421,8 +449,28 @@ def plan_memory(
                              f"({type(error).__name__}); assumed it saves its input and a T x r fp32 tensor")
         return probes[key]
 
-    def adapted_extra(block: nn.Module) -> float:
-        """Bytes the adapted layers of one block save beyond what the frozen block saves."""
+    # Which LoRA inputs sits_lora.activations rebuilds in backward instead of saving (recompute_lora_inputs): those
+    # whose makers the frozen block keeps. The norm keeps its input when it is Liger's, or transformers' on an
+    # fp32 residual stream (in bf16 it keeps an fp32 copy instead); the first block's norm keeps nothing unless
+    # the embeddings pass a gradient. sdpa / flash keep their output (o_proj's input, transposed); the gated
+    # product keeps both factors (down_proj's input).
+    norm_keeps_input = liger_norm or resid == 4
+    first_input_grad = _inputs_require_grad(inner)
+
+    def rebuilt(module: nn.Module, slot: str, index: int) -> bool:
+        if vars(module).get("input_recompute") is None:
+            return False
+        if slot == "attn_in":
+            return norm_keeps_input and (index > 0 or first_input_grad)
+        if slot == "mlp_in":
+            return norm_keeps_input
+        if slot == "attn_out":
+            return attn_impl != "eager"
+        return slot == "mlp_act"
+
+    def adapted_extra(block: nn.Module, index: int, recompute: bool) -> float:
+        """Bytes the adapted layers of one block save beyond what the frozen block saves (``recompute``: the
+        block runs without outer saved-tensor hooks, so rebuilt inputs are not saved)."""
         extra = 0.0
         shared_slots = set()
         for name, module in block.named_modules():
@@ -434,17 +482,12 @@ def plan_memory(
                 continue
             leaf = name.rsplit(".", 1)[-1]
             d_in = linear_dims(module)[0]
-            if leaf in _ATTN_IN:
-                shared_slots.add(("attn_in", a * T * d_in))
-            elif leaf in _MLP_IN:
-                shared_slots.add(("mlp_in", a * T * d_in))
-            elif leaf == "o_proj":
-                if attn_impl == "eager":  # eager makes a new contiguous copy; sdpa / flash already saved it
-                    shared_slots.add(("attn_out", a * T * d_in))
-            elif leaf == "down_proj":
-                shared_slots.add(("mlp_act", a * T * d_in))
-            else:
-                shared_slots.add((name, a * T * d_in))
+            # o_proj's input is a new contiguous copy of the attention output (eager and sdpa alike)
+            slot = {"o_proj": "attn_out", "down_proj": "mlp_act"}.get(
+                leaf, "attn_in" if leaf in _ATTN_IN else "mlp_in" if leaf in _MLP_IN else name)
+            if recompute and rebuilt(module, slot, index):
+                continue
+            shared_slots.add((slot, a * T * d_in))
         return extra + sum(size for _, size in shared_slots)
 
     # The frozen block.
@@ -458,6 +501,8 @@ def plan_memory(
             norms += 4 * T * KV * d
         elif weight.numel() == d:
             norms += 4 * T * H * d
+        elif _from_liger(module):  # Liger's RMSNorm keeps its input as it is and the fp32 1/rms per token
+            norms += resid * T * weight.numel() + 4 * T
         else:
             norms += 4 * T * weight.numel()
     kv_heads_saved = H if (padded or attn_impl == "eager") else KV
@@ -467,16 +512,19 @@ def plan_memory(
         if attn_impl not in ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"):
             notes.append(f"attention implementation {attn_impl!r} modelled like sdpa (q, k, v, output, log-sum-exp)")
         attention = a * T * H * d * 2 + 2 * a * T * kv_heads_saved * d + 4 * B * H * S
-    mlp_saved = 3 * a * T * I
+    # transformers' gated MLP keeps gate, act(gate) and up; Liger's fused SiLU·mul keeps gate and up only
+    mlp_saved = (2 if liger_mlp else 3) * a * T * I
     frozen_block = norms + attention + mlp_saved
     if attn_impl == "eager":
         notes.append("eager attention keeps the T x S probabilities (fp32 and a copy) in every layer; sdpa does not")
 
-    per_block_full = [frozen_block + adapted_extra(b) for b in blocks]
     if gradient_checkpointing is None:
         checkpointed = [getattr(b, "gradient_checkpointing", False) is True for b in blocks]
     else:
         checkpointed = [bool(gradient_checkpointing)] * len(blocks)
+    # a checkpointed block recomputes under the checkpoint's saved-tensor hooks: its LoRA inputs are saved then
+    per_block_full = [frozen_block + adapted_extra(b, i, recompute=not ck)
+                      for i, (b, ck) in enumerate(zip(blocks, checkpointed))]
     kept_input = 0 if activation_offload else resid * T * h
     saved_blocks = sum(kept_input if ck else full for ck, full in zip(checkpointed, per_block_full))
     n_ckpt = sum(checkpointed)
@@ -484,8 +532,10 @@ def plan_memory(
     if activation_offload and n_ckpt:
         gc_label += ", inputs offloaded to host"
 
-    # Outside the blocks: the final norm's fp32 input, RoPE tables, adapted layers outside the blocks.
-    outside = 4.0 * T * h + 2 * 4 * S * d
+    # Outside the blocks: the final norm's input (fp32 copy, or Liger's as it is), RoPE tables, adapted layers
+    # outside the blocks.
+    final_norm = resid * T * h + 4 * T if liger_norm else 4.0 * T * h
+    outside = final_norm + 2 * 4 * S * d
     block_ids = {id(m) for b in blocks for m in b.modules()}
     for name, module in inner.named_modules():
         if id(module) in block_ids or not is_adapted(module):
@@ -497,11 +547,21 @@ def plan_memory(
             outside += extra
     activations = saved_blocks + outside
 
-    loss = 12.0 * T * V
-    # One layer's backward holds about four T x I tensors of gradients at once (of the MLP output,
-    # the activation, the up projection, and the down projection's input): fitted to the peaks a
-    # tensor tracker measured on the CPU. Under checkpointing the layer's recomputed saves add to it.
-    transient = 4 * a * T * I
+    if liger_loss:
+        # Liger's fused linear cross-entropy never holds the T x V logits: it computes the gradient of its
+        # input in forward (T x h, kept for backward) one chunk of about T x h logits at a time
+        rows = -(-T // -(-V // h))
+        chunk = min(1 << (rows - 1).bit_length(), T)
+        loss = a * T * h + a * chunk * V + 4 * T
+        # Liger's SwiGLU backward writes its gradients over the saved gate and up: one T x I gradient and a few
+        # T x h ones at a time
+        transient = a * T * I + 3 * a * T * h
+    else:
+        loss = 12.0 * T * V
+        # One layer's backward holds about four T x I tensors of gradients at once (of the MLP output,
+        # the activation, the up projection, and the down projection's input): fitted to the peaks a
+        # tensor tracker measured on the CPU. Under checkpointing the layer's recomputed saves add to it.
+        transient = 4 * a * T * I
     recompute = max(per_block_full) + transient if n_ckpt else transient
     grads_at_peak = gradient_accumulation_steps > 1
     peak_dynamic = max(activations + loss, activations + recompute) + (grads if grads_at_peak else 0)
