@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -566,11 +567,24 @@ def _batch_bytes(train_dataloader, batch: int) -> int:
 
 def memory_alternatives(model, batch: int, seq_len: int, plan: MemoryPlan, budget: int, n_ckpt: int,
                         plan_kwargs: dict) -> dict[str, MemoryPlan]:
-    """Plans of the changes that shrink an over-budget ``plan``, by label (what to set): gradient checkpointing
-    (when ``n_ckpt``, the checkpointed layers, is 0), the largest per-device batch that fits ``budget`` (with
-    the gradient accumulation that keeps the effective batch), and half the rank. ``plan_kwargs``: the
-    keyword arguments ``plan`` was made with."""
+    """Plans of the changes that shrink an over-budget ``plan``, by label (what to set), cheapest first: Liger-Kernel
+    (on a GPU, installed, not applied yet), rebuilt LoRA inputs (sits_lora layers that save theirs), gradient
+    checkpointing (when ``n_ckpt``, the checkpointed layers, is 0), the largest per-device batch that fits
+    ``budget`` (with the gradient accumulation that keeps the effective batch), and half the rank.
+    ``plan_kwargs``: the keyword arguments ``plan`` was made with."""
     out: dict[str, MemoryPlan] = {}
+    # cheapest first: what costs no step time, then recomputation, then a smaller batch, then a smaller adapter
+    liger_applies = (not plan_kwargs.get("liger") and torch.cuda.is_available()
+                     and importlib.util.find_spec("liger_kernel") is not None)
+    if liger_applies:
+        liger = plan_memory(model, batch, seq_len, **{**plan_kwargs, "liger": True})
+        if liger.total < plan.total:
+            out["Liger-Kernel's RMSNorm, SwiGLU and fused cross-entropy (TrainingArguments(use_liger_kernel=True))"] = liger
+    sits_layers = [m for m in model.modules() if hasattr(type(m), "input_recompute")]
+    if sits_layers and any(vars(m).get("input_recompute") is None for m in sits_layers):
+        rebuilt = plan_memory(model, batch, seq_len, **{**plan_kwargs, "recompute_lora_inputs": True})
+        if rebuilt.total < plan.total:
+            out["LoRA inputs rebuilt in backward (SitsLoraConfig(recompute_lora_inputs=True), ~2 % step time)"] = rebuilt
     if n_ckpt == 0:
         out["gradient checkpointing (TrainingArguments(gradient_checkpointing=True))"] = plan_memory(
             model, batch, seq_len, gradient_checkpointing=True, **plan_kwargs)

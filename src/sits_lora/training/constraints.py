@@ -93,8 +93,11 @@ def check_memory(plan: Optional[MemoryPlan], budget: Optional[int], budget_sourc
     if plan.total <= budget:
         return ConstraintResult("memory", "ok", summary, details)
     suggestions = []
-    for label, alt in alternatives.items():
+    recommended = False
+    for label, alt in alternatives.items():  # cheapest first: the first that fits is the recommendation
         fits = "fits" if alt.total <= budget else "still over"
+        if fits == "fits" and not recommended:
+            recommended, fits = True, "fits; recommended: the cheapest change that fits"
         suggestions.append(f"{label}: {format_bytes(alt.total)} ({fits})")
     details["alternatives"] = {k: v.total for k, v in alternatives.items()}
     return ConstraintResult("memory", "violated", summary + f": over by {format_bytes(plan.total - budget)}",

@@ -343,6 +343,8 @@ def plan_memory(
     gradient_accumulation_steps: int = 1,
     padded: bool = False,
     activation_offload: bool = False,
+    recompute_lora_inputs: Optional[bool] = None,
+    liger: Optional[bool] = None,
 ) -> MemoryPlan:
     """Predict the peak device memory of one LoRA training step of ``model`` (see the module docstring).
 
@@ -359,6 +361,10 @@ def plan_memory(
         padded: batches carry a padding mask; sdpa then repeats K/V to every query head.
         activation_offload: checkpointed layer inputs live in host memory (transformers'
             ``activation_checkpointing_kwargs={"offload": True}``).
+        recompute_lora_inputs: None plans what the model's sits_lora layers do (``SitsLoraConfig(
+            recompute_lora_inputs=...)``); True / False plan every sits_lora layer with / without it.
+        liger: None plans the model as it is (Liger-Kernel's RMSNorm, SwiGLU and fused cross-entropy when
+            they are applied); True / False plan it with / without them.
 
     Raises:
         UnsupportedModelError: the model has no decoder blocks with self_attn.{q,k,v,o}_proj and
@@ -396,6 +402,8 @@ def plan_memory(
     attn_impl = str(getattr(config, "_attn_implementation", None) or "eager")
     norm_module = getattr(first, "input_layernorm", None)
     liger_norm, liger_mlp, liger_loss = _from_liger(norm_module), _from_liger(mlp), _from_liger(inner)
+    if liger is not None:
+        liger_norm = liger_mlp = liger_loss = liger
 
     # Parameters, tied ones once.
     seen: set[int] = set()
@@ -458,7 +466,11 @@ def plan_memory(
     first_input_grad = _inputs_require_grad(inner)
 
     def rebuilt(module: nn.Module, slot: str, index: int) -> bool:
-        if vars(module).get("input_recompute") is None:
+        if recompute_lora_inputs is None:
+            attached = vars(module).get("input_recompute") is not None
+        else:  # a sits_lora layer (its class has the attribute) can have it, PEFT's cannot
+            attached = recompute_lora_inputs and hasattr(type(module), "input_recompute")
+        if not attached:
             return False
         if slot == "attn_in":
             return norm_keeps_input and (index > 0 or first_input_grad)
