@@ -258,3 +258,17 @@ def test_siblings_report_the_op_that_ran_for_them():
     assert rows["layers.1.self_attn.k_proj"]["rebuilt"] == rows["layers.1.self_attn.q_proj"]["rebuilt"] == 1
     assert rows["layers.1.mlp.up_proj"]["via"].endswith("layers.1.mlp.gate_proj")
     assert rows["layers.1.self_attn.o_proj"]["via"] is None and rows["layers.1.self_attn.o_proj"]["rebuilt"] == 1
+
+
+def test_a_source_changed_in_place_is_an_error_not_a_wrong_gradient():
+    """The tensors an input is rebuilt from are references, not saved tensors: autograd's in-place check does not
+    see them, so the rebuild checks their versions itself."""
+    from sits_lora.activations.recompute import RebuiltInput
+
+    h = torch.randn(3, 4)
+    rebuilt = RebuiltInput(lambda t: t * 2, (h,))
+    h.add_(1)
+    with pytest.raises(RuntimeError, match="modified in place between forward and backward.*recompute_lora_inputs=False"):
+        rebuilt.value()
+    fine = RebuiltInput(lambda t: t * 2, (h,))
+    torch.testing.assert_close(fine.value(), h * 2)

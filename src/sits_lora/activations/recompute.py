@@ -53,13 +53,22 @@ class RebuiltInput:
     so q, k and v run one by one share one rebuild; it is freed with the last of them.
     """
 
-    __slots__ = ("_rebuild", "_sources", "_value", "__weakref__")
+    __slots__ = ("_rebuild", "_sources", "_versions", "_value", "__weakref__")
 
     def __init__(self, rebuild: Callable[..., Tensor], sources: tuple) -> None:
         self._rebuild, self._sources, self._value = rebuild, sources, None
+        # the sources are plain references, not saved tensors: autograd's in-place check does not cover them
+        self._versions = tuple(t._version for t in sources if isinstance(t, Tensor))
 
     def value(self) -> Tensor:
         if self._value is None:
+            versions = tuple(t._version for t in self._sources if isinstance(t, Tensor))
+            if versions != self._versions:
+                raise RuntimeError(
+                    "sits_lora: a tensor that a LoRA layer's input is rebuilt from was modified in place between "
+                    "forward and backward, so the rebuilt input would be wrong. Set "
+                    "SitsLoraConfig(recompute_lora_inputs=False) for this model (the layers then save their inputs)."
+                )
             with torch.no_grad():
                 self._value = self._rebuild(*self._sources)
         return self._value
