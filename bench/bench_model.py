@@ -15,6 +15,7 @@ monkey-patching leaking between arms); the parent writes JSON, CSV and a PNG.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -48,6 +49,23 @@ OPTIONAL_ARMS = ["peft+liger", "sits+liger", "sits+gc", "peft+gc", "sits+fp8", "
                  "sits+fp8+liger", "frozen+liger", "frozen+liger+compile", "sits+liger+compile",
                  # "+saved": recompute_lora_inputs=False, the LoRA layers save their inputs (sits_lora.activations)
                  "sits+saved", "sits+liger+saved"]
+
+
+@contextlib.contextmanager
+def liger_patch_undone():
+    """build() applies Liger-Kernel to transformers' Llama module for the whole process (arms normally run in
+    processes of their own); a script that builds several arms in one process undoes it after each."""
+    from transformers.models.llama import modeling_llama
+
+    names = ("LlamaRMSNorm", "LlamaMLP", "apply_rotary_pos_emb")
+    saved = {n: getattr(modeling_llama, n) for n in names}
+    forward = modeling_llama.LlamaForCausalLM.forward
+    try:
+        yield
+    finally:
+        for n, value in saved.items():
+            setattr(modeling_llama, n, value)
+        modeling_llama.LlamaForCausalLM.forward = forward
 
 
 def build(model_name: str, arm: str, device: str, dtype, layers: int = 0):

@@ -29,26 +29,11 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_model import MODELS, build  # noqa: E402
+from bench_model import MODELS, build, liger_patch_undone  # noqa: E402
 from harness import png, print_table, write_results  # noqa: E402
 
 ARMS = ["frozen+liger", "sits+liger", "sits+liger+saved", "sits+liger+gc", "peft", "peft+gc"]
 GIB = 2**30
-
-
-def _liger_undone():
-    """bench_model.build applies Liger to transformers' Llama module; the plan of the next arm must not see it."""
-    from transformers.models.llama import modeling_llama
-
-    names = ("LlamaRMSNorm", "LlamaMLP", "apply_rotary_pos_emb")
-    saved = {n: getattr(modeling_llama, n) for n in names}
-    forward = modeling_llama.LlamaForCausalLM.forward
-
-    def undo():
-        for n, value in saved.items():
-            setattr(modeling_llama, n, value)
-        modeling_llama.LlamaForCausalLM.forward = forward
-    return undo
 
 
 def bisect(fits, low: int, high: int, step: int) -> int:
@@ -70,8 +55,7 @@ def planned_longest(model_name: str, arm: str, cap_bytes: float, step: int, max_
     """plan_memory's longest context for ``arm`` under ``cap_bytes`` (a CPU, the meta device)."""
     from sits_lora import plan_memory
 
-    undo = _liger_undone()
-    try:
+    with liger_patch_undone():
         model, params = build(model_name, arm, "meta", torch.bfloat16, layers)
         optimizer = "adamw" if params else "none"
         gc = "gc" in arm.split("+")
@@ -81,8 +65,6 @@ def planned_longest(model_name: str, arm: str, cap_bytes: float, step: int, max_
 
         longest = bisect(fits, step, max_tokens, step)
         at = plan_memory(model, 1, longest or step, gradient_checkpointing=gc, optimizer=optimizer)
-    finally:
-        undo()
     return {"arm": arm, "planned_tokens": longest, "planned_gib_at_it": at.total / GIB,
             "hit_search_limit": longest >= max_tokens}
 

@@ -13,7 +13,6 @@ that run. The plan is a function of the model and the batch; only the measured s
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -22,28 +21,12 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_model import build  # noqa: E402
+from bench_model import build, liger_patch_undone  # noqa: E402
 from harness import print_table, write_results  # noqa: E402
 
 PLANNED_ARMS = {"sits": False, "sits+gc": True, "peft": False, "peft+gc": True, "frozen+liger": False,
                 "sits+liger": False, "sits+liger+saved": False, "sits+saved": False}
 TOLERANCE = 0.15
-
-
-@contextlib.contextmanager
-def liger_patch_undone():
-    """bench_model.build applies Liger-Kernel to transformers' Llama module for the process; undo it after."""
-    from transformers.models.llama import modeling_llama
-
-    names = ("LlamaRMSNorm", "LlamaMLP", "apply_rotary_pos_emb")
-    saved = {n: getattr(modeling_llama, n) for n in names}
-    forward = modeling_llama.LlamaForCausalLM.forward
-    try:
-        yield
-    finally:
-        for n, value in saved.items():
-            setattr(modeling_llama, n, value)
-        modeling_llama.LlamaForCausalLM.forward = forward
 
 
 def main(argv=None) -> int:
