@@ -62,6 +62,22 @@ def test_targets_use_the_floor_of_the_same_run():
     assert not any(c["shape"] == "8b" for c in regress.compare(rows, None, [], regress.TARGETS))
 
 
+def test_the_memory_target_compares_with_the_peak_of_the_floor_arm():
+    """The floor is the fastest frozen arm; its peak, not the leanest frozen arm's, is what sits + Liger may pass by
+    at most 1 GiB."""
+    rows = _rows("8b", frozen=1.2, frozen_compile=1.0, frozen_liger=0.9, sits_liger=0.95)
+    peaks = {"frozen": 5.0, "frozen+compile": 9.0, "frozen+liger": 7.0}
+    for row in rows:
+        row["peak_gib"] = peaks.get(row["arm"], 7.9)
+    target = "sits+liger peak <= floor peak + 1 GiB"
+    check = _by_what(regress.compare(rows, None, [], regress.TARGETS), "target")[("8b", target)]
+    assert check["ok"] is True and "floor (frozen+liger) 7.00 GiB (+0.90" in check["detail"]
+    next(r for r in rows if r["arm"] == "sits+liger")["peak_gib"] = 8.1
+    assert _by_what(regress.compare(rows, None, [], regress.TARGETS), "target")[("8b", target)]["ok"] is False
+    del next(r for r in rows if r["arm"] == "sits+liger")["peak_gib"]
+    assert _by_what(regress.compare(rows, None, [], regress.TARGETS), "target")[("8b", target)]["ok"] is None
+
+
 def test_a_baseline_split_over_two_calls_keeps_the_other_shape(tmp_path):
     path = tmp_path / "baseline.json"
     regress.write_baseline(str(path), _rows("1b", frozen=1.0, sits=1.2), None, "first call")
