@@ -36,6 +36,7 @@ class SiblingGroup:
 
     def __init__(self, layers: list) -> None:
         self.layers = layers
+        self.out_features = sum(layer.out_features for layer in layers)  # the fused op's output width
         self.enabled = True
         self._pending_x: Optional[torch.Tensor] = None
         self._pending_version = -1
@@ -85,7 +86,7 @@ class SiblingGroup:
                 return None  # a quantized base (sits_lora.bases.fp8) runs its own fused path
             # None also for a dynamic-rank adapter that routes (a per-token rank is not the static product here)
             adapter = layer._fused_adapter((), {})
-            if adapter is None or ops.resolve_kernel(layer.sits_kernel[adapter], x) != "triton":
+            if adapter is None or ops.resolve_kernel(layer.sits_kernel[adapter], x, self.out_features) != "triton":
                 return None
             base = layer.base_layer
             dropout = layer.lora_dropout[adapter]

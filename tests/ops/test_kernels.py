@@ -6,6 +6,8 @@ wrong in the interpreter, so bf16 is checked on the GPU, test_kernels_gpu.py).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -115,6 +117,38 @@ def test_kernel_selection():
     assert ops.resolve_kernel("auto", cpu) == "torch"
     with pytest.raises(ValueError, match="allowed values"):
         ops.resolve_kernel("cuda", cpu)
+
+
+def test_calls_past_32_bit_offsets_run_the_reference(monkeypatch, caplog):
+    """The kernels' offsets are 32-bit: a call whose input or output reaches 2**31 elements runs the reference (here
+    the limit is lowered to 64 elements), with one warning that names the way out."""
+    import logging
+
+    from sits_lora.ops import choice
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(choice, "INT32_ELEMENTS", 64)
+    monkeypatch.setattr(choice, "_warned_large", False)
+    x = torch.zeros(4, 8)  # 32 elements
+    assert ops.resolve_kernel("triton", x, out_features=8) == "triton"
+    with caplog.at_level(logging.WARNING, logger="sits_lora"):
+        assert ops.resolve_kernel("triton", x, out_features=16) == "torch"  # the 4 x 16 output
+        assert ops.resolve_kernel("triton", torch.zeros(2, 4, 8)) == "torch"  # 8 tokens x 8: the input
+    assert len([r for r in caplog.records if "32-bit offsets" in r.getMessage()]) == 1
+    assert "tile_mlp" in caplog.records[0].getMessage()
+
+    # a layer on that path gives the reference's output and gradients
+    from peft import get_peft_model
+
+    from sits_lora import SitsLoraConfig
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16))
+    config = dict(r=2, lora_alpha=4, target_modules=["0"], init_lora_weights=False)
+    reference = get_peft_model(copy.deepcopy(model), SitsLoraConfig(kernel="torch", **config))
+    fused = get_peft_model(model, SitsLoraConfig(kernel="triton", **config))
+    reference.load_state_dict(fused.state_dict())
+    inp = torch.randn(4, 8)
+    torch.testing.assert_close(fused(inp), reference(inp), rtol=0, atol=0)
 
 
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):

@@ -54,7 +54,7 @@ class Bf16Base:
             if out is not None:
                 return out
         base = layer.base_layer
-        kernel = ops.resolve_kernel(layer.sits_kernel[adapter], x)
+        kernel = ops.resolve_kernel(layer.sits_kernel[adapter], x, layer.out_features)
         if kernel == "triton" and (base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad)):
             kernel = "torch"  # the fused kernels assume a frozen base (no dW / db); the reference computes them
         x, weight, bias, autocast_off = autocast_inputs(x, base.weight, base.bias)

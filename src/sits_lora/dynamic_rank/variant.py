@@ -260,7 +260,8 @@ class DynamicRankVariant(SitsLoraVariant):
         if counted:
             DynamicRankVariant._record(module, adapter, decided, used, valid, len(spec.buckets))
         base = module.base_layer
-        kernel = ops.resolve_kernel(getattr(module, "sits_kernel", {}).get(adapter, "auto"), x)
+        kernel = ops.resolve_kernel(getattr(module, "sits_kernel", {}).get(adapter, "auto"), x,
+                                    module.out_features)
         if kernel == "triton" and (torch.compiler.is_compiling() or base.weight.requires_grad
                                    or (base.bias is not None and base.bias.requires_grad)):
             kernel = "torch"  # the fused Function is eager only and assumes a frozen base (no dW / db)

@@ -3,10 +3,13 @@ behind the Triton path."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 from torch import Tensor
+
+logger = logging.getLogger("sits_lora")
 
 KERNELS = ("auto", "triton", "torch")
 
@@ -19,20 +22,48 @@ def triton_interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def resolve_kernel(requested: str, x: Tensor) -> str:
+# The Triton kernels address a (tokens, features) tensor with 32-bit offsets: from 2**31 elements on, an
+# offset wraps and the kernel reads and writes out of bounds (the 8B MLP's T x 14336 tensors pass it at 149,797
+# tokens in one batch). Such a call runs the reference, which is correct at any size.
+INT32_ELEMENTS = 2**31
+_warned_large = False
+
+
+def _too_large(x: Tensor, out_features: int) -> bool:
+    tokens = x.numel() // max(x.shape[-1], 1) if x.dim() else 1
+    return tokens * max(x.shape[-1] if x.dim() else 1, out_features) >= INT32_ELEMENTS
+
+
+def _reference_for_large(x: Tensor, out_features: int) -> str:
+    global _warned_large
+    if not _warned_large:
+        _warned_large = True
+        logger.warning(
+            "sits_lora: a LoRA layer's input or output has %d tokens x %d features, 2**31 elements or more: the fused "
+            "kernels address it with 32-bit offsets, so this call (and any like it) runs the PyTorch reference "
+            "instead (correct, slower). sits_lora.activations.tile_mlp(model) keeps the MLP's tensors under it.",
+            x.numel() // max(x.shape[-1], 1), max(x.shape[-1], out_features))
+    return "torch"
+
+
+def resolve_kernel(requested: str, x: Tensor, out_features: int = 0) -> str:
     """The implementation SitsLoraConfig.kernel=requested runs for input x: "triton" or "torch".
 
     "auto": Triton on CUDA for bf16 / fp16, the reference otherwise (fp32 on a GPU keeps exact
     fp32 products; the reference is cuBLAS there). "triton": CUDA, or the CPU only under the Triton
-    interpreter (TRITON_INTERPRET=1, for tests). "torch": the reference, anywhere.
+    interpreter (TRITON_INTERPRET=1, for tests). "torch": the reference, anywhere. Either way a call
+    whose input or output (``out_features`` wide) reaches 2**31 elements runs the reference (the kernels'
+    offsets are 32-bit), with one warning.
     """
     if requested == "torch":
         return "torch"
     if requested == "auto":
-        return "triton" if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) else "torch"
+        if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+            return "torch"
+        return _reference_for_large(x, out_features) if _too_large(x, out_features) else "triton"
     if requested == "triton":
         if x.is_cuda or triton_interpreter_on():
-            return "triton"
+            return _reference_for_large(x, out_features) if _too_large(x, out_features) else "triton"
         raise KernelUnavailableError(
             f"SitsLoraConfig.kernel='triton' needs a CUDA GPU, but the input is on {x.device}. Use "
             "kernel='auto' (Triton on GPU, the PyTorch reference on CPU) or kernel='torch'; to run the "
