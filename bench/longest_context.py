@@ -4,14 +4,21 @@
     python bench/longest_context.py --measure --out OUT              # a GPU: measured, starting from the plan
     python bench/longest_context.py --plan --smoke --out OUT         # a CPU: the tiny shape, checks the script
 
-The memory is capped at ``--cap-gib`` (80 by default, so that figures compare with published 80 GB results;
+The device memory is capped at ``--cap-gib`` (80 by default, so that figures compare with published 80 GB results;
 ``torch.cuda.set_per_process_memory_fraction`` on a GPU). The answer is the longest multiple of ``--step``
 (1024) tokens at which one training step (forward, backward, fused AdamW) fits, found by bisection; with
 ``--measure`` each arm runs in its own process that builds the model once, probes sequence lengths from the
-plan's answer outwards (an out-of-memory step is caught, the cache emptied, the next length tried), and times
-one more step at the answer for tokens/s. A probe slower than ``--probe-timeout`` seconds ends the arm's
+plan's answer outwards (an out-of-memory step is caught, the cache emptied, the next length tried) after one
+warm-up step at ``--step`` tokens; tokens/s is the warm probe step at the answer. A probe slower than ``--probe-timeout`` seconds ends the arm's
 search there (attention grows with the square of the context). Arms are bench_model.py's (random bf16
-weights, sdpa, LoRA r16 on the seven projections); "+gc" is gradient checkpointing (non-reentrant).
+weights, sdpa, LoRA r16 on the seven projections); "+gc" is gradient checkpointing (non-reentrant), "+offload"
+checkpointing with the kept layer inputs in pinned host memory and the MLP in tiles (sits_lora.activations).
+
+``--layers N`` below the shape's depth measures N layers and stands in for the rest: before each probe the cap
+is lowered by what plan_memory says the missing layers hold at that length (their weights, adapters, gradients
+and optimizer states, and their kept checkpoint inputs unless offloaded), so a probe fits when the full model
+would (to the plan's accuracy on those parts: exact for weights, a·T·h per kept input). Steps then take N/L of
+the time, which is what makes the long-context arms measurable at all (attention grows with T²).
 Writes OUT/longest_context.json, .csv and .png.
 """
 
@@ -32,7 +39,7 @@ sys.path.insert(0, HERE)
 from bench_model import MODELS, build, liger_patch_undone  # noqa: E402
 from harness import png, print_table, write_results  # noqa: E402
 
-ARMS = ["frozen+liger", "sits+liger", "sits+liger+saved", "sits+liger+gc", "peft", "peft+gc"]
+ARMS = ["frozen+liger", "sits+liger", "sits+liger+saved", "sits+liger+gc", "sits+liger+offload", "peft", "peft+gc"]
 GIB = 2**30
 
 
@@ -51,40 +58,92 @@ def bisect(fits, low: int, high: int, step: int) -> int:
     return lo * step
 
 
-def planned_longest(model_name: str, arm: str, cap_bytes: float, step: int, max_tokens: int, layers: int = 0) -> dict:
-    """plan_memory's longest context for ``arm`` under ``cap_bytes`` (a CPU, the meta device)."""
+def planned_longest(model_name: str, arm: str, cap_bytes: float, step: int, max_tokens: int, layers: int = 0,
+                    host_cap_bytes: float = float("inf")) -> dict:
+    """plan_memory's longest context for ``arm`` under ``cap_bytes`` of device memory and ``host_cap_bytes`` of
+    pinned host memory (a CPU, the meta device). An "+offload" arm keeps on the device the inputs of as few
+    layers as the host cap requires (``keep_on_device``), the rest go to the host."""
     from sits_lora import plan_memory
+    from sits_lora.activations import enable_offloaded_checkpointing
 
     with liger_patch_undone():
         model, params = build(model_name, arm, "meta", torch.bfloat16, layers)
         optimizer = "adamw" if params else "none"
-        gc = "gc" in arm.split("+")
+        parts = set(arm.split("+"))
+        gc = bool({"gc", "offload"} & parts)
+        depth = layers or MODELS[model_name]["num_hidden_layers"]
+
+        def plan_at(seq: int):
+            """(plan, layers kept on the device) at ``seq`` tokens."""
+            keep = 0
+            if "offload" in parts:
+                per_layer = 2 * seq * MODELS[model_name]["hidden_size"]  # one bf16 layer input
+                keep = min(max(depth - int(host_cap_bytes // per_layer), 0), depth)
+                enable_offloaded_checkpointing(model, keep_on_device=keep)
+            return plan_memory(model, 1, seq, gradient_checkpointing=gc, optimizer=optimizer), keep
 
         def fits(seq: int) -> bool:
-            return plan_memory(model, 1, seq, gradient_checkpointing=gc, optimizer=optimizer).total <= cap_bytes
+            plan, _ = plan_at(seq)
+            return plan.total <= cap_bytes and plan.host_offload <= host_cap_bytes
 
         longest = bisect(fits, step, max_tokens, step)
-        at = plan_memory(model, 1, longest or step, gradient_checkpointing=gc, optimizer=optimizer)
+        at, keep = plan_at(longest or step)
     return {"arm": arm, "planned_tokens": longest, "planned_gib_at_it": at.total / GIB,
+            "planned_host_gib_at_it": at.host_offload / GIB, "keep_on_device": keep,
             "hit_search_limit": longest >= max_tokens}
 
 
 # ----------------------------------------------------------------------------- measuring (a GPU)
 
 
+def missing_layers_bytes(model_name: str, arm: str, layers: int, keep_on_device: int = 0):
+    """seq -> the bytes plan_memory gives the layers a ``layers``-deep build lacks (0 at full depth); with
+    ``keep_on_device`` the full model keeps that many layers' inputs on the device (the shallow one none)."""
+    from sits_lora import plan_memory
+    from sits_lora.activations import enable_offloaded_checkpointing
+
+    full = MODELS[model_name]["num_hidden_layers"]
+    if not layers or layers >= full:
+        return lambda seq: 0
+    with liger_patch_undone():
+        deep, deep_params = build(model_name, arm, "meta", torch.bfloat16, full)
+        shallow, _ = build(model_name, arm, "meta", torch.bfloat16, layers)
+        if keep_on_device:
+            enable_offloaded_checkpointing(deep, keep_on_device=keep_on_device)
+    optimizer = "adamw" if deep_params else "none"
+    gc = bool({"gc", "offload"} & set(arm.split("+")))
+
+    def missing(seq: int) -> int:
+        plans = [plan_memory(m, 1, seq, gradient_checkpointing=gc, optimizer=optimizer) for m in (deep, shallow)]
+        return plans[0].total - plans[1].total
+
+    return missing
+
+
 def worker(args) -> None:
     """One arm: build once, probe from the planned length outwards, print RESULT json."""
     total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(args.cap_gib * GIB / total, 1.0))
+    missing = missing_layers_bytes(args.model, args.arm, args.layers, args.keep_on_device)
+
+    def cap_for(seq: int) -> None:
+        torch.cuda.set_per_process_memory_fraction(max(min((args.cap_gib * GIB - missing(seq)) / total, 1.0), 0.01))
+
+    cap_for(args.step)
     model, params = build(args.model, args.arm, "cuda", torch.bfloat16, args.layers)
+    if args.keep_on_device and not (args.layers and args.layers < MODELS[args.model]["num_hidden_layers"]):
+        from sits_lora.activations import enable_offloaded_checkpointing
+
+        enable_offloaded_checkpointing(model, keep_on_device=args.keep_on_device)
     model.train()
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True) if params else None
     vocab = MODELS[args.model]["vocab_size"]
     probes = []
 
     def one_step(seq: int) -> float:
+        cap_for(seq)
         ids = torch.randint(0, vocab, (1, seq), device="cuda")
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         model(input_ids=ids, labels=ids).loss.backward()
         if optimizer is not None:
@@ -103,13 +162,16 @@ def worker(args) -> None:
             seconds, ok = None, False
         model.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
-        probes.append({"seq": seq, "fits": ok, "seconds": seconds})
+        probes.append({"seq": seq, "fits": ok, "seconds": seconds,
+                       "peak_gib": torch.cuda.max_memory_allocated() / GIB if ok else None})
         print(f"  {args.arm} seq {seq}: {'fits' if ok else 'out of memory'}"
               + (f" ({seconds:.1f} s)" if seconds else ""), flush=True)
         if ok and seconds > args.probe_timeout:
             raise TimeoutError(seq)
         return ok
 
+    one_step(args.step)  # kernels compiled and tuned at a short length, so that each probe times a warm step
+    model.zero_grad(set_to_none=True)
     step, start = args.step, max(args.step, args.start // args.step * args.step)
     longest, capped_by_time = 0, False
     try:
@@ -128,16 +190,30 @@ def worker(args) -> None:
         longest, capped_by_time = stop.args[0], True
     tokens_per_s = None
     if longest:
-        tokens_per_s = longest / one_step(longest)
-        peak = torch.cuda.max_memory_allocated() / GIB
+        # the probe that found it timed a warm step already (attention makes a step at length minutes long)
+        seconds = next((p["seconds"] for p in probes if p["seq"] == longest and p["fits"]), None) or one_step(longest)
+        # tokens/s of the full depth: the N measured layers stand for L (the head and loss counted L/N times: a
+        # small overestimate of the time)
+        full = MODELS[args.model]["num_hidden_layers"]
+        depth = args.layers if args.layers and args.layers < full else full
+        tokens_per_s = longest / (seconds * full / depth)
+        peak = next((p["peak_gib"] for p in probes if p["seq"] == longest and p["fits"]), None) or \
+            torch.cuda.max_memory_allocated() / GIB
+        host = getattr(torch.cuda, "host_memory_stats", lambda: {})()
+        host_peak = host.get("allocated_bytes.all.peak", host.get("allocated_bytes.peak"))
     row = {"arm": args.arm, "measured_tokens": longest, "tokens_per_s": tokens_per_s, "probes": probes,
            "stopped_by_probe_timeout": capped_by_time, "cap_gib": args.cap_gib,
-           "peak_gib": peak if longest else None}
+           "layers_measured": args.layers or MODELS[args.model]["num_hidden_layers"],
+           "peak_gib": peak if longest else None,
+           # what the full depth would hold: the measured peak plus the plan's missing layers
+           "full_depth_peak_gib": (peak + missing(longest) / GIB) if longest else None,
+           "pinned_host_peak_gib": host_peak / GIB if longest and host_peak else None}
     print("RESULT " + json.dumps(row), flush=True)
 
 
-def run_arm(args, arm: str, start: int) -> dict:
+def run_arm(args, arm: str, start: int, keep_on_device: int = 0) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--arm", arm, "--model", args.model,
+           "--keep-on-device", str(keep_on_device),
            "--cap-gib", str(args.cap_gib), "--step", str(args.step), "--max-tokens", str(args.max_tokens),
            "--start", str(start), "--probe-timeout", str(args.probe_timeout), "--layers", str(args.layers)]
     try:
@@ -175,9 +251,12 @@ def main(argv=None) -> int:
     parser.add_argument("--model", choices=sorted(MODELS), default="8b")
     parser.add_argument("--arms", nargs="+", default=ARMS)
     parser.add_argument("--cap-gib", type=float, default=80.0)
+    parser.add_argument("--host-cap-gib", type=float, default=100.0,
+                        help="pinned host memory the offloaded checkpoints may take (the H200 machine has 128 GiB)")
     parser.add_argument("--step", type=int, default=1024, help="the context is a multiple of this")
-    parser.add_argument("--max-tokens", type=int, default=512 * 1024, help="the search stops here")
-    parser.add_argument("--layers", type=int, default=0, help="decoder layers (0: the shape's own count)")
+    parser.add_argument("--max-tokens", type=int, default=1024 * 1024, help="the search stops here")
+    parser.add_argument("--layers", type=int, default=0,
+                        help="decoder layers to measure, standing in for the shape's own count (0: all of them)")
     parser.add_argument("--plan", action="store_true", help="plan_memory's answer (a CPU is enough)")
     parser.add_argument("--measure", action="store_true", help="measure on the GPU, starting from the plan")
     parser.add_argument("--probe-timeout", type=float, default=60.0, help="seconds a probe step may take")
@@ -187,6 +266,7 @@ def main(argv=None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--arm", help=argparse.SUPPRESS)
     parser.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--keep-on-device", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
@@ -205,10 +285,12 @@ def main(argv=None) -> int:
 
     rows = []
     for arm in args.arms:
-        row = planned_longest(args.model, arm, args.cap_gib * GIB, args.step, args.max_tokens, args.layers)
+        # the plan is the full model's (--layers only makes the measurement shallower)
+        row = planned_longest(args.model, arm, args.cap_gib * GIB, args.step, args.max_tokens, 0,
+                              args.host_cap_gib * GIB)
         print(f"[{arm}] planned {row['planned_tokens']:,} tokens ({row['planned_gib_at_it']:.1f} GiB)", flush=True)
         if args.measure:
-            measured = run_arm(args, arm, row["planned_tokens"] or args.step)
+            measured = run_arm(args, arm, row["planned_tokens"] or args.step, row["keep_on_device"])
             row.update(measured)
             if "error" in measured:
                 print(f"[{arm}] failed: {measured['error']}", flush=True)
@@ -222,7 +304,7 @@ def main(argv=None) -> int:
                   {"command": "python bench/longest_context.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                    "model": args.model, "cap_gib": args.cap_gib, "batch": 1})
     _plot(rows, os.path.join(args.out, "longest_context.png"), args.cap_gib)
-    columns = ["arm", "planned_tokens", "planned_gib_at_it"] + (["measured_tokens", "tokens_per_s"] if args.measure else [])
+    columns = ["arm", "planned_tokens", "planned_gib_at_it", "planned_host_gib_at_it", "keep_on_device"] + (["measured_tokens", "tokens_per_s"] if args.measure else [])
     print_table(rows, columns)
     return 0
 

@@ -18,8 +18,9 @@ itself (the norm's last output, or x's autograd node), so a model whose layer do
 saves x as before; each such layer is named once in the log.
 
 Eager only: under torch.compile the graph partitioner decides what to save. Inside gradient
-checkpointing or any other saved-tensor hooks (offload), the outer hooks own every saved tensor and
-this stays out of their way.
+checkpointing or any other saved-tensor hooks, the outer hooks own every saved tensor and this stays
+out of their way; sits_lora's own offload hooks (``offload``) are the exception: what is rebuilt is not
+copied to the host.
 """
 
 from __future__ import annotations
@@ -174,6 +175,10 @@ def _from_norm(x: Tensor, norms: tuple) -> Optional[RebuiltInput]:
     return None
 
 
+# what a producer returns when x itself is a tensor the frozen model keeps: saving x holds no extra memory
+ALREADY_KEPT = object()
+
+
 def _transpose_back(out: Tensor, transposes: tuple, shape: torch.Size) -> Tensor:
     for dim0, dim1 in transposes:
         out = out.transpose(dim0, dim1)
@@ -193,6 +198,10 @@ def _from_attention(x: Tensor) -> Optional[RebuiltInput]:
             out = getattr(node, "_saved_output", None)
             if out is None or out.numel() != x.numel() or not transposes:
                 return None
+            if out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+                # flash attention writes (batch, seq, heads, dim): x is a view of what attention keeps, saving
+                # it costs nothing and there is nothing to rebuild
+                return ALREADY_KEPT
             return RebuiltInput(_transpose_back, (out, tuple(reversed(transposes)), x.shape))
         else:
             return None
@@ -244,15 +253,20 @@ class InputRecompute:
         self.name = name
         self.norms = norms
         self.calls = 0          # training forwards (autograd on, eager, no outer saved-tensor hooks)
-        self.rebuilt_calls = 0  # of those, forwards whose input had a rebuild (any op saving it saved that)
+        # of those, forwards whose input had a rebuild (any op saving it saved that) or was itself a tensor the
+        # frozen model keeps (no hooks needed)
+        self.rebuilt_calls = 0
         self._reported = False
 
     def saving(self, x: Tensor) -> Optional[torch.autograd.graph.saved_tensors_hooks]:
         """The hooks to run the layer's forward under, or None to run it as is."""
         if not torch.is_grad_enabled() or torch.compiler.is_compiling() or _top_hooks is None:
             return None
-        if _top_hooks(False) is not None:
-            return None  # gradient checkpointing or an offload owns the saved tensors
+        outer = _top_hooks(False)
+        if outer is not None and not getattr(outer[0], "_sits_lora_offload", False):
+            # gradient checkpointing (or another's hooks) owns the saved tensors; under ours (offload) a rebuilt
+            # input is simply not a tensor to copy
+            return None
         self.calls += 1
         if x.grad_fn is None:
             return None  # x is a leaf (or needs no gradient): nothing upstream kept what it is made from
@@ -265,7 +279,7 @@ class InputRecompute:
                             "from)", self.name, producer)
             return None
         self.rebuilt_calls += 1
-        return _saving_rebuilt(x, rebuilt)
+        return None if rebuilt is ALREADY_KEPT else _saving_rebuilt(x, rebuilt)
 
     def __repr__(self) -> str:
         return f"InputRecompute({self.name!r}, norms={len(self.norms)})"

@@ -38,7 +38,10 @@ from .guards import (
     activation_message,
 )
 from .hardware import HardwareReport, probe_hardware
-from .memory import GIB, MemoryPlan, UnsupportedModelError, text_config, unwrap_model, checkpointed_layers, plan_memory
+from ..activations.offload import offloads_checkpoints
+from ..activations.tiled_mlp import DEFAULT_TILE_TOKENS
+from .memory import (GIB, MemoryPlan, UnsupportedModelError, checkpointed_layers, decoder_layers, plan_memory,
+                     text_config, unwrap_model)
 
 logger = logging.getLogger("sits_lora")
 
@@ -266,6 +269,10 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
         optimizer = _optimizer_kind(str(getattr(args.optim, "value", args.optim)))
         offload = bool((getattr(args, "activation_checkpointing_kwargs", None)
                         or getattr(args, "gradient_checkpointing_kwargs", None) or {}).get("offload", False))
+        # or sits_lora's own (enable_offloaded_checkpointing)
+        blocks = decoder_layers(unwrap_model(model))[1]
+        n_offloaded = sum(offloads_checkpoints(b) for b in blocks)
+        offload = offload or n_offloaded > 0
         n_ckpt = checkpointed_layers(model)
         plan_kwargs = dict(optimizer=optimizer, autocast_dtype=autocast, gradient_accumulation_steps=accumulation,
                            activation_offload=offload)
@@ -298,7 +305,8 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
             offload_bytes = 0
             if offload and seq_len:
                 config = text_config(unwrap_model(model))
-                offload_bytes = n_ckpt * tokens * int(config.hidden_size) * _weight_bytes(model)
+                # every checkpointed layer's input (transformers' offload), or those sits_lora offloads
+                offload_bytes = (n_offloaded or n_ckpt) * tokens * int(config.hidden_size) * _weight_bytes(model)
             self._pcie_parts = pcie_bytes_per_step(
                 model, batch_bytes=_batch_bytes(train_dataloader, batch), activation_offload_bytes=offload_bytes,
                 gradient_checkpointing=n_ckpt > 0, accumulation=accumulation)
@@ -569,7 +577,8 @@ def memory_alternatives(model, batch: int, seq_len: int, plan: MemoryPlan, budge
                         plan_kwargs: dict) -> dict[str, MemoryPlan]:
     """Plans of the changes that shrink an over-budget ``plan``, by label (what to set), cheapest first: Liger-Kernel
     (on a GPU, installed, not applied yet), rebuilt LoRA inputs (sits_lora layers that save theirs), gradient
-    checkpointing (when ``n_ckpt``, the checkpointed layers, is 0), the largest per-device batch that fits
+    checkpointing (when ``n_ckpt``, the checkpointed layers, is 0), checkpointing with the kept inputs on the host
+    and the MLP in tiles (when it plans lower than all before it), the largest per-device batch that fits
     ``budget`` (with the gradient accumulation that keeps the effective batch), and half the rank.
     ``plan_kwargs``: the keyword arguments ``plan`` was made with."""
     out: dict[str, MemoryPlan] = {}
@@ -588,6 +597,15 @@ def memory_alternatives(model, batch: int, seq_len: int, plan: MemoryPlan, budge
     if n_ckpt == 0:
         out["gradient checkpointing (TrainingArguments(gradient_checkpointing=True))"] = plan_memory(
             model, batch, seq_len, gradient_checkpointing=True, **plan_kwargs)
+    if not plan_kwargs.get("activation_offload"):
+        # what still grows with the sequence under checkpointing: the kept layer inputs (to the host) and one
+        # layer's MLP (in tiles)
+        offloaded = plan_memory(model, batch, seq_len, **{**plan_kwargs, "gradient_checkpointing": True,
+                                                          "activation_offload": True,
+                                                          "mlp_tile_tokens": DEFAULT_TILE_TOKENS})
+        if offloaded.total < min([plan.total] + [p.total for p in out.values()]):
+            out["checkpointed layer inputs in pinned host memory and the MLP in tiles (sits_lora.activations: "
+                "enable_offloaded_checkpointing(model); tile_mlp(model))"] = offloaded
     if batch > 1:
         low, high = 1, batch - 1
         best = None

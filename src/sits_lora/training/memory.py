@@ -48,6 +48,9 @@ import torch
 from torch import nn
 
 from ..utils.units import GIB
+from ..activations.offload import offloads_checkpoints
+from ..activations.tiled_mlp import mlp_tile_tokens as mlp_tile_tokens_of
+from ..utils.model_structure import decoder_layers, text_config, unwrap_model  # noqa: F401 (re-exported)
 
 
 OPTIMIZERS = ("adamw", "adamw_8bit", "adafactor", "sgd", "sgd_momentum", "lion", "none")
@@ -103,6 +106,8 @@ class MemoryPlan:
     activations_per_layer: int
     grads_at_peak: bool
     notes: list[str] = field(default_factory=list)
+    # pinned host memory the offloaded checkpoints take (not part of ``total``, which is the device's)
+    host_offload: int = 0
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -126,6 +131,8 @@ class MemoryPlan:
             ("logits and loss", self.logits_and_loss, "  (fp32 cross-entropy buffers)"),
             ("total at peak", self.total, ""),
         ]
+        if self.host_offload:
+            rows.append(("pinned host memory", self.host_offload, "  (offloaded layer inputs; not in the total)"))
         head = (f"  memory plan: batch {self.batch_size} x seq {self.seq_len} = {self.batch_size * self.seq_len} "
                 f"tokens, activations in {self.activation_dtype}")
         width = max(len(r[0]) for r in rows)
@@ -138,35 +145,6 @@ def format_bytes(n: float) -> str:
 
 
 # ----------------------------------------------------------------------------- model structure
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The transformers model under PEFT / DDP / compile wrappers."""
-    seen = set()
-    while id(model) not in seen:
-        seen.add(id(model))
-        for attr in ("module", "_orig_mod"):
-            inner = getattr(model, attr, None)
-            if isinstance(inner, nn.Module):
-                model = inner
-                break
-        else:
-            base = getattr(model, "base_model", None)  # PeftModel -> its tuner (which has peft_config) -> .model
-            inner = getattr(base, "model", None)
-            if isinstance(inner, nn.Module) and hasattr(base, "peft_config") and base is not model:
-                model = inner
-    return model
-
-
-def decoder_layers(model: nn.Module) -> tuple[str, list[nn.Module]]:
-    """(path, blocks) of the longest ModuleList of same-class modules: the decoder layers."""
-    best: tuple[str, list[nn.Module]] = ("", [])
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > len(best[1]):
-            classes = {type(m) for m in module}
-            if len(classes) == 1:
-                best = (name, list(module))
-    return best
 
 
 def base_layer_of(module: nn.Module) -> nn.Module:
@@ -185,13 +163,6 @@ def linear_dims(module: nn.Module) -> tuple[int, int]:
 def is_adapted(module: nn.Module) -> bool:
     """A PEFT tuner layer (it has a base layer) with trainable parameters."""
     return callable(getattr(module, "get_base_layer", None)) and any(p.requires_grad for p in module.parameters())
-
-
-def text_config(model: nn.Module):
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    return config
 
 
 def checkpointed_layers(model: nn.Module) -> int:
@@ -342,9 +313,10 @@ def plan_memory(
     autocast_dtype: Optional[torch.dtype] = None,
     gradient_accumulation_steps: int = 1,
     padded: bool = False,
-    activation_offload: bool = False,
+    activation_offload: Optional[bool] = None,
     recompute_lora_inputs: Optional[bool] = None,
     liger: Optional[bool] = None,
+    mlp_tile_tokens: Optional[int] = None,
 ) -> MemoryPlan:
     """Predict the peak device memory of one LoRA training step of ``model`` (see the module docstring).
 
@@ -359,12 +331,15 @@ def plan_memory(
             forward under bf16 autocast), None without autocast.
         gradient_accumulation_steps: above 1 the gradients live through the next forward, so they count.
         padded: batches carry a padding mask; sdpa then repeats K/V to every query head.
-        activation_offload: checkpointed layer inputs live in host memory (transformers'
-            ``activation_checkpointing_kwargs={"offload": True}``).
+        activation_offload: checkpointed layer inputs live in host memory (sits_lora's
+            ``enable_offloaded_checkpointing``, or transformers' ``activation_checkpointing_kwargs={"offload":
+            True}``); None reads it from the model (sits_lora's offloaded checkpointing).
         recompute_lora_inputs: None plans what the model's sits_lora layers do (``SitsLoraConfig(
             recompute_lora_inputs=...)``); True / False plan every sits_lora layer with / without it.
         liger: None plans the model as it is (Liger-Kernel's RMSNorm, SwiGLU and fused cross-entropy when
             they are applied); True / False plan it with / without them.
+        mlp_tile_tokens: None plans the MLPs as they run (``tile_mlp``); 0 plans them untiled, a positive
+            number tiled by that many tokens.
 
     Raises:
         UnsupportedModelError: the model has no decoder blocks with self_attn.{q,k,v,o}_proj and
@@ -393,6 +368,14 @@ def plan_memory(
 
     notes: list[str] = []
     T, B, S = batch_size * seq_len, batch_size, seq_len
+    # per block: whether its checkpointed input waits in host memory
+    if activation_offload is None:
+        offloaded = [offloads_checkpoints(b) for b in blocks]
+    else:
+        offloaded = [bool(activation_offload)] * len(blocks)
+    tile = mlp_tile_tokens_of(mlp) if mlp_tile_tokens is None else (mlp_tile_tokens or None)
+    # a tiled MLP keeps its input alone; at or under one tile it runs as it is
+    tiled = tile is not None and T > tile
     h = int(config.hidden_size)
     H = int(config.num_attention_heads)
     KV = int(getattr(config, "num_key_value_heads", None) or H)
@@ -486,8 +469,8 @@ def plan_memory(
         extra = 0.0
         shared_slots = set()
         for name, module in block.named_modules():
-            if not is_adapted(module):
-                continue
+            if not is_adapted(module) or (tiled and name.startswith("mlp.")):
+                continue  # (a tiled MLP's layers keep nothing past their tile)
             saves = saves_of(module)
             extra += saves.const_bytes + saves.bytes_per_token * T
             if not saves.saves_input:
@@ -525,7 +508,7 @@ def plan_memory(
             notes.append(f"attention implementation {attn_impl!r} modelled like sdpa (q, k, v, output, log-sum-exp)")
         attention = a * T * H * d * 2 + 2 * a * T * kv_heads_saved * d + 4 * B * H * S
     # transformers' gated MLP keeps gate, act(gate) and up; Liger's fused SiLU·mul keeps gate and up only
-    mlp_saved = (2 if liger_mlp else 3) * a * T * I
+    mlp_saved = a * T * h if tiled else (2 if liger_mlp else 3) * a * T * I
     frozen_block = norms + attention + mlp_saved
     if attn_impl == "eager":
         notes.append("eager attention keeps the T x S probabilities (fp32 and a copy) in every layer; sdpa does not")
@@ -537,12 +520,21 @@ def plan_memory(
     # a checkpointed block recomputes under the checkpoint's saved-tensor hooks: its LoRA inputs are saved then
     per_block_full = [frozen_block + adapted_extra(b, i, recompute=not ck)
                       for i, (b, ck) in enumerate(zip(blocks, checkpointed))]
-    kept_input = 0 if activation_offload else resid * T * h
-    saved_blocks = sum(kept_input if ck else full for ck, full in zip(checkpointed, per_block_full))
+    saved_blocks = sum((0 if off else resid * T * h) if ck else full
+                       for ck, off, full in zip(checkpointed, offloaded, per_block_full))
+    n_offloaded = sum(ck and off for ck, off in zip(checkpointed, offloaded))
+    if n_offloaded and checkpointed[0] and offloaded[0] and first_input_grad:
+        # the first block's input is the embeddings' output, a leaf that needs a gradient: its accumulator keeps
+        # it on the device, and the offload leaves it there
+        saved_blocks += resid * T * h
+        n_offloaded -= 1
     n_ckpt = sum(checkpointed)
     gc_label = "off" if n_ckpt == 0 else ("every layer" if n_ckpt == len(blocks) else f"{n_ckpt} of {len(blocks)} layers")
-    if activation_offload and n_ckpt:
-        gc_label += ", inputs offloaded to host"
+    if n_offloaded:
+        gc_label += (", inputs offloaded to host" if n_offloaded == n_ckpt
+                     else f", {n_offloaded} layers' inputs offloaded to host")
+    if tiled:
+        gc_label += f", MLP in tiles of {tile} tokens"
 
     # Outside the blocks: the final norm's input (fp32 copy, or Liger's as it is), RoPE tables, adapted layers
     # outside the blocks.
@@ -574,7 +566,13 @@ def plan_memory(
         # the activation, the up projection, and the down projection's input): fitted to the peaks a
         # tensor tracker measured on the CPU. Under checkpointing the layer's recomputed saves add to it.
         transient = 4 * a * T * I
+    if tiled:
+        # one tile's gate, up, product and their gradients, the T x h input gradient being filled, and the
+        # attention's backward (dq, dk, dv) that now outweighs the MLP's
+        transient = 6 * a * tile * I + 3 * a * T * h
     recompute = max(per_block_full) + transient if n_ckpt else transient
+    if n_offloaded:
+        recompute += resid * T * h  # the next layer's input, fetched back while this layer runs backward
     grads_at_peak = gradient_accumulation_steps > 1
     peak_dynamic = max(activations + loss, activations + recompute) + (grads if grads_at_peak else 0)
     if not grads_at_peak and grads > activations + loss:
@@ -589,6 +587,7 @@ def plan_memory(
         logits_and_loss=int(loss), total=int(total), optimizer=optimizer, gradient_checkpointing=gc_label,
         activation_dtype=str(act_dtype).removeprefix("torch."), layers=len(blocks),
         activations_per_layer=int(max(per_block_full)), grads_at_peak=grads_at_peak, notes=notes,
+        host_offload=int(resid * T * h * n_offloaded),
     )
 
 

@@ -1,0 +1,41 @@
+"""Where things are in a transformers model, under whatever wraps it (PEFT, DDP, torch.compile)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The transformers model under PEFT / DDP / compile wrappers."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        for attr in ("module", "_orig_mod"):
+            inner = getattr(model, attr, None)
+            if isinstance(inner, nn.Module):
+                model = inner
+                break
+        else:
+            base = getattr(model, "base_model", None)  # PeftModel -> its tuner (which has peft_config) -> .model
+            inner = getattr(base, "model", None)
+            if isinstance(inner, nn.Module) and hasattr(base, "peft_config") and base is not model:
+                model = inner
+    return model
+
+
+def decoder_layers(model: nn.Module) -> tuple[str, list[nn.Module]]:
+    """(path, blocks) of the longest ModuleList of same-class modules: the decoder layers."""
+    best: tuple[str, list[nn.Module]] = ("", [])
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > len(best[1]):
+            classes = {type(m) for m in module}
+            if len(classes) == 1:
+                best = (name, list(module))
+    return best
+
+
+def text_config(model: nn.Module):
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    return config
