@@ -257,3 +257,43 @@ def test_offloaded_handles_die_with_the_graph():
     del y
     gc.collect()
     assert packed and all(ref() is None for ref in packed)
+
+
+# ----------------------------------------------------------------------------- selective checkpointing
+
+
+def _checkpointed(model, kwargs):
+    inner = model.base_model.model
+    if hasattr(inner, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns there
+        inner.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.enable_input_require_grads()
+    return model
+
+
+def _attention_runs(model, ids) -> int:
+    """How many times an attention kernel computed (allocated its output) in one training step."""
+    model.train()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(input_ids=ids, labels=ids).loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(1 for e in prof.events() if e.name.startswith("aten::_scaled_dot_product")
+               and not e.name.endswith("_backward")
+               and any(c.name in ("aten::empty", "aten::empty_like") for c in e.cpu_children))
+
+
+def test_selective_checkpointing_keeps_attention_and_the_gradients():
+    from sits_lora.activations import selective_checkpointing_kwargs
+    from sits_lora.activations.selective import is_selective
+
+    base = _llama()
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(7))
+    expected = _step(_peft(base), ids)
+    full = _checkpointed(_peft(base), {"use_reentrant": False})
+    selective = _checkpointed(_peft(base), selective_checkpointing_kwargs())
+    assert all(is_selective(b) for b in selective.base_model.model.model.layers)
+    assert not any(is_selective(b) for b in full.base_model.model.model.layers)
+    _assert_same(expected, _step(selective, ids), rtol=0, atol=0)
+    # plain checkpointing runs attention again in backward; the selective policy replays its kept output
+    assert _attention_runs(full, ids) == 2 * 2 and _attention_runs(selective, ids) == 2

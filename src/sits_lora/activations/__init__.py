@@ -10,13 +10,18 @@ and gradient checkpointing whose kept layer inputs live there (``enable_offloade
 
 ``tiled_mlp``: the MLP run over the sequence in tiles at long context, keeping only its input
 (``tile_mlp``).
+
+``selective``: checkpointing that keeps attention's output and recomputes the rest of each layer
+(``selective_checkpointing_kwargs``).
 """
 
 from __future__ import annotations
 
 from .offload import enable_offloaded_checkpointing, offload_saved_tensors, offloaded_checkpoint
 from .patch import attach_input_recompute, detach_input_recompute, input_recompute_report
+from .selective import selective_checkpointing_kwargs
 from .tiled_mlp import tile_mlp, untile_mlp
 
 __all__ = ["attach_input_recompute", "detach_input_recompute", "enable_offloaded_checkpointing",
-           "input_recompute_report", "offload_saved_tensors", "offloaded_checkpoint", "tile_mlp", "untile_mlp"]
+           "input_recompute_report", "offload_saved_tensors", "offloaded_checkpoint", "selective_checkpointing_kwargs",
+           "tile_mlp", "untile_mlp"]

@@ -49,6 +49,7 @@ from torch import nn
 
 from ..utils.units import GIB
 from ..activations.offload import offloads_checkpoints
+from ..activations.selective import is_selective
 from ..activations.tiled_mlp import mlp_tile_tokens as mlp_tile_tokens_of
 from ..utils.model_structure import decoder_layers, text_config, unwrap_model  # noqa: F401 (re-exported)
 
@@ -520,8 +521,11 @@ def plan_memory(
     # a checkpointed block recomputes under the checkpoint's saved-tensor hooks: its LoRA inputs are saved then
     per_block_full = [frozen_block + adapted_extra(b, i, recompute=not ck)
                       for i, (b, ck) in enumerate(zip(blocks, checkpointed))]
-    saved_blocks = sum((0 if off else resid * T * h) if ck else full
-                       for ck, off, full in zip(checkpointed, offloaded, per_block_full))
+    # selective checkpointing (keep attention) keeps attention's output and log-sum-exp besides the input
+    attention_kept = a * T * H * d + 4 * B * H * S
+    selective = [is_selective(b) for b in blocks]
+    saved_blocks = sum(((0 if off else resid * T * h) + (attention_kept if sel else 0)) if ck else full
+                       for ck, off, sel, full in zip(checkpointed, offloaded, selective, per_block_full))
     n_offloaded = sum(ck and off for ck, off in zip(checkpointed, offloaded))
     if n_offloaded and checkpointed[0] and offloaded[0] and first_input_grad:
         # the first block's input is the embeddings' output, a leaf that needs a gradient: its accumulator keeps
@@ -530,6 +534,8 @@ def plan_memory(
         n_offloaded -= 1
     n_ckpt = sum(checkpointed)
     gc_label = "off" if n_ckpt == 0 else ("every layer" if n_ckpt == len(blocks) else f"{n_ckpt} of {len(blocks)} layers")
+    if any(ck and sel for ck, sel in zip(checkpointed, selective)):
+        gc_label += ", attention kept (selective)"
     if n_offloaded:
         gc_label += (", inputs offloaded to host" if n_offloaded == n_ckpt
                      else f", {n_offloaded} layers' inputs offloaded to host")
