@@ -297,3 +297,39 @@ def test_selective_checkpointing_keeps_attention_and_the_gradients():
     _assert_same(expected, _step(selective, ids), rtol=0, atol=0)
     # plain checkpointing runs attention again in backward; the selective policy replays its kept output
     assert _attention_runs(full, ids) == 2 * 2 and _attention_runs(selective, ids) == 2
+
+
+# ----------------------------------------------------------------------------- per-layer offload
+
+
+def test_layer_offload_round_trip_keeps_rebuilt_inputs_and_the_gradients():
+    from sits_lora.activations import disable_activation_offload, enable_activation_offload
+    from sits_lora.activations.offload import offloads_activations
+
+    base = _llama(3)
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(8))
+    expected = _step(_peft(base), ids)
+    model = _peft(base)
+    assert enable_activation_offload(model, [2, 0], min_bytes=0, device_types=("cpu",)) == [0, 2]
+    blocks = model.base_model.model.model.layers
+    assert [offloads_activations(b) for b in blocks] == [True, False, True]
+    _assert_same(expected, _step(model, ids), rtol=0, atol=0)
+    assert any(r["rebuilt"] for r in input_recompute_report(model))
+    with pytest.raises(ValueError, match=r"layers=\[3\] are out of range"):
+        enable_activation_offload(model, [3])
+    disable_activation_offload(model)
+    assert not any(offloads_activations(b) for b in blocks)
+
+
+def test_choose_offloaded_layers_hides_the_copies_behind_the_forward():
+    from sits_lora.training import choose_offloaded_layers
+
+    model = _peft(_llama(4))
+    fast = choose_offloaded_layers(model, 2, 64, pinned_bandwidth=1e15, matmul_flops=1e12)
+    assert fast["layers"] == [0, 1, 2, 3] and fast["copy_seconds_per_layer"] <= fast["forward_seconds_per_layer"]
+    # a copy twice as long as a layer's forward: half the layers, the first ones
+    ratio = fast["forward_seconds_per_layer"] / fast["saved_bytes_per_layer"]
+    half = choose_offloaded_layers(model, 2, 64, pinned_bandwidth=1 / (2 * ratio) * 1.0001, matmul_flops=1e12)
+    assert half["layers"] == [0, 1]
+    with pytest.raises(ValueError, match="pinned_bandwidth=0"):
+        choose_offloaded_layers(model, 2, 64, pinned_bandwidth=0, matmul_flops=1e12)

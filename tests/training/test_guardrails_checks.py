@@ -155,6 +155,22 @@ def test_plan_with_offloaded_checkpoints_drops_the_kept_inputs():
     assert partly.total - offloaded.total == 2 * T * h and partly.host_offload == 2 * 2 * T * h
 
 
+def test_plan_with_layers_offloaded_keeps_the_others_and_two_layers_in_backward():
+    """enable_activation_offload (no checkpointing): the offloaded layers' saved tensors leave the device; backward
+    brings one back while the next arrives (the plan's arithmetic: on the CPU nothing moves)."""
+    from sits_lora.activations import enable_activation_offload
+
+    model = llama("sits", False, layers=6, vocab=256)
+    plain = plan_memory(model, 2, 1024)
+    enable_activation_offload(model, [0, 1, 2, 3])
+    offloaded = plan_memory(model, 2, 1024)
+    per_layer = plain.activations_per_layer
+    assert "4 layers' saved tensors offloaded" in offloaded.gradient_checkpointing
+    assert offloaded.host_offload >= 4 * per_layer * 0.9
+    # six layers' saves become the larger of the two kept layers' and two layers' worth: a third of them stays
+    assert plain.total - offloaded.total == pytest.approx(4 * per_layer, rel=0.2)
+
+
 def test_plan_with_fp32_weights_under_bf16_autocast():
     """fp32 weights under bf16 autocast (TrainingArguments(bf16=True) on an fp32 model): the layers get fp32 inputs
     and each makes its own bf16 copy; the probe sees that only when fed the dtype the model feeds (seen here: sits

@@ -289,3 +289,56 @@ def offloads_checkpoints(block: nn.Module) -> bool:
     """Whether ``block`` is checkpointed with its input offloaded (``enable_offloaded_checkpointing``)."""
     func = getattr(block, "_gradient_checkpointing_func", None)
     return bool(getattr(block, "gradient_checkpointing", False) and getattr(func, "sits_lora_offload", False))
+
+
+class _OffloadedForward:
+    """Set as a decoder layer's ``forward``: the layer's own forward under :func:`offload_saved_tensors`."""
+
+    def __init__(self, block: nn.Module, min_bytes: int, device_types: Sequence[str]) -> None:
+        self.block, self.min_bytes, self.device_types = block, min_bytes, tuple(device_types)
+        self.original = vars(block).get("forward")
+
+    def __call__(self, *args, **kwargs):
+        forward = self.original or type(self.block).forward.__get__(self.block)
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        with offload_saved_tensors(min_bytes=self.min_bytes, device_types=self.device_types):
+            return forward(*args, **kwargs)
+
+
+def enable_activation_offload(model: nn.Module, layers: Sequence[int], *, min_bytes: int = DEFAULT_MIN_BYTES,
+                              device_types: Sequence[str] = ("cuda",)) -> list[int]:
+    """Keep what the chosen decoder layers save for backward in pinned host memory (no recompute: the layers run
+    once, their saved tensors cross PCIe twice). ``layers``: decoder layer indices; which ones can hide their
+    copies behind compute is what ``sits_lora.training.choose_offloaded_layers`` answers from the measured pinned
+    bandwidth. ``device_types=("cpu",)`` exercises it on a CPU. Returns the indices set; undo with
+    :func:`disable_activation_offload`."""
+    _, blocks = decoder_layers(unwrap_model(model))
+    if not blocks:
+        raise ValueError(f"enable_activation_offload: {type(model).__name__} has no decoder layers.")
+    chosen = sorted(set(int(i) for i in layers))
+    bad = [i for i in chosen if not 0 <= i < len(blocks)]
+    if bad:
+        raise ValueError(f"enable_activation_offload: layers={bad} are out of range: the model has {len(blocks)} "
+                         f"decoder layers (0 to {len(blocks) - 1}).")
+    for i in chosen:
+        current = vars(blocks[i]).get("forward")
+        if not isinstance(current, _OffloadedForward):
+            blocks[i].forward = _OffloadedForward(blocks[i], min_bytes, device_types)
+    return chosen
+
+
+def disable_activation_offload(model: nn.Module) -> None:
+    """Undo :func:`enable_activation_offload`."""
+    for module in model.modules():
+        current = vars(module).get("forward")
+        if isinstance(current, _OffloadedForward):
+            if current.original is not None:
+                module.forward = current.original
+            else:
+                del module.forward
+
+
+def offloads_activations(block: nn.Module) -> bool:
+    """Whether ``block``'s saved tensors go to the host (:func:`enable_activation_offload`)."""
+    return isinstance(vars(block).get("forward"), _OffloadedForward)

@@ -8,7 +8,7 @@ predicts the peak device memory of a LoRA training step.
 from __future__ import annotations
 
 from .callback import SitsHardwareCallback
-from .constraints import HardwareConstraintError
+from .constraints import HardwareConstraintError, choose_offloaded_layers
 from .guards import NonFiniteActivationError, NonFiniteGradientError
 from .hardware import HardwareReport, probe_hardware
 from .memory import MemoryPlan, PeakMemoryMeter, UnsupportedModelError, plan_memory
@@ -23,6 +23,7 @@ __all__ = [
     "PeakMemoryMeter",
     "SitsHardwareCallback",
     "UnsupportedModelError",
+    "choose_offloaded_layers",
     "plan_memory",
     "probe_hardware",
 ]

@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .memory import MemoryPlan, base_layer_of, is_adapted, linear_dims, format_bytes
+from .memory import MemoryPlan, base_layer_of, decoder_layers, format_bytes, is_adapted, linear_dims, unwrap_model
 
 logger = logging.getLogger("sits_lora")
 
@@ -258,6 +258,36 @@ def check_pcie(parts: dict[str, int], hardware, step_seconds: Optional[float], s
     return ConstraintResult("pcie", "violated", summary + ": the transfers cannot hide behind compute", details,
                             [f"the largest transfer is {biggest} ({parts[biggest] / 2**20:.1f} MiB): keep it on the "
                              f"device, or raise the batch so that compute covers it"])
+
+
+def choose_offloaded_layers(model: nn.Module, batch_size: int, seq_len: int, *, pinned_bandwidth: float,
+                            matmul_flops: float, **plan_kwargs) -> dict:
+    """Which decoder layers can keep their saved tensors in host memory with the copies hidden behind compute
+    (``sits_lora.activations.enable_activation_offload(model, result["layers"])``).
+
+    One layer saves S bytes (plan_memory's activations per layer) and its forward takes at least F = 2·N·T / rate
+    (N: the frozen weights of a layer's linear layers, T tokens; attention only adds to it). Offloading k of the L
+    layers moves k·S bytes to the host during a forward of L·F seconds and back during a backward of about twice
+    that: the copies hide when k·S / bandwidth <= L·F. The first k layers go: their copies have the most forward
+    time after them, and backward needs them last.
+
+    Returns {"layers", "saved_bytes_per_layer", "copy_seconds_per_layer", "forward_seconds_per_layer"}.
+    """
+    if pinned_bandwidth <= 0 or matmul_flops <= 0:
+        raise ValueError(f"choose_offloaded_layers: pinned_bandwidth={pinned_bandwidth} and matmul_flops="
+                         f"{matmul_flops} must be > 0 (HardwareReport.pinned_bandwidth and .matmul_flops).")
+    from .memory import plan_memory
+
+    _, blocks = decoder_layers(unwrap_model(model))
+    plan = plan_memory(model, batch_size, seq_len, gradient_checkpointing=False, **plan_kwargs)
+    # the frozen linear layers of one block (PEFT keeps them as its layers' base_layer; the adapters train)
+    weights = sum(m.in_features * m.out_features for m in blocks[0].modules()
+                  if isinstance(m, nn.Linear) and not m.weight.requires_grad)
+    forward_s = 2 * weights * batch_size * seq_len / matmul_flops
+    copy_s = plan.activations_per_layer / pinned_bandwidth
+    count = len(blocks) if copy_s <= forward_s else int(len(blocks) * forward_s / copy_s)
+    return {"layers": list(range(count)), "saved_bytes_per_layer": plan.activations_per_layer,
+            "copy_seconds_per_layer": copy_s, "forward_seconds_per_layer": forward_s}
 
 
 def estimate_step_seconds(model: nn.Module, tokens: int, flops: float, accumulation: int,

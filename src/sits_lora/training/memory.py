@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from ..utils.units import GIB
-from ..activations.offload import offloads_checkpoints
+from ..activations.offload import offloads_activations, offloads_checkpoints
 from ..activations.selective import is_selective
 from ..activations.tiled_mlp import mlp_tile_tokens as mlp_tile_tokens_of
 from ..utils.model_structure import decoder_layers, text_config, unwrap_model  # noqa: F401 (re-exported)
@@ -521,11 +521,22 @@ def plan_memory(
     # a checkpointed block recomputes under the checkpoint's saved-tensor hooks: its LoRA inputs are saved then
     per_block_full = [frozen_block + adapted_extra(b, i, recompute=not ck)
                       for i, (b, ck) in enumerate(zip(blocks, checkpointed))]
+    # blocks whose saved tensors wait on the host (enable_activation_offload, no checkpointing): none stays, but in
+    # backward one block's tensors are back and the next block's are on their way
+    host_blocks = [offloads_activations(b) and not ck for b, ck in zip(blocks, checkpointed)]
+    per_block_kept = [0.0 if off else full for off, full in zip(host_blocks, per_block_full)]
     # selective checkpointing (keep attention) keeps attention's output and log-sum-exp besides the input
     attention_kept = a * T * H * d + 4 * B * H * S
     selective = [is_selective(b) for b in blocks]
-    saved_blocks = sum(((0 if off else resid * T * h) + (attention_kept if sel else 0)) if ck else full
-                       for ck, off, sel, full in zip(checkpointed, offloaded, selective, per_block_full))
+    kept_terms = [((0 if off else resid * T * h) + (attention_kept if sel else 0)) if ck else kept
+                  for ck, off, sel, kept in zip(checkpointed, offloaded, selective, per_block_kept)]
+    saved_blocks = sum(kept_terms)
+    if any(host_blocks):
+        # backward reaches the last offloaded block after freeing every block above it: from then on the blocks
+        # below it, that block's tensors back on the device and the next one's arriving
+        last = max(i for i, off in enumerate(host_blocks) if off)
+        arriving = 2 * max(full for full, off in zip(per_block_full, host_blocks) if off)
+        saved_blocks = max(saved_blocks, sum(kept_terms[:last]) + arriving)
     n_offloaded = sum(ck and off for ck, off in zip(checkpointed, offloaded))
     if n_offloaded and checkpointed[0] and offloaded[0] and first_input_grad:
         # the first block's input is the embeddings' output, a leaf that needs a gradient: its accumulator keeps
@@ -534,6 +545,8 @@ def plan_memory(
         n_offloaded -= 1
     n_ckpt = sum(checkpointed)
     gc_label = "off" if n_ckpt == 0 else ("every layer" if n_ckpt == len(blocks) else f"{n_ckpt} of {len(blocks)} layers")
+    if any(host_blocks):
+        gc_label += f", {sum(host_blocks)} layers' saved tensors offloaded to host"
     if any(ck and sel for ck, sel in zip(checkpointed, selective)):
         gc_label += ", attention kept (selective)"
     if n_offloaded:
@@ -593,7 +606,8 @@ def plan_memory(
         logits_and_loss=int(loss), total=int(total), optimizer=optimizer, gradient_checkpointing=gc_label,
         activation_dtype=str(act_dtype).removeprefix("torch."), layers=len(blocks),
         activations_per_layer=int(max(per_block_full)), grads_at_peak=grads_at_peak, notes=notes,
-        host_offload=int(resid * T * h * n_offloaded),
+        host_offload=int(resid * T * h * n_offloaded
+                         + sum(full for full, off in zip(per_block_full, host_blocks) if off)),
     )
 
 
