@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from test_recompute import SHAPE, _family, _peft
+from test_recompute import SHAPE, TARGETS, _family, _peft
 
 from sits_lora import plan_memory
 from sits_lora.training.callback import memory_alternatives
@@ -48,3 +48,28 @@ def test_the_memory_check_recommends_the_cheapest_change_that_fits():
     cheapest_fit = next(label for label, alt in alternatives.items() if alt.total <= budget)
     assert len(recommended) == 1 and recommended[0].startswith(cheapest_fit)
     assert first == 1 or cheapest_fit == labels[0]  # on the CPU: rebuilding the inputs
+
+
+def test_the_memory_check_offers_layers_on_the_host_when_the_copies_hide():
+    """With the hardware's pinned bandwidth and matmul rate, the layers whose saved tensors can cross PCIe during
+    the forward are offered before any recompute (gradient checkpointing)."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    config = transformers.LlamaConfig(**{**SHAPE, "num_hidden_layers": 6})
+    config._attn_implementation = "sdpa"
+    saved = _peft(transformers.LlamaForCausalLM(config).float(), TARGETS, recompute=False)
+    plan = plan_memory(saved, 2, 64)
+    hardware = SimpleNamespace(pinned_bandwidth=1e15, matmul_flops=1e12)
+    alternatives = memory_alternatives(saved, 2, 64, plan, plan.total // 2, n_ckpt=0, plan_kwargs={},
+                                       hardware=hardware)
+    labels = list(alternatives)
+    host = [i for i, label in enumerate(labels) if "copies hidden behind the forward" in label]
+    checkpointing = labels.index("gradient checkpointing (TrainingArguments(gradient_checkpointing=True))")
+    assert len(host) == 1 and host[0] < checkpointing
+    assert "enable_activation_offload(model, range(0, 6))" in labels[host[0]]
+    assert alternatives[labels[host[0]]].total < plan.total
+    # without the hardware's figures nothing is offered
+    assert not any("copies hidden" in label for label in memory_alternatives(
+        saved, 2, 64, plan, plan.total // 2, n_ckpt=0, plan_kwargs={}))

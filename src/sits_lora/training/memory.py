@@ -42,7 +42,7 @@ import dataclasses
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -318,6 +318,7 @@ def plan_memory(
     recompute_lora_inputs: Optional[bool] = None,
     liger: Optional[bool] = None,
     mlp_tile_tokens: Optional[int] = None,
+    offloaded_layers: Optional[Sequence[int]] = None,
 ) -> MemoryPlan:
     """Predict the peak device memory of one LoRA training step of ``model`` (see the module docstring).
 
@@ -341,6 +342,8 @@ def plan_memory(
             they are applied); True / False plan it with / without them.
         mlp_tile_tokens: None plans the MLPs as they run (``tile_mlp``); 0 plans them untiled, a positive
             number tiled by that many tokens.
+        offloaded_layers: None plans the layers whose saved tensors go to the host as the model has them
+            (``enable_activation_offload``); a list of decoder layer indices plans those instead.
 
     Raises:
         UnsupportedModelError: the model has no decoder blocks with self_attn.{q,k,v,o}_proj and
@@ -523,7 +526,11 @@ def plan_memory(
                       for i, (b, ck) in enumerate(zip(blocks, checkpointed))]
     # blocks whose saved tensors wait on the host (enable_activation_offload, no checkpointing): none stays, but in
     # backward one block's tensors are back and the next block's are on their way
-    host_blocks = [offloads_activations(b) and not ck for b, ck in zip(blocks, checkpointed)]
+    if offloaded_layers is None:
+        host_blocks = [offloads_activations(b) and not ck for b, ck in zip(blocks, checkpointed)]
+    else:
+        chosen = set(offloaded_layers)
+        host_blocks = [i in chosen and not ck for i, ck in enumerate(checkpointed)]
     per_block_kept = [0.0 if off else full for off, full in zip(host_blocks, per_block_full)]
     # selective checkpointing (keep attention) keeps attention's output and log-sum-exp besides the input
     attention_kept = a * T * H * d + 4 * B * H * S
