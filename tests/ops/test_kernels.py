@@ -232,3 +232,22 @@ def test_config_for_remembers_its_answer_until_a_tuning_result_replaces_it(monke
                           save=False)
     assert best == faster and tuning.config_for("shrink", gpu, (4096, 16), torch.bfloat16) == faster
     assert tuning.config_for("shrink", gpu, (2048, 16), torch.bfloat16) == default  # other dims: untouched
+
+
+def test_an_fp8_layer_past_32_bit_offsets_names_the_way_out(monkeypatch):
+    """The fp8 kernels have no unquantized reference to fall back to: a call past 2**31 elements (here the limit is
+    lowered to 64) is an error that says what to do, before any kernel runs."""
+    from peft import get_peft_model
+
+    from sits_lora import SitsLoraConfig
+    from sits_lora.ops import choice
+
+    monkeypatch.setattr(choice, "INT32_ELEMENTS", 64)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    model = get_peft_model(model, SitsLoraConfig(r=2, target_modules=["0"], fp8="hybrid", fp8_emulate=True,
+                                                 fp8_layers="all"))
+    layer = model.base_model.model[0]
+    layer.frozen_base.state.emulate = False  # as on a GPU: the kernels would run
+    monkeypatch.setattr("sits_lora.bases.fp8.check_fp8_device", lambda x, emulate: None)
+    with pytest.raises(ValueError, match="2\\*\\*31 elements.*tile_mlp"):
+        layer.frozen_base.fused_forward(layer, "default", torch.randn(4, 32))

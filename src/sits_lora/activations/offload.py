@@ -14,8 +14,8 @@ with what training at long context needs from it:
 it a decoder layer holds nothing on the GPU between its forward and its backward. It is transformers'
 checkpoint function of the layers after ``enable_offloaded_checkpointing(model)``.
 
-The rebuilt LoRA inputs (``recompute``) stay on under these hooks: a rebuilt input is not a tensor, and
-is neither copied nor kept.
+Under these hooks, as under any, the LoRA layers save their inputs (``recompute`` stays out of outer hooks'
+way): the inputs go to the host with the rest.
 """
 
 from __future__ import annotations
@@ -175,7 +175,8 @@ class _Chain:
 
 
 def offload_saved_tensors(min_bytes: int = DEFAULT_MIN_BYTES, prefetch_bytes: Optional[int] = None,
-                          device_types: Sequence[str] = ("cuda",)) -> torch.autograd.graph.saved_tensors_hooks:
+                          device_types: Sequence[str] = ("cuda",),
+                          chain: Optional["_Chain"] = None) -> torch.autograd.graph.saved_tensors_hooks:
     """Saved-tensor hooks that keep what autograd saves in pinned host memory (see the module docstring).
 
     Args:
@@ -184,25 +185,30 @@ def offload_saved_tensors(min_bytes: int = DEFAULT_MIN_BYTES, prefetch_bytes: Op
             saved before it until this many bytes are on their way (None: as many bytes as the tensor being
             unpacked, about one layer ahead when each layer saves one tensor).
         device_types: the devices whose tensors move (``("cpu",)`` exercises the bookkeeping on a CPU).
+        chain: shared by several hooks objects (one per layer call), so that backward prefetches across them
+            in the order they packed; None: this object's own.
     """
     if min_bytes < 0:
         raise ValueError(f"offload_saved_tensors: min_bytes={min_bytes} is invalid: it must be >= 0.")
-    chain = _Chain()
+    chain = _Chain() if chain is None else chain
     kinds = tuple(device_types)
 
     def pack(t: Tensor):
-        if t.device.type not in kinds or t.numel() * t.element_size() < min_bytes:
+        if t.device.type not in kinds or t.numel() == 0 or t.numel() * t.element_size() < min_bytes:
             return t
-        if t.requires_grad and t.grad_fn is None:
-            # a leaf that needs a gradient (a parameter; the embeddings' output under enable_input_require_grads)
-            # stays alive through its gradient accumulator anyway: a host copy would free nothing
+        base = t._base if t._base is not None else t
+        if isinstance(base, nn.Parameter) or (t.requires_grad and t.grad_fn is None):
+            # a parameter (or a view of one: a frozen weight's transpose), or a leaf that needs a gradient (the
+            # embeddings' output under enable_input_require_grads): alive anyway, a host copy would free nothing
             return t
         key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
         handle = chain.by_address.get(key)
-        if handle is not None and handle.source() is t:
+        if handle is not None and handle.source() is not None:
+            # the same memory, alive, unchanged (same version): the same values. Views of one tensor (each layer's
+            # unsqueezed RoPE table) are distinct objects over one storage, so the live base is what is tracked
             return handle
         handle = _to_host(t, chain.last)
-        handle.source = weakref.ref(t)
+        handle.source = weakref.ref(base)
         chain.last = weakref.ref(handle)
         chain.by_address[key] = handle
         return handle
@@ -219,18 +225,18 @@ def offload_saved_tensors(min_bytes: int = DEFAULT_MIN_BYTES, prefetch_bytes: Op
             ahead = ahead.previous() if ahead.previous is not None else None
         return value
 
-    pack._sits_lora_offload = True  # recompute.InputRecompute keeps rebuilding LoRA inputs under these hooks
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def offloaded_checkpoint(function, *args, use_reentrant: bool = False, min_bytes: int = DEFAULT_MIN_BYTES,
-                         **kwargs):
+                         chain: Optional[_Chain] = None, **kwargs):
     """``torch.utils.checkpoint.checkpoint`` whose kept inputs wait in pinned host memory (non-reentrant only:
-    the reentrant variant keeps its inputs on its own context, out of reach of saved-tensor hooks)."""
+    the reentrant variant keeps its inputs on its own context, out of reach of saved-tensor hooks). ``chain``:
+    shared by the layers of one model, so that backward fetches the next layer's input ahead."""
     if use_reentrant:
         raise ValueError("offloaded_checkpoint: use_reentrant=True is not supported: its inputs are kept out of "
                          "reach of saved-tensor hooks. Use use_reentrant=False (the default).")
-    with offload_saved_tensors(min_bytes=min_bytes):
+    with offload_saved_tensors(min_bytes=min_bytes, chain=chain):
         return checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 
@@ -267,7 +273,8 @@ def enable_offloaded_checkpointing(model: nn.Module, *, every_n_layers: int = 1,
     if not getattr(inner, "supports_gradient_checkpointing", False):
         raise ValueError(f"enable_offloaded_checkpointing: {type(inner).__name__} does not support gradient "
                          f"checkpointing.")
-    func = functools.partial(offloaded_checkpoint, min_bytes=min_bytes)
+    # one chain for all layers: unpacking a layer's input in backward starts the copy of the layer's below it
+    func = functools.partial(offloaded_checkpoint, min_bytes=min_bytes, chain=_Chain())
     func.sits_lora_offload = True  # read by plan_memory: the checkpointed inputs live on the host
     try:
         inner._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func, every_n_layers=every_n_layers)
@@ -294,15 +301,19 @@ def offloads_checkpoints(block: nn.Module) -> bool:
 class _OffloadedForward:
     """Set as a decoder layer's ``forward``: the layer's own forward under :func:`offload_saved_tensors`."""
 
-    def __init__(self, block: nn.Module, min_bytes: int, device_types: Sequence[str]) -> None:
-        self.block, self.min_bytes, self.device_types = block, min_bytes, tuple(device_types)
+    def __init__(self, block: nn.Module, min_bytes: int, device_types: Sequence[str], chain: _Chain) -> None:
+        # the block holds this object in its __dict__: a strong reference back would be a cycle only the garbage
+        # collector frees
+        self.block = weakref.ref(block)
+        self.min_bytes, self.device_types, self.chain = min_bytes, tuple(device_types), chain
         self.original = vars(block).get("forward")
 
     def __call__(self, *args, **kwargs):
-        forward = self.original or type(self.block).forward.__get__(self.block)
+        block = self.block()
+        forward = self.original or type(block).forward.__get__(block)
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        with offload_saved_tensors(min_bytes=self.min_bytes, device_types=self.device_types):
+        with offload_saved_tensors(min_bytes=self.min_bytes, device_types=self.device_types, chain=self.chain):
             return forward(*args, **kwargs)
 
 
@@ -321,10 +332,11 @@ def enable_activation_offload(model: nn.Module, layers: Sequence[int], *, min_by
     if bad:
         raise ValueError(f"enable_activation_offload: layers={bad} are out of range: the model has {len(blocks)} "
                          f"decoder layers (0 to {len(blocks) - 1}).")
+    chain = _Chain()  # one for the model: backward prefetches from one offloaded layer into the next
     for i in chosen:
         current = vars(blocks[i]).get("forward")
         if not isinstance(current, _OffloadedForward):
-            blocks[i].forward = _OffloadedForward(blocks[i], min_bytes, device_types)
+            blocks[i].forward = _OffloadedForward(blocks[i], min_bytes, device_types, chain)
     return chosen
 
 

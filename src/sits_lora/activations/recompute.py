@@ -18,9 +18,8 @@ itself (the norm's last output, or x's autograd node), so a model whose layer do
 saves x as before; each such layer is named once in the log.
 
 Eager only: under torch.compile the graph partitioner decides what to save. Inside gradient
-checkpointing or any other saved-tensor hooks, the outer hooks own every saved tensor and this stays
-out of their way; sits_lora's own offload hooks (``offload``) are the exception: what is rebuilt is not
-copied to the host.
+checkpointing or any other saved-tensor hooks (sits_lora's offload included), the outer hooks own every
+saved tensor and this stays out of their way.
 """
 
 from __future__ import annotations
@@ -262,10 +261,9 @@ class InputRecompute:
         """The hooks to run the layer's forward under, or None to run it as is."""
         if not torch.is_grad_enabled() or torch.compiler.is_compiling() or _top_hooks is None:
             return None
-        outer = _top_hooks(False)
-        if outer is not None and not getattr(outer[0], "_sits_lora_offload", False):
-            # gradient checkpointing (or another's hooks) owns the saved tensors; under ours (offload) a rebuilt
-            # input is simply not a tensor to copy
+        if _top_hooks(False) is not None:
+            # gradient checkpointing or an offload owns the saved tensors (and finding a rebuild would unpack the
+            # tensors those hooks packed: an offload's would come back to the device in forward)
             return None
         self.calls += 1
         if x.grad_fn is None:

@@ -5,14 +5,16 @@ more T x I gradients at once: at long context the MLP of one layer outweighs eve
 keeps, and under gradient checkpointing it is what one layer's recompute costs. The MLP is token-wise,
 so it can run ``tile_tokens`` tokens at a time: forward under no_grad keeping nothing but its input
 (T x h), backward recomputing one tile with autograd on and back-propagating it before the next. The
-parameters' gradients (the LoRA adapters of gate/up/down) accumulate over the tiles; the values are
-those of the untiled MLP up to the summation order of dA and dB.
+parameters' gradients (the LoRA adapters of gate/up/down) are summed over the tiles and returned by the
+op's backward, like any op's; the values are those of the untiled MLP up to the summation order of dA and dB.
 
 Below ``tile_tokens`` tokens the MLP runs as it is. Under torch.compile it runs as it is too (the
 compiler decides what to keep).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import Tensor, nn
@@ -58,49 +60,68 @@ class _RngState:
 
 
 class _TiledMLPFunction(torch.autograd.Function):
+    """forward(forward_fn, tile, x, *params): the parameters that need gradients are inputs, and backward returns
+    their gradients (summed over the tiles), so that autograd accumulates them once, as for any op (DDP's and
+    ZeRO's gradient hooks fire once per step)."""
+
     @staticmethod
     def forward(ctx, forward, tile: int, x: Tensor, *params: Tensor) -> Tensor:
         ctx.forward, ctx.tile = forward, tile
         ctx.rng = _RngState(x.device)
         device_type = x.device.type
         ctx.autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-        ctx.save_for_backward(x)
+        ctx.save_for_backward(x, *params)
         with torch.no_grad():
             return _tiled(forward, x, tile)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        (x,) = ctx.saved_tensors
+        x, *params = ctx.saved_tensors
         flat_x = x.reshape(-1, x.shape[-1])
         flat_dy = dy.reshape(-1, dy.shape[-1])
         want_dx = ctx.needs_input_grad[2]
+        wanted = [p for p, need in zip(params, ctx.needs_input_grad[3:]) if need]
         dx = torch.empty_like(flat_x) if want_dx else None
+        sums: list = [None] * len(wanted)
         enabled, dtype = ctx.autocast
         # tiles in forward order under the forward's RNG state: each tile draws the masks it drew then
         with ctx.rng.restored(), torch.enable_grad(), torch.autocast(x.device.type, enabled=enabled, dtype=dtype):
             for start in range(0, flat_x.shape[0], ctx.tile):
                 tile_x = flat_x[start:start + ctx.tile].detach().requires_grad_(want_dx)
                 tile_y = ctx.forward(tile_x)
-                if tile_y.requires_grad:
-                    torch.autograd.backward(tile_y, flat_dy[start:start + ctx.tile])
+                inputs = ([tile_x] if want_dx else []) + wanted
+                if not tile_y.requires_grad or not inputs:
+                    continue
+                grads = torch.autograd.grad(tile_y, inputs, flat_dy[start:start + ctx.tile], allow_unused=True)
                 if want_dx:
-                    dx[start:start + ctx.tile] = tile_x.grad
-        return (None, None, dx.view_as(x) if want_dx else None) + (None,) * (len(ctx.needs_input_grad) - 3)
+                    dx[start:start + ctx.tile] = grads[0]
+                    grads = grads[1:]
+                sums = [g if s is None else (s if g is None else s.add_(g)) for s, g in zip(sums, grads)]
+        param_grads = iter(sums)
+        out = [next(param_grads) if need else None for need in ctx.needs_input_grad[3:]]
+        return (None, None, dx.view_as(x) if want_dx else None, *out)
 
 
 class TiledForward:
     """Set as an MLP module's ``forward``: the module's own forward, in tiles at long sequences."""
 
     def __init__(self, module: nn.Module, tile_tokens: int) -> None:
-        self.module = module
+        # the module holds this object in its __dict__: a strong reference back would be a cycle only the garbage
+        # collector frees
+        self._module = weakref.ref(module)
         self.tile_tokens = tile_tokens
         self.original = vars(module).get("forward")  # an instance forward (Liger patches loaded models so)
         self.calls = 0  # forwards that ran tiled
 
+    @property
+    def module(self) -> nn.Module:
+        return self._module()
+
     def plain_forward(self, x: Tensor) -> Tensor:
         if self.original is not None:
             return self.original(x)
-        return type(self.module).forward(self.module, x)
+        module = self.module
+        return type(module).forward(module, x)
 
     def __call__(self, x: Tensor, *args, **kwargs) -> Tensor:
         if args or kwargs:  # not the one-tensor MLP call this tiles

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .. import ops
 from ..ops import fp8 as fp8_ops
 
 MIN_CAPABILITY = (8, 9)        # fp8 tensor cores and torch._scaled_mm: Ada (8.9), Hopper (9.0) and newer
@@ -150,6 +151,12 @@ class Fp8Base:
     def fused_forward(self, layer, adapter: str, x: torch.Tensor) -> torch.Tensor:
         base = layer.base_layer
         check_fp8_device(x, self.state.emulate)
+        if not self.state.emulate and ops.tensor_too_large(x, layer.out_features):
+            # the fp8 kernels address with 32-bit offsets too, and there is no unquantized reference to fall to
+            raise ValueError(f"sits_lora: an fp8 layer's input or output has {x.numel() // x.shape[-1]} tokens x "
+                             f"{max(x.shape[-1], layer.out_features)} features, 2**31 elements or more, past what the "
+                             f"fp8 kernels address. Run the MLP in tiles (sits_lora.activations.tile_mlp(model)), or "
+                             f"fewer tokens per batch, or SitsLoraConfig(fp8='off') for this run.")
         if not self.state.emulate and x.dtype != torch.bfloat16 and base.fp8_weight_scale == "row":
             raise ValueError(f"SitsLoraConfig.fp8_weight_scale='row' runs the row-wise torch._scaled_mm, which writes "
                              f"bf16 only; the input is {x.dtype}. Load the model in bf16 or use "

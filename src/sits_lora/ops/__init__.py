@@ -10,7 +10,8 @@ imports torch only: the Triton kernels load when an op first runs on them.
 
 from __future__ import annotations
 
-from .choice import KERNELS, KernelUnavailableError, gemm_backend, resolve_kernel, set_gemm_backend, triton_interpreter_on
+from .choice import (KERNELS, KernelUnavailableError, gemm_backend, resolve_kernel, set_gemm_backend,
+                     tensor_too_large, triton_interpreter_on)
 from .dynamic_rank import lora_linear_dynamic_rank_triton
 from .linear import lora_linear, lora_linear_triton
 from .reference import lora_linear_reference, lora_linear_torch
@@ -27,6 +28,7 @@ __all__ = [
     "lora_linear_triton",
     "lora_siblings_triton",
     "resolve_kernel",
+    "tensor_too_large",
     "set_gemm_backend",
     "triton_interpreter_on",
 ]

@@ -29,7 +29,8 @@ INT32_ELEMENTS = 2**31
 _warned_large = False
 
 
-def _too_large(x: Tensor, out_features: int) -> bool:
+def tensor_too_large(x: Tensor, out_features: int) -> bool:
+    """Whether x (tokens x features) or the output of out_features reaches 2**31 elements (INT32_ELEMENTS)."""
     tokens = x.numel() // max(x.shape[-1], 1) if x.dim() else 1
     return tokens * max(x.shape[-1] if x.dim() else 1, out_features) >= INT32_ELEMENTS
 
@@ -60,10 +61,10 @@ def resolve_kernel(requested: str, x: Tensor, out_features: int = 0) -> str:
     if requested == "auto":
         if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
             return "torch"
-        return _reference_for_large(x, out_features) if _too_large(x, out_features) else "triton"
+        return _reference_for_large(x, out_features) if tensor_too_large(x, out_features) else "triton"
     if requested == "triton":
         if x.is_cuda or triton_interpreter_on():
-            return _reference_for_large(x, out_features) if _too_large(x, out_features) else "triton"
+            return _reference_for_large(x, out_features) if tensor_too_large(x, out_features) else "triton"
         raise KernelUnavailableError(
             f"SitsLoraConfig.kernel='triton' needs a CUDA GPU, but the input is on {x.device}. Use "
             "kernel='auto' (Triton on GPU, the PyTorch reference on CPU) or kernel='torch'; to run the "

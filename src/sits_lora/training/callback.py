@@ -268,15 +268,15 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
         tokens = batch * seq_len if seq_len else None
         autocast = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else None)
         optimizer = _optimizer_kind(str(getattr(args.optim, "value", args.optim)))
-        offload = bool((getattr(args, "activation_checkpointing_kwargs", None)
-                        or getattr(args, "gradient_checkpointing_kwargs", None) or {}).get("offload", False))
-        # or sits_lora's own (enable_offloaded_checkpointing)
+        # transformers' offload (every checkpointed layer's input), or sits_lora's own, which the plan reads per layer
+        # from the model (enable_offloaded_checkpointing(keep_on_device=...))
+        transformers_offload = bool((getattr(args, "activation_checkpointing_kwargs", None)
+                                     or getattr(args, "gradient_checkpointing_kwargs", None) or {}).get("offload", False))
         blocks = decoder_layers(unwrap_model(model))[1]
-        n_offloaded = sum(offloads_checkpoints(b) for b in blocks)
-        offload = offload or n_offloaded > 0
+        offload = transformers_offload or any(offloads_checkpoints(b) for b in blocks)
         n_ckpt = checkpointed_layers(model)
         plan_kwargs = dict(optimizer=optimizer, autocast_dtype=autocast, gradient_accumulation_steps=accumulation,
-                           activation_offload=offload)
+                           activation_offload=True if transformers_offload else None)
         results: list[ConstraintResult] = []
         plan_error = ""
         self.memory_plan = None
@@ -305,10 +305,11 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
 
         if self.policies["pcie"] != "off":
             offload_bytes = 0
-            if offload and seq_len:
+            if self.memory_plan is not None:
+                offload_bytes = self.memory_plan.host_offload  # what goes to the host, layer by layer, as planned
+            elif offload and seq_len:
                 config = text_config(unwrap_model(model))
-                # every checkpointed layer's input (transformers' offload), or those sits_lora offloads
-                offload_bytes = (n_offloaded or n_ckpt) * tokens * int(config.hidden_size) * _weight_bytes(model)
+                offload_bytes = n_ckpt * tokens * int(config.hidden_size) * _weight_bytes(model)
             self._pcie_parts = pcie_bytes_per_step(
                 model, batch_bytes=_batch_bytes(train_dataloader, batch), activation_offload_bytes=offload_bytes,
                 gradient_checkpointing=n_ckpt > 0, accumulation=accumulation)

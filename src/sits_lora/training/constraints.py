@@ -33,7 +33,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .memory import MemoryPlan, base_layer_of, decoder_layers, format_bytes, is_adapted, linear_dims, unwrap_model
+from .memory import (MemoryPlan, base_layer_of, decoder_layers, format_bytes, is_adapted, linear_dims, plan_memory,
+                     unwrap_model)
 
 logger = logging.getLogger("sits_lora")
 
@@ -276,13 +277,17 @@ def choose_offloaded_layers(model: nn.Module, batch_size: int, seq_len: int, *, 
     if pinned_bandwidth <= 0 or matmul_flops <= 0:
         raise ValueError(f"choose_offloaded_layers: pinned_bandwidth={pinned_bandwidth} and matmul_flops="
                          f"{matmul_flops} must be > 0 (HardwareReport.pinned_bandwidth and .matmul_flops).")
-    from .memory import plan_memory
-
     _, blocks = decoder_layers(unwrap_model(model))
+    if not blocks:
+        raise ValueError(f"choose_offloaded_layers: {type(model).__name__} has no decoder layers to offload.")
     plan = plan_memory(model, batch_size, seq_len, gradient_checkpointing=False, **plan_kwargs)
     # the frozen linear layers of one block (PEFT keeps them as its layers' base_layer; the adapters train)
     weights = sum(m.in_features * m.out_features for m in blocks[0].modules()
                   if isinstance(m, nn.Linear) and not m.weight.requires_grad)
+    if not weights:
+        raise ValueError(f"choose_offloaded_layers: the decoder layers of {type(model).__name__} have no frozen "
+                         f"nn.Linear layers to estimate their compute from (a quantized base?): choose the layers "
+                         f"yourself (sits_lora.activations.enable_activation_offload(model, layers)).")
     forward_s = 2 * weights * batch_size * seq_len / matmul_flops
     copy_s = plan.activations_per_layer / pinned_bandwidth
     count = len(blocks) if copy_s <= forward_s else int(len(blocks) * forward_s / copy_s)

@@ -350,6 +350,10 @@ def plan_memory(
             mlp.{gate,up,down}_proj (Llama, Mistral, Qwen2 / 3 and similar have them).
     """
     _check_args(batch_size, seq_len, optimizer, gradient_accumulation_steps)
+    if mlp_tile_tokens is not None and (isinstance(mlp_tile_tokens, bool) or not isinstance(mlp_tile_tokens, int)
+                                        or mlp_tile_tokens < 0):
+        raise ValueError(f"plan_memory: mlp_tile_tokens={mlp_tile_tokens!r} is invalid: it must be an int >= 0 (0 plans "
+                         f"the MLPs untiled, None as the model runs them).")
     inner = unwrap_model(model)
     config = text_config(inner)
     _, blocks = decoder_layers(inner)
@@ -531,10 +535,14 @@ def plan_memory(
     else:
         chosen = set(offloaded_layers)
         host_blocks = [i in chosen and not ck for i, ck in enumerate(checkpointed)]
+    # under the offload's hooks the LoRA layers save their inputs (rebuilding stays out of outer hooks): those go too
+    per_block_full = [frozen_block + adapted_extra(b, i, recompute=False) if off else full
+                      for i, (b, off, full) in enumerate(zip(blocks, host_blocks, per_block_full))]
     per_block_kept = [0.0 if off else full for off, full in zip(host_blocks, per_block_full)]
-    # selective checkpointing (keep attention) keeps attention's output and log-sum-exp besides the input
+    # selective checkpointing (keep attention) keeps attention's output and log-sum-exp besides the input; its
+    # policy knows scaled_dot_product_attention's kernels only (flash_attn's and eager attention keep nothing)
     attention_kept = a * T * H * d + 4 * B * H * S
-    selective = [is_selective(b) for b in blocks]
+    selective = [is_selective(b) and attn_impl == "sdpa" for b in blocks]
     kept_terms = [((0 if off else resid * T * h) + (attention_kept if sel else 0)) if ck else kept
                   for ck, off, sel, kept in zip(checkpointed, offloaded, selective, per_block_kept)]
     saved_blocks = sum(kept_terms)
