@@ -78,7 +78,8 @@ def planned_longest(model_name: str, arm: str, cap_bytes: float, step: int, max_
             keep = 0
             if "offload" in parts:
                 per_layer = 2 * seq * MODELS[model_name]["hidden_size"]  # one bf16 layer input
-                keep = min(max(depth - int(host_cap_bytes // per_layer), 0), depth)
+                fit_on_host = depth if host_cap_bytes == float("inf") else int(host_cap_bytes // per_layer)
+                keep = min(max(depth - fit_on_host, 0), depth)
                 enable_offloaded_checkpointing(model, keep_on_device=keep)
             return plan_memory(model, 1, seq, gradient_checkpointing=gc, optimizer=optimizer), keep
 

@@ -7,13 +7,15 @@
 #     bash bench/run_memory_gpu.sh OUT context-full   # the offloaded arm at 409,600 tokens on all 32 layers (one
 #                                                     # step, ~8 min: the host side of 32 layers, ~100 GiB pinned)
 #     bash bench/run_memory_gpu.sh OUT gate           # regress.py's memory arms on both shapes (~300 s)
+#     bash bench/run_memory_gpu.sh OUT profile        # 1B sits + Liger, inputs rebuilt vs saved, under the profiler:
+#                                                     # is the rebuild's cost kernel time or the GPU waiting (~90 s)
 #
 # Several parts run in order (bash bench/run_memory_gpu.sh OUT tests gate). Wheels the GPU image lacks
 # (liger-kernel) travel in .whl/ and are installed into /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 2 ]; then
-    echo "usage: bash bench/run_memory_gpu.sh OUT {tests|context|context-full|gate} ..." >&2
+    echo "usage: bash bench/run_memory_gpu.sh OUT {tests|context|context-full|gate|profile} ..." >&2
     exit 2
 fi
 OUT="$1"; shift
@@ -44,8 +46,10 @@ for part in "$@"; do
                 --arms frozen+compile frozen+liger peft+compile sits sits+compile sits+liger sits+liger+saved \
                 sits+fp8+liger 2>&1 | grep --line-buffered -v -E "^W[0-9]{4}|Warning|warnings.warn" \
                 | tee "$OUT/regress.log" || status=1 ;;
+        profile)
+            python3 bench/profile_rebuild.py --out "$OUT/profile_rebuild" 2>&1 | grep -v -E "USDT|Warning" || status=1 ;;
         *)
-            echo "unknown part: $part (tests, context, context-full, gate)" >&2
+            echo "unknown part: $part (tests, context, context-full, gate, profile)" >&2
             status=2 ;;
     esac
 done

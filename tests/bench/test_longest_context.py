@@ -46,3 +46,32 @@ def test_bad_settings_are_named(capsys):
     with pytest.raises(SystemExit):
         longest_context.main(["--arms", "peft"])
     assert "give --plan" in capsys.readouterr().err
+
+
+def test_offload_arm_keeps_on_the_device_what_the_host_cap_leaves_out():
+    """The offloaded arm keeps the last layers' inputs on the device when the pinned host budget cannot take them
+    all; with room on the host it keeps none."""
+    longest_context = bench_module("longest_context")
+    roomy = longest_context.planned_longest("tiny", "sits+liger+offload", 0.01 * 2**30, 64, 64 * 1024)
+    assert roomy["keep_on_device"] == 0 and roomy["planned_tokens"] > 0
+    cramped = longest_context.planned_longest("tiny", "sits+liger+offload", 0.01 * 2**30, 64, 64 * 1024,
+                                              host_cap_bytes=1024)
+    assert cramped["keep_on_device"] == 2 and cramped["planned_host_gib_at_it"] == 0
+    assert cramped["planned_tokens"] <= roomy["planned_tokens"]
+
+
+def test_missing_layers_are_what_the_plan_gives_the_layers_not_built():
+    longest_context = bench_module("longest_context")
+    assert longest_context.missing_layers_bytes("tiny", "peft+gc", 0)(1024) == 0
+    missing = longest_context.missing_layers_bytes("8b", "peft+gc", 4)
+    # 28 missing 8B layers: their bf16 weights (~436 MB each), r16 adapters with fp32 gradients and AdamW states
+    # (~22 MB), and, checkpointed, their bf16 inputs
+    assert 28 * 0.45e9 < missing(1024) < 28 * 0.47e9
+    assert missing(2048) - missing(1024) == pytest.approx(28 * 1024 * 4096 * 2, rel=0.01)
+
+
+def test_profile_rebuild_smoke(tmp_path):
+    profile_rebuild = bench_module("profile_rebuild")
+    assert profile_rebuild.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.load(open(os.path.join(tmp_path, "profile_rebuild.json")))["rows"]
+    assert [r["arm"] for r in rows] == ["sits", "sits+saved"] and all(r["step_s"] > 0 for r in rows)
