@@ -117,21 +117,27 @@ def test_untile_mlp_restores_the_forward_and_bad_tile_is_named():
 # ----------------------------------------------------------------------------- offload
 
 
+def _spied(hooks, packed: list, record=lambda packed_value: packed_value):
+    """``hooks`` with its pack hook also appending ``record(what it packed)`` to ``packed``."""
+    pack = hooks.pack_hook
+
+    def spy(t):
+        out = pack(t)
+        packed.append(record(out))
+        return out
+
+    hooks.pack_hook = spy
+    return hooks
+
+
+
 def test_offloaded_saved_tensors_round_trip_with_prefetch():
     """Every saved tensor above min_bytes goes to a host copy and comes back; the handles chain in save order
     and unpacking one starts the copy of the one saved before it."""
     w = [torch.randn(64, 64, requires_grad=True) for _ in range(4)]
     x = torch.randn(8, 64, requires_grad=True)
     packed = []
-    hooks = offload_saved_tensors(min_bytes=1024, device_types=("cpu",))
-    original_pack = hooks.pack_hook
-
-    def spy(t):
-        out = original_pack(t)
-        packed.append(out)
-        return out
-
-    hooks.pack_hook = spy
+    hooks = _spied(offload_saved_tensors(min_bytes=1024, device_types=("cpu",)), packed)
     with hooks:
         h = x
         for weight in w:
@@ -180,9 +186,7 @@ def test_parameters_stay_and_views_of_one_tensor_go_once():
     table = torch.randn(8, 16)
     x = torch.randn(8, 16, requires_grad=True)
     packed = []
-    hooks = offload_saved_tensors(min_bytes=0, device_types=("cpu",))
-    original_pack = hooks.pack_hook
-    hooks.pack_hook = lambda t: packed.append(original_pack(t)) or packed[-1]
+    hooks = _spied(offload_saved_tensors(min_bytes=0, device_types=("cpu",)), packed)
     with hooks:
         y = (x @ weight.t()) * table.unsqueeze(0)
         y = y * table.unsqueeze(0)
@@ -202,9 +206,7 @@ def test_one_chain_prefetches_across_hooks_objects():
     x = torch.randn(32, 32, requires_grad=True)
     h = x * 1
     for _ in range(3):  # three "layers", each under its own hooks object
-        hooks = offload_saved_tensors(min_bytes=0, device_types=("cpu",), chain=chain)
-        original_pack = hooks.pack_hook
-        hooks.pack_hook = lambda t, p=original_pack: packed.append(p(t)) or packed[-1]
+        hooks = _spied(offload_saved_tensors(min_bytes=0, device_types=("cpu",), chain=chain), packed)
         with hooks:
             h = torch.tanh(h)
     handles = [p for p in packed if isinstance(p, _Offloaded)]
@@ -239,9 +241,7 @@ def test_one_tensor_saved_twice_goes_to_the_host_once():
     shared = torch.randn(32, 32)
     x = torch.randn(32, 32, requires_grad=True)
     packed = []
-    hooks = offload_saved_tensors(min_bytes=0, device_types=("cpu",))
-    original_pack = hooks.pack_hook
-    hooks.pack_hook = lambda t: packed.append(original_pack(t)) or packed[-1]
+    hooks = _spied(offload_saved_tensors(min_bytes=0, device_types=("cpu",)), packed)
     with hooks:
         y = (x * shared) * shared
     # each multiply saves `shared` (x's gradient needs it): two saves, one host copy
@@ -305,15 +305,7 @@ def test_offloaded_handles_die_with_the_graph():
     x = torch.randn(64, 64, requires_grad=True)
     x = x * 1  # not a leaf: a leaf that needs a gradient is not offloaded (its accumulator keeps it anyway)
     packed = []
-    hooks = offload_saved_tensors(min_bytes=0, device_types=("cpu",))
-    original_pack = hooks.pack_hook
-
-    def spy(t):
-        handle = original_pack(t)
-        packed.append(weakref.ref(handle))
-        return handle
-
-    hooks.pack_hook = spy
+    hooks = _spied(offload_saved_tensors(min_bytes=0, device_types=("cpu",)), packed, weakref.ref)
     with hooks:
         y = torch.tanh(x @ x)
     y.sum().backward()

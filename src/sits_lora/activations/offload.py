@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ..utils.model_structure import decoder_layers, unwrap_model
+from ..utils.model_structure import decoder_layers, restore_forwards, unwrap_model
 
 # Below this many bytes a saved tensor stays on its device.
 DEFAULT_MIN_BYTES = 1 << 20
@@ -342,13 +342,7 @@ def enable_activation_offload(model: nn.Module, layers: Sequence[int], *, min_by
 
 def disable_activation_offload(model: nn.Module) -> None:
     """Undo :func:`enable_activation_offload`."""
-    for module in model.modules():
-        current = vars(module).get("forward")
-        if isinstance(current, _OffloadedForward):
-            if current.original is not None:
-                module.forward = current.original
-            else:
-                del module.forward
+    restore_forwards(model, _OffloadedForward)
 
 
 def offloads_activations(block: nn.Module) -> bool:

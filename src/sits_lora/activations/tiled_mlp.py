@@ -19,7 +19,7 @@ import weakref
 import torch
 from torch import Tensor, nn
 
-from ..utils.model_structure import decoder_layers, unwrap_model
+from ..utils.model_structure import decoder_layers, restore_forwards, unwrap_model
 
 DEFAULT_TILE_TOKENS = 8192
 
@@ -161,13 +161,7 @@ def tile_mlp(model: nn.Module, tile_tokens: int = DEFAULT_TILE_TOKENS) -> int:
 
 def untile_mlp(model: nn.Module) -> None:
     """Undo :func:`tile_mlp`."""
-    for module in model.modules():
-        current = vars(module).get("forward")
-        if isinstance(current, TiledForward):
-            if current.original is not None:
-                module.forward = current.original
-            else:
-                del module.forward
+    restore_forwards(model, TiledForward)
 
 
 def mlp_tile_tokens(mlp: nn.Module):

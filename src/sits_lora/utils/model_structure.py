@@ -39,3 +39,18 @@ def text_config(model: nn.Module):
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
     return config
+
+
+def restore_forwards(model: nn.Module, wrapper_type: type) -> int:
+    """Put back each module's own forward where a ``wrapper_type`` instance replaced it (the wrapper keeps what it
+    replaced as ``original``: an instance forward, or None when the class's ran). Returns how many were restored."""
+    restored = 0
+    for module in model.modules():
+        current = vars(module).get("forward")
+        if isinstance(current, wrapper_type):
+            if current.original is not None:
+                module.forward = current.original
+            else:
+                del module.forward
+            restored += 1
+    return restored
