@@ -214,6 +214,11 @@ def test_one_chain_prefetches_across_hooks_objects():
     # unpacking the top layer's tensor (what backward does first) fetches the next one down ahead of time
     torch.testing.assert_close(hooks.unpack_hook(handles[2]), torch.tanh(torch.tanh(torch.tanh(x.detach()))))
     assert handles[1].back is not None and handles[0].back is None
+    hooks.unpack_hook(handles[1])
+    assert handles[1].taken and handles[0].back is not None
+    # unpacking the top one again (a second backward) does not fetch the one below again: it was taken
+    hooks.unpack_hook(handles[2])
+    assert handles[1].back is None
     h.sum().backward()
     assert x.grad is not None
 

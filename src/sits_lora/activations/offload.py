@@ -57,7 +57,7 @@ class _Offloaded:
     """One saved tensor's host copy (in pieces), and the device copy while it is on its way back."""
 
     __slots__ = ("pieces", "shape", "dtype", "device", "source", "copied", "back", "back_ready", "previous", "nbytes",
-                 "__weakref__")
+                 "taken", "__weakref__")
 
     def __init__(self, pieces: list, shape, dtype, device: torch.device, copied, previous) -> None:
         self.pieces, self.shape, self.dtype, self.device, self.copied = pieces, shape, dtype, device, copied
@@ -66,6 +66,7 @@ class _Offloaded:
         self.back_ready = None
         self.previous = previous  # weakref to the handle packed just before this one (what backward wants next)
         self.nbytes = sum(p.numel() for p in pieces) * pieces[0].element_size()
+        self.taken = False  # unpacked once: a prefetch does not fetch it again
 
     @property
     def host_bytes(self) -> int:
@@ -152,6 +153,7 @@ def _start_back(handle: _Offloaded) -> None:
 
 def _take_back(handle: _Offloaded) -> Tensor:
     _start_back(handle)
+    handle.taken = True
     back, ready = handle.back, handle.back_ready
     # a tensor can be unpacked more than once (retain_graph); each unpack copies again rather than keep it here
     handle.back = handle.back_ready = None
@@ -163,14 +165,14 @@ def _take_back(handle: _Offloaded) -> Tensor:
 
 
 class _Chain:
-    """The handles of one hooks object in the order they were packed (each points to the one before)."""
+    """The handles of one or several hooks objects in the order they were packed (each points to the one before)."""
 
     __slots__ = ("last", "by_address")
 
     def __init__(self) -> None:
         self.last = None  # weakref to the newest handle
-        # (data_ptr, shape, stride, dtype, version) -> its handle, which counts only while the tensor it copied is
-        # alive and is the tensor being saved (a freed tensor's address is handed out again)
+        # (data_ptr, shape, stride, dtype, version) -> its handle, which counts only while the tensor it copied (its
+        # base, for a view) is alive: a freed tensor's address is handed out again
         self.by_address: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
@@ -220,8 +222,9 @@ def offload_saved_tensors(min_bytes: int = DEFAULT_MIN_BYTES, prefetch_bytes: Op
         budget = packed.nbytes if prefetch_bytes is None else prefetch_bytes
         ahead = packed.previous() if packed.previous is not None else None
         while ahead is not None and budget > 0:
-            _start_back(ahead)
-            budget -= ahead.nbytes
+            if not ahead.taken:
+                _start_back(ahead)
+                budget -= ahead.nbytes
             ahead = ahead.previous() if ahead.previous is not None else None
         return value
 
