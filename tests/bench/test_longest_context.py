@@ -50,11 +50,11 @@ def test_bad_settings_are_named(capsys):
 
 def test_offload_arm_keeps_on_the_device_what_the_host_cap_leaves_out():
     """The offloaded arm keeps the last layers' inputs on the device when the pinned host budget cannot take them
-    all; with room on the host it keeps none."""
+    all; with room on the host it keeps none (without Liger, which the CI machine does not install)."""
     longest_context = bench_module("longest_context")
-    roomy = longest_context.planned_longest("tiny", "sits+liger+offload", 0.01 * 2**30, 64, 64 * 1024)
+    roomy = longest_context.planned_longest("tiny", "sits+offload", 0.01 * 2**30, 64, 64 * 1024)
     assert roomy["keep_on_device"] == 0 and roomy["planned_tokens"] > 0
-    cramped = longest_context.planned_longest("tiny", "sits+liger+offload", 0.01 * 2**30, 64, 64 * 1024,
+    cramped = longest_context.planned_longest("tiny", "sits+offload", 0.01 * 2**30, 64, 64 * 1024,
                                               host_cap_bytes=1024)
     assert cramped["keep_on_device"] == 2 and cramped["planned_host_gib_at_it"] == 0
     assert cramped["planned_tokens"] <= roomy["planned_tokens"]
