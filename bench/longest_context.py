@@ -43,6 +43,11 @@ ARMS = ["frozen+liger", "sits+liger", "sits+liger+saved", "sits+liger+gc", "sits
 GIB = 2**30
 
 
+def checkpointed(arm: str) -> bool:
+    """Whether the arm checkpoints its layers ("+gc", or "+offload": checkpointing with the inputs on the host)."""
+    return bool({"gc", "offload"} & set(arm.split("+")))
+
+
 def bisect(fits, low: int, high: int, step: int) -> int:
     """The largest multiple of ``step`` in [low, high] for which ``fits`` holds, given that fits(low) holds and
     fits is monotone (0 when even ``low`` does not fit)."""
@@ -70,7 +75,7 @@ def planned_longest(model_name: str, arm: str, cap_bytes: float, step: int, max_
         model, params = build(model_name, arm, "meta", torch.bfloat16, layers)
         optimizer = "adamw" if params else "none"
         parts = set(arm.split("+"))
-        gc = bool({"gc", "offload"} & parts)
+        gc = checkpointed(arm)
         depth = layers or MODELS[model_name]["num_hidden_layers"]
 
         def plan_at(seq: int):
@@ -112,7 +117,7 @@ def missing_layers_bytes(model_name: str, arm: str, layers: int, keep_on_device:
         if keep_on_device:
             enable_offloaded_checkpointing(deep, keep_on_device=keep_on_device)
     optimizer = "adamw" if deep_params else "none"
-    gc = bool({"gc", "offload"} & set(arm.split("+")))
+    gc = checkpointed(arm)
 
     def missing(seq: int) -> int:
         plans = [plan_memory(m, 1, seq, gradient_checkpointing=gc, optimizer=optimizer) for m in (deep, shallow)]
