@@ -9,7 +9,8 @@ The device memory is capped at ``--cap-gib`` (80 by default, so that figures com
 (1024) tokens at which one training step (forward, backward, fused AdamW) fits, found by bisection; with
 ``--measure`` each arm runs in its own process that builds the model once, probes sequence lengths from the
 plan's answer outwards (an out-of-memory step is caught, the cache emptied, the next length tried) after one
-warm-up step at ``--step`` tokens; tokens/s is the warm probe step at the answer. A probe slower than ``--probe-timeout`` seconds ends the arm's
+warm-up step at ``--step`` tokens; tokens/s is a second step at the answer (the probe, the first step at that
+length, includes compiling what specializes on it). A probe slower than ``--probe-timeout`` seconds ends the arm's
 search there (attention grows with the square of the context). Arms are bench_model.py's (random bf16
 weights, sdpa, LoRA r16 on the seven projections); "+gc" is gradient checkpointing (non-reentrant), "+offload"
 checkpointing with the kept layer inputs in pinned host memory and the MLP in tiles (sits_lora.activations).
@@ -196,8 +197,15 @@ def worker(args) -> None:
         longest, capped_by_time = stop.args[0], True
     tokens_per_s = None
     if longest:
-        # the probe that found it timed a warm step already (attention makes a step at length minutes long)
-        seconds = next((p["seconds"] for p in probes if p["seq"] == longest and p["fits"]), None) or one_step(longest)
+        # timed again: a probe is the first step at its length, which includes compiling the kernels that
+        # specialize on it (a second or two: at 20k tokens that was three quarters of sits' step)
+        first_seconds = next((p["seconds"] for p in probes if p["seq"] == longest and p["fits"]), None)
+        model.zero_grad(set_to_none=True)
+        try:
+            seconds = one_step(longest)
+        except torch.OutOfMemoryError:  # fragmented by the probes after it: the probe's time, flagged
+            seconds, first_seconds = first_seconds, None
+            torch.cuda.empty_cache()
         # tokens/s of the full depth: the N measured layers stand for L (the head and loss counted L/N times: a
         # small overestimate of the time)
         full = MODELS[args.model]["num_hidden_layers"]
@@ -207,7 +215,9 @@ def worker(args) -> None:
             torch.cuda.max_memory_allocated() / GIB
         host = getattr(torch.cuda, "host_memory_stats", lambda: {})()
         host_peak = host.get("allocated_bytes.all.peak", host.get("allocated_bytes.peak"))
-    row = {"arm": args.arm, "measured_tokens": longest, "tokens_per_s": tokens_per_s, "probes": probes,
+    row = {"arm": args.arm, "measured_tokens": longest, "tokens_per_s": tokens_per_s,
+           "step_s": seconds if longest else None, "first_step_s": first_seconds if longest else None,
+           "probes": probes,
            "stopped_by_probe_timeout": capped_by_time, "cap_gib": args.cap_gib,
            "layers_measured": args.layers or MODELS[args.model]["num_hidden_layers"],
            "peak_gib": peak if longest else None,

@@ -33,13 +33,15 @@ def profile_arm(model_name: str, arm: str, layers: int, batch: int, seq: int, wa
     with liger_patch_undone():
         model, params = build(model_name, arm, device, dtype, layers)
         model.train()
-        optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda")
+        # a frozen arm has nothing to train (its step is forward and backward alone)
+        optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda") if params else None
         ids = torch.randint(0, MODELS[model_name]["vocab_size"], (batch, seq), device=device)
 
         def step():
             model(input_ids=ids, labels=ids).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
 
         for _ in range(warmup):
             step()
@@ -109,7 +111,7 @@ def main(argv=None) -> int:
         extra = (f", kernels {r['kernel_s'] * 1e3:.1f} ms, GPU idle {r['idle_s'] * 1e3:.1f} ms, "
                  f"{r['launches_per_step']:.0f} launches" if r["kernel_s"] is not None else "")
         print(f"[{r['arm']}] step {r['step_s'] * 1e3:.1f} ms, host {r['host_s'] * 1e3:.1f} ms{extra}")
-    if len(rows) == 2 and rows[0]["kernels"]:
+    if len(rows) >= 2 and rows[0]["kernels"]:  # the first two arms compared
         a, b = rows[0]["kernels"], rows[1]["kernels"]
         diff = sorted(set(a) | set(b), key=lambda k: -abs(a.get(k, 0) - b.get(k, 0)))[:12]
         print(f"kernels differing most ({rows[0]['arm']} minus {rows[1]['arm']}, ms per step):")
