@@ -15,6 +15,7 @@ from peft import LoraConfig
 
 from .dynamic_rank import checks as dynamic_rank_checks
 from .fp8 import checks as fp8_checks
+from .int4 import checks as int4_checks
 from .peft_type import sits_lora_peft_type
 
 KERNEL_CHOICES = ("auto", "triton", "torch")
@@ -89,6 +90,8 @@ _VALIDATORS: dict[str, Callable[[Any], str | None]] = {
     "fp8_keep_bf16_weight": _require_bool,
     "fp8_emulate": _require_bool,
     "fp8_layers": _require_choice(fp8_checks.FP8_LAYER_CHOICES),
+    "base_quant": _require_choice(int4_checks.BASE_QUANTS),
+    "int4_group_size": int4_checks.require_group_size,
 }
 
 
@@ -305,6 +308,25 @@ class SitsLoraConfig(LoraConfig):
         },
     )
 
+    base_quant: str = field(
+        default="off",
+        metadata={
+            "help": (
+                "4-bit frozen base without bitsandbytes (sits_lora.int4). 'int4': the base weight of each adapted "
+                "layer is quantized once at injection (weight-only, asymmetric, one scale and min per "
+                "int4_group_size input features, rows padded to 32-byte multiples: 0.27x the bf16 bytes at group "
+                "size 128); forward and dX run from the packed codes, the LoRA branch stays in the model's dtype. "
+                "Adapted layers must be torch.nn.Linear. For bitsandbytes NF4 / FP4, load the model with "
+                "BitsAndBytesConfig(load_in_4bit=True) and leave this 'off'."
+            )
+        },
+    )
+    int4_group_size: int = field(
+        default=128,
+        metadata={"help": "Input features per INT4 scale / min pair: a power of two of at least 32 that divides "
+                          "every adapted layer's in_features."},
+    )
+
     def __post_init__(self) -> None:
         for name, check in _VALIDATORS.items():
             problem = check(getattr(self, name))
@@ -312,5 +334,6 @@ class SitsLoraConfig(LoraConfig):
                 raise ValueError(f"SitsLoraConfig.{name}={getattr(self, name)!r} is invalid: {problem}.")
         dynamic_rank_checks.check_dynamic_rank_config(self)
         fp8_checks.check_fp8_config(self)
+        int4_checks.check_base_quant_config(self)
         super().__post_init__()
         self.peft_type = sits_lora_peft_type()

@@ -38,6 +38,15 @@ def _fp8_layer(tuner):
     return fp8_model
 
 
+def _int4_layer(tuner):
+    """sits_lora.int4.model when an adapter of this model has an INT4 base, else None (first use only)."""
+    if all(getattr(c, "base_quant", "off") == "off" for c in tuner.peft_config.values()):
+        return None
+    from .int4 import model as int4_model
+
+    return int4_model
+
+
 def _register_dynamic_rank(config) -> None:
     """Make SitsLoraLinear resolve use_dynamic_rank to its variant (it loads the routers: first use only)."""
     if getattr(config, "use_dynamic_rank", False) and ("use_dynamic_rank",) not in SitsLoraLinear.feature_variants:
@@ -75,12 +84,16 @@ class SitsLoraModel(LoraModel):
     def inject_adapter(self, model: nn.Module, adapter_name: str, *args, **kwargs) -> None:
         check_target_modules_exist(model, self.peft_config[adapter_name])
         _register_dynamic_rank(self.peft_config[adapter_name])  # before the layers resolve their variants
-        fp8 = _fp8_layer(self)
+        fp8, int4 = _fp8_layer(self), _int4_layer(self)
         if fp8 is not None:
             fp8.check_before_injection(self, model, adapter_name)
+        if int4 is not None:
+            int4.check_before_injection(self, model, adapter_name)
         super().inject_adapter(model, adapter_name, *args, **kwargs)
         if fp8 is not None:
             fp8.quantize_base_layers(self, adapter_name, SitsLoraLinear)
+        if int4 is not None:
+            int4.quantize_base_layers(self, adapter_name, SitsLoraLinear)
         fuse = all(getattr(c, "fuse_siblings", True) for c in self.peft_config.values())
         assign_sibling_groups(model, SitsLoraLinear, enabled=fuse)
         if all(getattr(c, "recompute_lora_inputs", True) for c in self.peft_config.values()):
@@ -99,17 +112,21 @@ class SitsLoraModel(LoraModel):
 
         truncate_rank(self, k, adapter_name)
 
-    # An fp8 base goes back to a bf16 nn.Linear before a merge or an unload: merged weights
-    # are bf16 (see sits_lora.fp8.model.restore_bf16_base_layers for their precision).
-    def merge_adapter(self, *args, **kwargs) -> None:
+    # A quantized base (fp8, INT4) goes back to a dense nn.Linear before a merge or an unload: merged weights
+    # are dense (see sits_lora.fp8.model.restore_bf16_base_layers for their precision).
+    def _restore_dense_bases(self) -> None:
         if (fp8 := _fp8_layer(self)) is not None:
             fp8.restore_bf16_base_layers(self, SitsLoraLinear)
+        if (int4 := _int4_layer(self)) is not None:
+            int4.restore_dense_base_layers(self, SitsLoraLinear)
+
+    def merge_adapter(self, *args, **kwargs) -> None:
+        self._restore_dense_bases()
         super().merge_adapter(*args, **kwargs)
 
     def _unload_and_optionally_merge(self, *args, **kwargs):
         detach_input_recompute(self.model)
-        if (fp8 := _fp8_layer(self)) is not None:
-            fp8.restore_bf16_base_layers(self, SitsLoraLinear)
+        self._restore_dense_bases()
         return super()._unload_and_optionally_merge(*args, **kwargs)
 
     def _create_and_replace(self, lora_config, adapter_name, target, target_name, parent, current_key=None,

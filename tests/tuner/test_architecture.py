@@ -26,10 +26,11 @@ DEFERRED_IMPORTS = {
        for sub in ("", ".bench", ".check", ".compile", ".profile")},
     "sits_lora.recipe.train": "the recipe's option checks answer before torch loads",
     "sits_lora.registry": "registration runs when peft is imported, by whoever imports it",
-    "sits_lora.model": "a feature (fp8: Triton; dynamic rank) loads when an adapter asks for it",
+    "sits_lora.model": "a feature (fp8, INT4: Triton; dynamic rank) loads when an adapter asks for it",
     "sits_lora.ops.linear": "Triton is optional: the PyTorch reference runs without it",
     "sits_lora.ops.siblings": "Triton is optional",
     "sits_lora.ops.dynamic_rank": "Triton is optional",
+    "sits_lora.ops.int4_linear": "Triton is optional: the PyTorch reference runs without it",
     "sits_lora.training": "transformers' Trainer loads when the trainer is asked for",
     "sits_lora.training.trainer": "the dynamic-rank callback loads only for a dynamic-rank adapter",
 }

@@ -1,0 +1,42 @@
+"""Validation of the 4-bit base fields of SitsLoraConfig (``base_quant``, ``int4_group_size``).
+
+As ``sits_lora.fp8.checks``: config.py lists the per-field checks in its validator table and calls
+:func:`check_base_quant_config` from ``__post_init__``. Imports nothing from sits_lora and no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+BASE_QUANTS = ("off", "int4")
+INT4_DEFAULTS = {"int4_group_size": 128}
+# The fields every adapter of one model must agree on: they describe the one frozen base.
+SHARED_FIELDS = ("base_quant",) + tuple(INT4_DEFAULTS)
+
+
+def require_group_size(value: Any) -> Optional[str]:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 32 or value & (value - 1):
+        return ("it must be a power of two of at least 32 (input features per scale / min pair), e.g. "
+                "int4_group_size=128")
+    return None
+
+
+def check_base_quant_config(config) -> None:
+    """Combinations of fields that cannot work together; raise a ValueError naming the fix."""
+    if config.base_quant == "off":
+        changed = [f"{name}={getattr(config, name)!r}" for name, default in INT4_DEFAULTS.items()
+                   if getattr(config, name) != default]
+        if changed:
+            raise ValueError(f"SitsLoraConfig: {', '.join(changed)} only applies with base_quant='int4', but "
+                             f"base_quant='off'. Set base_quant='int4', or leave it at its default.")
+        return
+    prefix = f"SitsLoraConfig.base_quant={config.base_quant!r}"
+    if getattr(config, "fp8", "off") != "off":
+        raise ValueError(f"{prefix} cannot be combined with fp8={config.fp8!r}: a layer has one frozen base. Use one "
+                         f"of the two.")
+    if getattr(config, "use_dynamic_rank", False):
+        raise ValueError(f"{prefix} cannot be combined with use_dynamic_rank=True: the dynamic-rank layers read a "
+                         f"dense base weight. Use one of the two.")
+    if getattr(config, "use_dora", False):
+        raise ValueError(f"{prefix} cannot be combined with use_dora=True: DoRA reads the base weight's column "
+                         f"norms at every step. Set use_dora=False.")

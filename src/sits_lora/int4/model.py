@@ -1,0 +1,116 @@
+"""The INT4 frozen base across a sits_lora model: check and quantize at injection, restore, memory.
+
+``quantize_base_layers`` (called by SitsLoraModel after each injection) swaps the ``nn.Linear`` base of the
+adapted SitsLoraLinear layers for an :class:`Int4BaseLinear` and sets each layer's ``frozen_base`` to
+:data:`INT4_BASE`. ``restore_dense_base_layers`` undoes the swap before a merge or an unload (the merged
+weights are dense: W dequantized plus the LoRA update).
+"""
+
+from __future__ import annotations
+
+import copy
+
+from peft.tuners.tuners_utils import BaseTunerLayer, _maybe_include_all_linear_layers, check_target_module_exists
+from torch import nn
+
+from ..bases import BF16_BASE
+from ..bases.int4 import INT4_BASE, Int4BaseLinear
+from ..ops.int4_linear import check_group_size
+from .checks import SHARED_FIELDS
+
+
+def _settings(config) -> dict:
+    return {name: getattr(config, name, None) for name in SHARED_FIELDS}
+
+
+def _check_targets(config, adapter_name: str, targets: list) -> None:
+    """targets: (name, base module) pairs; each must be an nn.Linear whose in_features the group size divides."""
+    wrong = [f"{key} ({type(m).__name__})" for key, m in targets if type(m) not in (nn.Linear, Int4BaseLinear)]
+    if wrong:
+        raise ValueError(
+            f"SitsLoraConfig.base_quant={config.base_quant!r} quantizes torch.nn.Linear base layers only; adapter "
+            f"{adapter_name!r} targets {', '.join(wrong[:6])}{' ...' if len(wrong) > 6 else ''}. Leave these out of "
+            f"target_modules (or add them to exclude_modules), or set base_quant='off'.")
+    odd = [f"{key} (in_features={m.in_features})" for key, m in targets
+           if check_group_size(m.in_features, config.int4_group_size) is not None]
+    if odd:
+        raise ValueError(
+            f"SitsLoraConfig.int4_group_size={config.int4_group_size} does not divide the input features of "
+            f"{', '.join(odd[:6])}{' ...' if len(odd) > 6 else ''} (adapter {adapter_name!r}). Use a group size "
+            f"that divides them (a power of two of at least 32, e.g. int4_group_size=32), or add these layers to "
+            f"exclude_modules.")
+
+
+def check_before_injection(tuner, model: nn.Module, adapter_name: str) -> None:
+    """Refuse a 4-bit setting that cannot work before PEFT touches the model (nothing lost on bad input)."""
+    config = tuner.peft_config[adapter_name]
+    settings = _settings(config)
+    for name, other_config in tuner.peft_config.items():
+        other = _settings(other_config)
+        if name != adapter_name and other != settings:
+            differ = ", ".join(f"{k}: {other[k]!r} vs {settings[k]!r}" for k in SHARED_FIELDS if other[k] != settings[k])
+            raise ValueError(
+                f"SitsLoraConfig of adapter {adapter_name!r} and of adapter {name!r} disagree on the 4-bit base "
+                f"({differ}); the adapters of one model share one base. Give both the same base_quant and "
+                f"int4_group_size, or load the model again for the other setting.")
+    if config.base_quant == "off":
+        return
+    resolved = _maybe_include_all_linear_layers(copy.copy(config), model)
+    targets = [(key, module.get_base_layer() if isinstance(module, BaseTunerLayer) else module)
+               for key, module in model.named_modules() if key and check_target_module_exists(resolved, key)]
+    _check_targets(config, adapter_name, targets)
+
+
+def quantize_base_layers(tuner, adapter_name: str, layer_cls) -> int:
+    """After injecting ``adapter_name``: quantize the bases of its adapted layers to INT4; return how many."""
+    config = tuner.peft_config[adapter_name]
+    if config.base_quant == "off":
+        return 0
+    layers = [(key, m) for key, m in tuner.model.named_modules() if hasattr(m, "lora_A") and adapter_name in m.lora_A]
+    not_ours = [f"{key} ({type(m).__name__})" for key, m in layers if type(m) is not layer_cls]
+    if not_ours:
+        raise ValueError(
+            f"SitsLoraConfig.base_quant={config.base_quant!r}: adapter {adapter_name!r} put PEFT layers that sits_lora "
+            f"does not run on {', '.join(not_ours[:6])}; the INT4 base needs torch.nn.Linear targets. Leave these "
+            f"out of target_modules.")
+    quantized = 0
+    for _, layer in layers:
+        if type(layer.base_layer) is nn.Linear:
+            layer.base_layer = Int4BaseLinear.from_linear(layer.base_layer, config.int4_group_size)
+            quantized += 1
+        layer.frozen_base = INT4_BASE
+    return quantized
+
+
+def restore_dense_base_layers(tuner, layer_cls) -> int:
+    """Give every INT4 base back as a dense ``nn.Linear`` holding the dequantized weight; return how many."""
+    restored = 0
+    for _, layer in tuner.model.named_modules():
+        if isinstance(layer, layer_cls) and isinstance(layer.base_layer, Int4BaseLinear):
+            layer.base_layer = layer.base_layer.to_linear()
+            layer.frozen_base = BF16_BASE
+            restored += 1
+    return restored
+
+
+def int4_weight_memory(model: nn.Module) -> dict:
+    """Bytes of the adapted layers' frozen weights as stored now and as bf16 would store them.
+
+    ``stored_bytes`` counts an INT4 base's codes, scales and mins, any other base's weight as stored;
+    ``ratio`` = stored / bf16 (0.27 at group size 128 with bf16 scales)."""
+    stored = bf16 = layers = int4_layers = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        base = getattr(module, "base_layer", None)
+        if not hasattr(module, "lora_A") or not isinstance(base, nn.Linear) or id(base) in seen:
+            continue
+        seen.add(id(base))
+        layers += 1
+        bf16 += 2 * base.in_features * base.out_features
+        if isinstance(base, Int4BaseLinear):
+            int4_layers += 1
+            stored += base.packed_bytes()
+        else:
+            stored += base.weight.numel() * base.weight.element_size()
+    return {"layers": layers, "int4_layers": int4_layers, "stored_bytes": stored, "bf16_bytes": bf16,
+            "ratio": stored / bf16 if bf16 else None}

@@ -1,0 +1,384 @@
+"""The INT4 frozen base: its weight format, dequantization, the dequant-GEMMs and the LoRA op over them.
+
+Format (``int4_pack``): weight-only, asymmetric, one (scale, min) pair per group of ``group_size``
+consecutive input features of a row, both in the model's float dtype: w ≈ q · scale + min, q in [0, 15].
+Two weights per byte, the even input feature in the low nibble. Each row of the packed tensor (N, Kp / 2)
+holds Kp = in_features rounded up to 64 (32 bytes), so every row starts on a 32-byte boundary when the
+tensor does (torch's allocations start on 512-byte ones); the padding holds zeros. Per row: K / 2 bytes of
+codes plus 2 · K / group_size scale / min values, 0.27x the bf16 bytes at group size 128.
+
+Two ways to run the base products, y = x Wᵀ (forward) and dx = dy W (backward):
+
+- ``"dequant"``: W dequantized once per call into one buffer shared by every INT4 layer of the device
+  (the largest layer's size), then cuBLAS (``addmm_`` onto the LoRA part, as the bf16 path does). The
+  dense weight lives for one GEMM: the model holds only the packed bytes.
+- ``"fused"``: a Triton GEMM that reads the packed tiles and dequantizes them in registers (the
+  prologue), never writing W. It reads a quarter of the bytes, so it wins where the GEMM is bound by the
+  weight's bytes (few tokens); cuBLAS wins where it is bound by FLOPs (training batches).
+
+``int4_lora_linear`` picks one by the token count (``fused`` up to ``FUSED_MAX_TOKENS``), or runs the plain
+PyTorch reference. The LoRA branch runs on the shared kernels of ``fused`` (shrink, expand, the dy and x
+passes), exactly as the bf16 op does; only the base products differ.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .reference import lora_linear_torch
+
+GROUP_SIZE = 128
+ROW_ALIGN_BYTES = 32
+PACKED_COLUMNS_MULTIPLE = 2 * ROW_ALIGN_BYTES      # input features per aligned row unit: 64 (32 bytes)
+# At or below this many tokens the fused dequant-GEMM runs, above it dequantize + cuBLAS. A guess from the
+# bytes each reads (a (T, K) x (K, N) GEMM turns compute-bound near T = 128 on an H100 / H200 in bf16); not
+# measured yet: bench the two per shape before trusting it.
+FUSED_MAX_TOKENS = 64
+MODES = ("auto", "dequant", "fused")
+
+
+def padded_in_features(in_features: int) -> int:
+    """Kp: in_features rounded up to a multiple of 64, so that a packed row is a multiple of 32 bytes."""
+    return -(-in_features // PACKED_COLUMNS_MULTIPLE) * PACKED_COLUMNS_MULTIPLE
+
+
+def check_group_size(in_features: int, group_size: int) -> Optional[str]:
+    """None when ``group_size`` can quantize rows of ``in_features``, else what is wrong."""
+    if group_size < 32 or group_size & (group_size - 1):
+        return f"the group size must be a power of two of at least 32, not {group_size}"
+    if in_features % group_size:
+        return f"in_features={in_features} is not a multiple of the group size {group_size}"
+    return None
+
+
+def int4_pack(weight: Tensor, group_size: int = GROUP_SIZE, scale_dtype: Optional[torch.dtype] = None
+              ) -> tuple[Tensor, Tensor, Tensor]:
+    """(packed uint8 (N, Kp / 2), scales (N, Kp / group_size), mins (same)) for a weight (N, K).
+
+    Each group's scale is (max - min) / 15 and its min the group's min, both rounded to ``scale_dtype`` (the
+    weight's dtype by default) before the codes are chosen, so that the codes fit the stored values. A
+    constant group gets scale 0 and decodes exactly.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"int4_pack: expected a 2-D weight (out_features, in_features), got shape {tuple(weight.shape)}")
+    N, K = weight.shape
+    problem = check_group_size(K, group_size)
+    if problem is not None:
+        raise ValueError(f"int4_pack: {problem}")
+    scale_dtype = scale_dtype or (weight.dtype if weight.dtype.is_floating_point else torch.float32)
+    Kp = padded_in_features(K)
+    w = torch.zeros(N, Kp, device=weight.device, dtype=torch.float32)
+    w[:, :K] = weight.detach().float()
+    groups = w.view(N, Kp // group_size, group_size)
+    low, high = groups.amin(dim=2), groups.amax(dim=2)
+    scales = ((high - low) / 15).to(scale_dtype)
+    mins = low.to(scale_dtype)
+    s, m = scales.float()[..., None], mins.float()[..., None]
+    q = torch.where(s > 0, torch.round((groups - m) / torch.where(s > 0, s, 1.0)), 0.0).clamp_(0, 15)
+    q = q.to(torch.uint8).view(N, Kp)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)
+    return packed.contiguous(), scales.contiguous(), mins.contiguous()
+
+
+def int4_unpack_reference(packed: Tensor, scales: Tensor, mins: Tensor, in_features: int,
+                          dtype: Optional[torch.dtype] = None) -> Tensor:
+    """The plain PyTorch dequantization: W (N, in_features) in ``dtype`` (the scales' dtype by default)."""
+    N = packed.shape[0]
+    q = torch.stack((packed & 0xF, packed >> 4), dim=-1).view(N, -1).float()          # (N, Kp) even, odd
+    group_size = q.shape[1] // scales.shape[1]
+    w = q.view(N, -1, group_size) * scales.float()[..., None] + mins.float()[..., None]
+    return w.view(N, -1)[:, :in_features].to(dtype or scales.dtype)
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference runs without Triton
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _load_w_tile(packed_ptr, scales_ptr, mins_ptr, n_idx, k_start, N, K_PACKED_BYTES, GROUPS,
+                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """W[n_idx, k_start : k_start + BLOCK_K] (BLOCK_N, BLOCK_K) fp32, dequantized in registers.
+
+        BLOCK_K divides GROUP and k_start is a multiple of BLOCK_K: one (scale, min) per row of the tile."""
+        byte_offs = k_start // 2 + tl.arange(0, BLOCK_K // 2)
+        n_mask = n_idx < N
+        b = tl.load(packed_ptr + n_idx[:, None] * K_PACKED_BYTES + byte_offs[None, :],
+                    mask=n_mask[:, None], other=0)                                          # (BN, BK/2) uint8
+        lo = (b & 0xF).to(tl.float32)
+        hi = (b >> 4).to(tl.float32)
+        q = tl.interleave(lo, hi)                                                           # (BN, BK) even, odd
+        group = k_start // GROUP
+        s = tl.load(scales_ptr + n_idx * GROUPS + group, mask=n_mask, other=0.0).to(tl.float32)
+        m = tl.load(mins_ptr + n_idx * GROUPS + group, mask=n_mask, other=0.0).to(tl.float32)
+        return q * s[:, None] + m[:, None]
+
+    @triton.jit
+    def _int4_matmul_nt_kernel(
+        a_ptr, packed_ptr, scales_ptr, mins_ptr, out_ptr,
+        M, N, K, K_PADDED, K_PACKED_BYTES, GROUPS,
+        ACCUMULATE: tl.constexpr, GROUP: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        """out (M, N) (+)= a (M, K) Wᵀ, W read packed."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        m_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = m_idx < M
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k_start in range(0, K_PADDED, BLOCK_K):
+            k_idx = k_start + tl.arange(0, BLOCK_K)
+            a = tl.load(a_ptr + m_idx[:, None] * K + k_idx[None, :], mask=m_mask[:, None] & (k_idx[None, :] < K),
+                        other=0.0)
+            w = _load_w_tile(packed_ptr, scales_ptr, mins_ptr, n_idx, k_start, N, K_PACKED_BYTES, GROUPS,
+                             GROUP, BLOCK_N, BLOCK_K)
+            acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=DOT_PRECISION)
+        out_offs = m_idx[:, None] * N + n_idx[None, :]
+        mask = m_mask[:, None] & (n_idx[None, :] < N)
+        if ACCUMULATE:
+            acc += tl.load(out_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _int4_matmul_nn_kernel(
+        a_ptr, packed_ptr, scales_ptr, mins_ptr, out_ptr,
+        M, N, K, K_PACKED_BYTES, GROUPS,
+        ACCUMULATE: tl.constexpr, GROUP: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        """out (M, K) (+)= a (M, N) W, W (N, K) read packed."""
+        pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+        m_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        k_start = pid_k * BLOCK_K
+        k_idx = k_start + tl.arange(0, BLOCK_K)
+        m_mask = m_idx < M
+        acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for n_start in range(0, N, BLOCK_N):
+            n_idx = n_start + tl.arange(0, BLOCK_N)
+            a = tl.load(a_ptr + m_idx[:, None] * N + n_idx[None, :], mask=m_mask[:, None] & (n_idx[None, :] < N),
+                        other=0.0)
+            w = _load_w_tile(packed_ptr, scales_ptr, mins_ptr, n_idx, k_start, N, K_PACKED_BYTES, GROUPS,
+                             GROUP, BLOCK_N, BLOCK_K)
+            acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PRECISION)
+        out_offs = m_idx[:, None] * K + k_idx[None, :]
+        mask = m_mask[:, None] & (k_idx[None, :] < K)
+        if ACCUMULATE:
+            acc += tl.load(out_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _int4_dequantize_kernel(
+        packed_ptr, scales_ptr, mins_ptr, out_ptr, N, K, K_PACKED_BYTES, GROUPS,
+        GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """out (N, K) = W, dequantized."""
+        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_start = pid_k * BLOCK_K
+        k_idx = k_start + tl.arange(0, BLOCK_K)
+        w = _load_w_tile(packed_ptr, scales_ptr, mins_ptr, n_idx, k_start, N, K_PACKED_BYTES, GROUPS,
+                         GROUP, BLOCK_N, BLOCK_K)
+        tl.store(out_ptr + n_idx[:, None] * K + k_idx[None, :], w.to(out_ptr.dtype.element_ty),
+                 mask=(n_idx[:, None] < N) & (k_idx[None, :] < K))
+
+
+def _on_interpreter(t: Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+def _block_k(group_size: int) -> int:
+    return min(64, group_size)
+
+
+def _check_operands(packed: Tensor, scales: Tensor, mins: Tensor, in_features: int) -> int:
+    """The group size, after checking the packed tensors' shapes against each other."""
+    N = packed.shape[0]
+    Kp = padded_in_features(in_features)
+    if packed.dtype != torch.uint8 or packed.shape != (N, Kp // 2) or not packed.is_contiguous():
+        raise ValueError(f"int4: packed must be a contiguous uint8 tensor ({N}, {Kp // 2}) for in_features="
+                         f"{in_features}, got {packed.dtype} {tuple(packed.shape)}")
+    if scales.shape != mins.shape or scales.shape[0] != N or Kp % scales.shape[1]:
+        raise ValueError(f"int4: scales {tuple(scales.shape)} and mins {tuple(mins.shape)} do not match the packed "
+                         f"rows ({N}, {Kp} features)")
+    return Kp // scales.shape[1]
+
+
+def int4_dequantize(packed: Tensor, scales: Tensor, mins: Tensor, in_features: int, out: Tensor) -> Tensor:
+    """W (N, in_features) written into ``out`` (contiguous, that shape, a float dtype) by the Triton kernel."""
+    group = _check_operands(packed, scales, mins, in_features)
+    N = packed.shape[0]
+    block_n, block_k = (16, _block_k(group)) if _on_interpreter(packed) else (32, _block_k(group))
+    grid = (-(-N // block_n), -(-in_features // block_k))
+    _int4_dequantize_kernel[grid](packed, scales, mins, out, N, in_features, packed.shape[1], scales.shape[1],
+                                  GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out
+
+
+def int4_matmul(a: Tensor, packed: Tensor, scales: Tensor, mins: Tensor, in_features: int, transposed: bool = False,
+                out: Optional[Tensor] = None) -> Tensor:
+    """The fused dequant-GEMM on 2-D ``a``: a Wᵀ (a: (M, in_features)) or, ``transposed``, a W (a: (M, N)).
+
+    With ``out`` given the product is added to it (the LoRA part already there), else a new tensor of a's
+    dtype. A CUDA tensor, or a CPU one under TRITON_INTERPRET=1."""
+    group = _check_operands(packed, scales, mins, in_features)
+    N, K = packed.shape[0], in_features
+    a = a.contiguous()
+    M = a.shape[0]
+    accumulate = out is not None
+    if out is None:
+        out = torch.empty(M, K if transposed else N, device=a.device, dtype=a.dtype)
+    precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    block_k = _block_k(group)
+    if _on_interpreter(a):
+        block_m, block_n, warps, stages = 16, 16, 4, 1
+    else:
+        block_m, block_n, warps, stages = (64, 64, 4, 3) if M > 16 else (16, 64, 4, 3)
+    if transposed:
+        grid = (-(-M // block_m), -(-K // block_k))
+        _int4_matmul_nn_kernel[grid](a, packed, scales, mins, out, M, N, K, packed.shape[1], scales.shape[1],
+                                     ACCUMULATE=accumulate, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n,
+                                     BLOCK_K=block_k, DOT_PRECISION=precision, num_warps=warps, num_stages=stages)
+    else:
+        grid = (-(-M // block_m), -(-N // block_n))
+        _int4_matmul_nt_kernel[grid](a, packed, scales, mins, out, M, N, K, padded_in_features(K), packed.shape[1],
+                                     scales.shape[1], ACCUMULATE=accumulate, GROUP=group, BLOCK_M=block_m,
+                                     BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision, num_warps=warps,
+                                     num_stages=stages)
+    return out
+
+
+# ----------------------------------------------------------------------------- the op
+
+# One dequantization buffer per (device, dtype), grown to the largest layer: every "dequant" call writes it and
+# reads it back in the same stream, so layers can share it (nothing holds W past the GEMM that reads it).
+_buffers: dict[tuple, Tensor] = {}
+
+
+def _shared_buffer(device: torch.device, dtype: torch.dtype, numel: int) -> Tensor:
+    key = (device, dtype)
+    buffer = _buffers.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _buffers[key] = torch.empty(numel, device=device, dtype=dtype)
+    return buffer[:numel]
+
+
+def dequantized_into_shared_buffer(packed: Tensor, scales: Tensor, mins: Tensor, in_features: int,
+                                   dtype: torch.dtype) -> Tensor:
+    """W (N, in_features) in the device's shared buffer: valid until the next INT4 call on that device."""
+    out = _shared_buffer(packed.device, dtype, packed.shape[0] * in_features).view(packed.shape[0], in_features)
+    return int4_dequantize(packed, scales, mins, in_features, out)
+
+
+def _base_forward(x: Tensor, packed, scales, mins, in_features: int, mode: str, out: Optional[Tensor]) -> Tensor:
+    """x Wᵀ, added to ``out`` when given."""
+    if mode == "fused":
+        return int4_matmul(x, packed, scales, mins, in_features, transposed=False, out=out)
+    w = dequantized_into_shared_buffer(packed, scales, mins, in_features, x.dtype)
+    return torch.mm(x, w.t()) if out is None else out.addmm_(x, w.t())
+
+
+def _base_backward(dy: Tensor, packed, scales, mins, in_features: int, mode: str, out: Optional[Tensor]) -> Tensor:
+    """dy W, added to ``out`` when given."""
+    if mode == "fused":
+        return int4_matmul(dy, packed, scales, mins, in_features, transposed=True, out=out)
+    w = dequantized_into_shared_buffer(packed, scales, mins, in_features, dy.dtype)
+    return torch.mm(dy, w) if out is None else out.addmm_(dy, w)
+
+
+def resolve_mode(mode: str, tokens: int) -> str:
+    if mode == "auto":
+        return "fused" if tokens <= FUSED_MAX_TOKENS else "dequant"
+    return mode
+
+
+class Int4LoraLinearFunction(torch.autograd.Function):
+    """y = x Wᵀ + b + s·(x_lora Aᵀ) Bᵀ over a packed INT4 W; lora_A / lora_B None: the base alone.
+
+    Saves the LoRA input, h (T x r) and the packed tensors (no dense W): backward dequantizes again."""
+
+    @staticmethod
+    def forward(ctx, x, x_lora, lora_A, lora_B, bias, packed, scales, mins, in_features, scaling, mode):
+        from . import fused as kernels
+
+        lead, K = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, K)
+        xl2 = None if x_lora is None else x_lora.reshape(-1, K)
+        mode = resolve_mode(mode, x2.shape[0])
+        N = packed.shape[0]
+        has_lora = lora_A is not None
+        if has_lora:
+            h = kernels.lora_shrink(x2 if xl2 is None else xl2, lora_A)
+            y = kernels.lora_expand(h, lora_B, scaling, bias, x.dtype)
+            _base_forward(x2, packed, scales, mins, in_features, mode, out=y)
+        else:
+            h = None
+            y = _base_forward(x2, packed, scales, mins, in_features, mode, out=None)
+            if bias is not None:
+                y += bias
+        ctx.save_for_backward(x if (has_lora and x_lora is None) else None, x_lora, lora_A, lora_B, h,
+                              packed, scales, mins)
+        ctx.in_features, ctx.scaling, ctx.mode = in_features, scaling, mode
+        return y.view(*lead, N)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        from . import fused as kernels
+
+        x, x_lora, lora_A, lora_B, h, packed, scales, mins = ctx.saved_tensors
+        N, K = packed.shape[0], ctx.in_features
+        lead = grad_y.shape[:-1]
+        dy = grad_y.reshape(-1, N).contiguous()
+        need_dx = ctx.needs_input_grad[0]
+        dx = dx_lora = dA = dB = None
+        if lora_A is None:
+            dx = _base_backward(dy, packed, scales, mins, K, ctx.mode, out=None) if need_dx else None
+        else:
+            g_part, db_part = kernels.lora_dy_pass_parts(dy, lora_B, h, ctx.scaling)
+            if x_lora is not None:
+                # dropout: the LoRA gradient belongs to x_lora; autograd applies the mask and adds it to dx
+                da_part, dx_lora = kernels.lora_x_pass_parts(x_lora.reshape(-1, K), lora_A, g_part, ctx.scaling,
+                                                             write_dx=True)
+                if need_dx:
+                    dx = _base_backward(dy, packed, scales, mins, K, ctx.mode, out=None)
+            else:
+                da_part, dx = kernels.lora_x_pass_parts(x.reshape(-1, K), lora_A, g_part, ctx.scaling,
+                                                        write_dx=need_dx)
+                if need_dx:
+                    _base_backward(dy, packed, scales, mins, K, ctx.mode, out=dx)
+            dA, dB = kernels.sum_partials(da_part, db_part)
+            dA, dB = dA.to(lora_A.dtype), dB.to(lora_B.dtype)
+        return (
+            dx.view(*lead, K) if dx is not None else None,
+            dx_lora.view(*lead, K) if dx_lora is not None else None,
+            dA if ctx.needs_input_grad[2] else None,
+            dB if ctx.needs_input_grad[3] else None,
+            None, None, None, None, None, None, None,
+        )
+
+
+def int4_lora_linear(x: Tensor, x_lora: Optional[Tensor], lora_A: Optional[Tensor], lora_B: Optional[Tensor],
+                     bias: Optional[Tensor], packed: Tensor, scales: Tensor, mins: Tensor, in_features: int,
+                     scaling: float, kernel: str = "torch", mode: str = "auto") -> Tensor:
+    """y = x Wᵀ + b + s·(x_lora Aᵀ) Bᵀ with W the packed INT4 weight; ``lora_A`` None gives x Wᵀ + b.
+
+    ``kernel`` "torch": the reference (W dequantized by PyTorch, then ``lora_linear_torch``: it keeps that W
+    for backward, which is fine for the CPU tests it serves). "triton": the fused path, base products by
+    ``mode`` ("auto", "dequant", "fused"; see the module docstring). ``x_lora`` is x (the same tensor) without
+    dropout."""
+    if kernel == "torch":
+        w = int4_unpack_reference(packed, scales, mins, in_features, x.dtype)
+        if lora_A is None:
+            return torch.nn.functional.linear(x, w, bias)
+        return lora_linear_torch(x, x_lora, w, bias, lora_A, lora_B, scaling)
+    if mode not in MODES:
+        raise ValueError(f"int4_lora_linear: mode={mode!r} is invalid: allowed {', '.join(map(repr, MODES))}")
+    return Int4LoraLinearFunction.apply(x, None if x_lora is x else x_lora, lora_A, lora_B, bias, packed, scales,
+                                        mins, in_features, float(scaling), mode)
