@@ -3,6 +3,7 @@
     python bench/bench_layer.py                   # on the GPU: the four shapes x r in {16, 64}, T = 8192, bf16
     python bench/bench_layer.py --smoke           # seconds on a CPU: tiny shapes, checks the script runs
     python bench/bench_layer.py --arms frozen sits:cublas sits:fp8 --ranks 16   # the fp8 base (issue 6)
+    python bench/bench_layer.py --arms frozen sits:cublas sits:int4 peft:nf4 --ranks 16   # the 4-bit bases
 
 "frozen" is the floor: the base nn.Linear with a frozen weight and an input that requires grad
 (forward GEMM + dX GEMM). Every LoRA layer does at least this work. Each arm is timed in the same
@@ -46,6 +47,22 @@ def build(arm: str, d_in: int, d_out: int, r: int, dtype, device):
         return base
     if arm == "peft":
         model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=["proj"]))
+    elif arm == "peft:nf4":
+        # PEFT's QLoRA layer: a bitsandbytes Linear4bit base (nf4, double quantization, bf16 compute)
+        import bitsandbytes as bnb
+
+        quantized = bnb.nn.Linear4bit(d_in, d_out, bias=False, compute_dtype=dtype, quant_type="nf4",
+                                      compress_statistics=True)
+        quantized.load_state_dict(base.proj.state_dict())
+        base.proj = quantized.to(device)
+        base.is_loaded_in_4bit = True  # what PEFT's bitsandbytes dispatcher looks for
+        model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=["proj"]))
+    elif arm.startswith("sits:int4"):
+        # the INT4 base; "sits:int4:fused" / "sits:int4:dequant" pin how its products run
+        model = get_peft_model(base, sits_lora.SitsLoraConfig(r=r, lora_alpha=2 * r, target_modules=["proj"],
+                                                              base_quant="int4",
+                                                              int4_group_size=128 if d_in % 128 == 0 else 32))
+        model.base_model.model.proj.base_layer.int4_mode = arm.split(":")[2] if arm.count(":") == 2 else "auto"
     elif arm == "sits:fp8":
         # fp8 frozen base, "hybrid" recipe; emulated on a CPU so that --smoke runs anywhere
         model = get_peft_model(base, sits_lora.SitsLoraConfig(r=r, lora_alpha=2 * r, target_modules=["proj"],

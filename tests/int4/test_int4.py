@@ -20,6 +20,7 @@ from sits_lora import SitsLoraConfig, export_peft_lora  # noqa: E402
 from sits_lora.bases.int4 import Int4BaseLinear  # noqa: E402
 from sits_lora.int4 import int4_weight_memory  # noqa: E402
 from sits_lora.ops import int4_linear as Q  # noqa: E402
+from sits_lora.training import plan_memory  # noqa: E402
 
 # (out_features, in_features, group size): odd row counts, a padded row (96 features: 48 bytes -> 64), groups
 # of 32 / 64 / 128
@@ -281,3 +282,13 @@ def test_adapters_of_one_model_must_share_the_base_setting():
         model.add_adapter("other", SitsLoraConfig(r=4, target_modules=["q_proj"]))
     layer = model.base_model.model.model.layers[0].self_attn.q_proj
     assert isinstance(layer.base_layer, Int4BaseLinear) and "other" not in layer.lora_A
+
+
+def test_the_memory_plan_counts_the_packed_weights_and_one_dequantization_buffer():
+    dense = get_peft_model(_llama(), SitsLoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "down_proj"]))
+    quantized = get_peft_model(_llama(), _int4_config(target_modules=["q_proj", "down_proj"]))
+    plan_dense, plan_int4 = plan_memory(dense, 2, 16), plan_memory(quantized, 2, 16)
+    packed = sum(m.packed_bytes() for m in quantized.modules() if isinstance(m, Int4BaseLinear))
+    dense_bytes = sum(m.base_layer.weight.numel() * 4 for m in dense.modules() if hasattr(m, "lora_A"))
+    largest = max(m.in_features * m.out_features * 4 for m in quantized.modules() if isinstance(m, Int4BaseLinear))
+    assert plan_int4.frozen_weights == plan_dense.frozen_weights - dense_bytes + packed + largest

@@ -3,7 +3,8 @@
 The cost model (every number is bytes; T = batch_size x seq_len tokens, h hidden size, I MLP
 size, V vocabulary, H / KV query / key-value heads of size d, a the activation element size):
 
-- frozen weights, adapters: the parameters as they are (tied weights once).
+- frozen weights, adapters: the parameters as they are (tied weights once); an INT4 base adds one
+  dequantization buffer of its largest layer's W (sits_lora.int4).
 - optimizer states: AdamW keeps 2 tensors per trainable parameter (8-bit AdamW 2 bytes, SGD none).
 - adapter gradients: made during backward, after the peak, and set to None by ``zero_grad``; they
   are at the peak only with gradient accumulation (they live through the next forward).
@@ -51,6 +52,7 @@ from ..utils.units import GIB
 from ..activations.offload import offloads_activations, offloads_checkpoints
 from ..activations.selective import is_selective
 from ..activations.tiled_mlp import mlp_tile_tokens as mlp_tile_tokens_of
+from ..bases.int4 import Int4BaseLinear
 from ..utils.model_structure import decoder_layers, text_config, unwrap_model  # noqa: F401 (re-exported)
 
 
@@ -416,6 +418,11 @@ def plan_memory(
         else:
             frozen += size
     grads = sum(p.numel() * p.element_size() for p in trainable)
+    # INT4 bases hold packed codes (counted above) and dequantize into one buffer per device, the size of the
+    # largest such layer's W, for the GEMM of a training batch (sits_lora.ops.int4_linear)
+    dequant_buffer = max((m.in_features * m.out_features * m.weight_scales.element_size()
+                          for m in inner.modules() if isinstance(m, Int4BaseLinear)), default=0)
+    frozen += dequant_buffer
     devices = {p.device for p in inner.parameters() if p.device.type != "meta"}
     if len(devices) > 1:
         notes.append(f"the parameters span {len(devices)} devices ({', '.join(sorted(map(str, devices)))}): the plan "

@@ -1,0 +1,71 @@
+"""The INT4 base's kernels on their own: dequantization bandwidth, and the fused dequant-GEMM against
+dequantize + cuBLAS by token count (which one ``int4_mode="auto"`` should pick).
+
+    python bench/bench_int4.py --out OUT          # a GPU: the 8B shapes, bf16
+    python bench/bench_int4.py --smoke --out OUT  # a CPU under TRITON_INTERPRET=1: tiny shapes, checks the script
+
+Dequantization: the kernel reads the packed codes, scales and mins and writes W in bf16; its bandwidth is
+(bytes read + bytes written) / time, set against a device-to-device copy of a tensor of W's bf16 size
+(read + write) measured in the same run. Writes OUT/int4_kernels.json and .csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import median_ms, print_table, write_results  # noqa: E402
+
+SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]   # (out_features, in_features)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 8192])
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args(argv)
+    from sits_lora.ops import int4_linear as Q
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("without a GPU, run under TRITON_INTERPRET=1 with --smoke")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    shapes, tokens = (SHAPES, args.tokens) if not args.smoke else ([(48, 128)], [1, 32])
+    rows = []
+    for N, K in shapes:
+        packed, scales, mins = Q.int4_pack(torch.randn(N, K, device=device, dtype=dtype) * 0.02, 128)
+        out = torch.empty(N, K, device=device, dtype=dtype)
+        read = sum(t.numel() * t.element_size() for t in (packed, scales, mins))
+        written = out.numel() * out.element_size()
+        dq_ms = median_ms(lambda: Q.int4_dequantize(packed, scales, mins, K, out))
+        src = torch.empty_like(out)
+        copy_ms = median_ms(lambda: out.copy_(src))
+        rows.append({"kind": "dequantize", "N": N, "K": K, "tokens": None, "ms": dq_ms,
+                     "gb_per_s": (read + written) / dq_ms / 1e6, "copy_gb_per_s": 2 * written / copy_ms / 1e6,
+                     "vs_copy": (read + written) / dq_ms / (2 * written / copy_ms)})
+        for T in tokens:
+            x = torch.randn(T, K, device=device, dtype=dtype)
+            fused = median_ms(lambda: Q.int4_matmul(x, packed, scales, mins, K))
+            dequant = median_ms(lambda: torch.mm(x, Q.dequantized_into_shared_buffer(packed, scales, mins, K,
+                                                                                     dtype).t()))
+            w = out
+            dense = median_ms(lambda: torch.mm(x, w.t()))
+            rows.append({"kind": "forward product", "N": N, "K": K, "tokens": T, "fused_ms": fused,
+                         "dequant_cublas_ms": dequant, "dense_cublas_ms": dense,
+                         "faster": "fused" if fused < dequant else "dequant"})
+        del packed, scales, mins, out, src
+    os.makedirs(args.out, exist_ok=True)
+    write_results("int4_kernels", rows, args.out, {"command": "python bench/bench_int4.py " + " ".join(argv or sys.argv[1:])})
+    print_table([r for r in rows if r["kind"] == "dequantize"], ["N", "K", "ms", "gb_per_s", "copy_gb_per_s", "vs_copy"])
+    print_table([r for r in rows if r["kind"] != "dequantize"],
+                ["N", "K", "tokens", "fused_ms", "dequant_cublas_ms", "dense_cublas_ms", "faster"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
