@@ -46,10 +46,11 @@ def test_lora_op_matches_the_reference_in_bf16(mode, dropout):
     for kernel in ("torch", "triton"):
         gen = torch.Generator(device="cuda").manual_seed(2)
         x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-        x_lora = torch.nn.functional.dropout(x, 0.1) if dropout else x
+        # the same mask in both runs: drawn from the run's own generator
+        keep = torch.rand(T, K, device="cuda", generator=gen) > 0.1
+        x_lora = x * keep / 0.9 if dropout else x
         A = (torch.randn(r, K, device="cuda", generator=gen) * 0.02).requires_grad_()
         B = (torch.randn(N, r, device="cuda", generator=gen) * 0.02).requires_grad_()
-        torch.manual_seed(3)
         y = Q.int4_lora_linear(x, x_lora, A, B, None, packed, scales, mins, K, 2.0, kernel, mode)
         y.backward(torch.randn(T, N, device="cuda", dtype=torch.bfloat16, generator=gen))
         outs.append((y.detach(), x.grad, A.grad, B.grad))
@@ -58,21 +59,24 @@ def test_lora_op_matches_the_reference_in_bf16(mode, dropout):
 
 
 def test_a_whole_model_trains_on_the_int4_base_like_the_reference():
-    base = tiny_llama(0, hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4).to(
-        "cuda", torch.bfloat16)
+    """bf16 rounds at every op, and the differences grow back through the layers: both bf16 paths are held
+    to an fp32 run of the same INT4 model (the truth), the fused one no further from it than the reference."""
+    base = tiny_llama(0, hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4).cuda()
     ids = torch.randint(0, 97, (2, 64), device="cuda")
     results = {}
-    for kernel in ("torch", "triton"):
-        model = get_peft_model(copy.deepcopy(base), SitsLoraConfig(
+    for kernel, dtype in (("torch", torch.float32), ("torch", torch.bfloat16), ("triton", torch.bfloat16)):
+        model = get_peft_model(copy.deepcopy(base).to(dtype), SitsLoraConfig(
             r=16, lora_alpha=32, target_modules="all-linear", base_quant="int4", kernel=kernel))
         randomize_lora_weights(model)
         model.train()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        results[kernel] = (loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()
-                                                   if p.grad is not None})
-    (ref_loss, ref_grads), (loss, grads) = results["torch"], results["triton"]
-    assert rel_err(loss, ref_loss) < BF16_TOL
-    assert set(grads) == set(ref_grads)
+        results[(kernel, dtype)] = (loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()
+                                                            if p.grad is not None})
+    truth_loss, truth = results[("torch", torch.float32)]
+    ref_loss, ref = results[("torch", torch.bfloat16)]
+    loss, grads = results[("triton", torch.bfloat16)]
+    assert set(grads) == set(truth)
+    assert rel_err(loss, truth_loss) < BF16_TOL
     for name in grads:
-        assert rel_err(grads[name], ref_grads[name]) < 5e-2, name
+        assert rel_err(grads[name], truth[name]) <= 1.5 * rel_err(ref[name], truth[name]) + 1e-2, name
