@@ -40,7 +40,7 @@ def _parser(fields) -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     from sits_lora.recipe.data import DatasetTooSmallError
     from sits_lora.recipe.loading import ModelNotFoundError, resolve_model_source
-    from sits_lora.recipe.train import TrainRecipe, run
+    from sits_lora.recipe.train import ModelChoiceError, TrainRecipe, run
 
     fields = dataclasses.fields(TrainRecipe)
     args = _parser(fields).parse_args(argv)
@@ -64,6 +64,9 @@ def main(argv=None) -> int:
         run(recipe)
     except DatasetTooSmallError as error:  # found after the tokenizer loaded: still the user's input, one line
         print(f"error: --dataset {recipe.dataset or '(default corpus)'}: {error}", file=sys.stderr)
+        return 2
+    except ModelChoiceError as error:  # an option that does not fit the model, found once it loaded
+        print(f"error: {error}", file=sys.stderr)
         return 2
     return 0
 

@@ -72,6 +72,10 @@ def test_recipe_default_model_and_corpus_one_step(tmp_path):
         (["--dtype", "float8"], "error: dtype='float8' is invalid"),
         (["--fp8", "fp16"], "error: fp8='fp16' is invalid: allowed values are off, hybrid, e4m3"),
         (["--liger", "maybe"], "error: liger='maybe' is invalid: allowed values are auto, true, false"),
+        (["--base-quant", "fp4"], "error: base_quant='fp4' is invalid: allowed values are off, int4, nf4"),
+        (["--base-quant", "int4", "--int4-group-size", "48"], "error: int4_group_size=48 is invalid"),
+        (["--int4-group-size", "64"], "error: int4_group_size=64 only applies with base_quant: int4"),
+        (["--base-quant", "int4", "--fp8", "hybrid"], "error: base_quant='int4' and fp8='hybrid' are two frozen bases"),
     ],
 )
 def test_bad_paths_and_values_give_one_line(args, needle, tmp_path, tiny_model_dir):
@@ -89,6 +93,7 @@ def test_bad_paths_and_values_give_one_line(args, needle, tmp_path, tiny_model_d
     [
         (["--fp8", "hybrid"], "error: fp8='hybrid': SitsLoraConfig.fp8 needs an NVIDIA GPU of compute capability 8.9"),
         (["--liger", "true"], "error: liger=true needs a CUDA GPU"),
+        (["--base-quant", "nf4"], "error: base_quant=nf4 needs a CUDA GPU"),
     ],
 )
 def test_gpu_options_are_refused_before_loading_on_a_cpu(args, needle, tmp_path, tiny_model_dir):
@@ -117,8 +122,42 @@ def test_recipe_fp8_emulated_trains_and_saves_an_fp8_adapter(tiny_model_dir, tmp
     assert saved["fp8"] == "hybrid" and saved["fp8_emulate"] is True
 
 
+@pytest.mark.slow
+def test_recipe_int4_base_trains_and_picks_the_group_size(tmp_path):
+    """--base-quant int4: sits_lora's INT4 base on a CPU; the group size is the largest of 128 / 64 / 32 that
+    divides every adapted layer (64 and 96 features: 32)."""
+    from conftest import _tiny_tokenizer, tiny_llama
+
+    folder = tmp_path / "model"
+    tokenizer = _tiny_tokenizer(["def f(x): return x * 2\n" * 20, "import os\nprint(os.getcwd())\n" * 20])
+    tiny_llama(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
+               max_position_embeddings=128).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"def f{i}(x): return x * {i} + {i % 7}\n" * 8}) + "\n" for i in range(40)))
+    out = tmp_path / "run"
+    proc = _train("--model", str(folder), "--dataset", str(corpus), "--output-dir", str(out), "--max-steps", "12",
+                  "--batch-size", "4", "--seq-len", "32", "--eval-blocks", "4", "--learning-rate", "0.01", "--r", "4",
+                  "--logging-steps", "4", "--base-quant", "int4", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "frozen base: INT4, group size 32" in proc.stdout
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["heldout_perplexity_after"] < metrics["heldout_perplexity_before"]
+    saved = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert saved["base_quant"] == "int4" and saved["int4_group_size"] == 32
+
+
+def test_recipe_int4_refuses_a_model_no_group_size_fits(tiny_model_dir, tmp_path):
+    proc = _train("--model", str(tiny_model_dir), "--base-quant", "int4", "--output-dir", str(tmp_path / "run"),
+                  "--max-steps", "1", cwd=tmp_path)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and last.startswith("error: --base-quant int4: no INT4 group size of 128, 64, 32 divides")
+    assert "Traceback" not in proc.stderr
+
+
 def test_yaml_off_is_the_string_off():
     assert TrainRecipe(fp8=False).fp8 == "off"  # YAML 1.1 reads an unquoted `fp8: off` as false
+    assert TrainRecipe(base_quant=False).base_quant == "off"
     with pytest.raises(ValueError, match="liger='yes' is invalid: allowed values are auto, true, false"):
         TrainRecipe(liger="yes")
     with pytest.raises(ValueError, match="liger=1 is invalid"):

@@ -15,6 +15,7 @@ from ..utils.lazy import lazy_exports
 _EXPORTS = {
     "Int4BaseLinear": "sits_lora.bases.int4",
     "int4_weight_memory": ".model",
+    "largest_group_size": ".model",
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

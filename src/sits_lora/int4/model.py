@@ -114,3 +114,19 @@ def int4_weight_memory(model: nn.Module) -> dict:
             stored += base.weight.numel() * base.weight.element_size()
     return {"layers": layers, "int4_layers": int4_layers, "stored_bytes": stored, "bf16_bytes": bf16,
             "ratio": stored / bf16 if bf16 else None}
+
+
+def largest_group_size(model: nn.Module, target_modules, choices=(128, 64, 32)) -> int:
+    """The largest group size of ``choices`` that divides the in_features of every nn.Linear that
+    ``target_modules`` (a list of names, PEFT's rule: the module name or its last parts) matches in ``model``."""
+    targets = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    widths = sorted({m.in_features for key, m in model.named_modules() if isinstance(m, nn.Linear) and key and any(
+        key == t or key.endswith("." + t) for t in targets)})
+    if not widths:
+        raise ValueError(f"target_modules={targets} match no torch.nn.Linear of {type(model).__name__}: nothing to "
+                         f"quantize to INT4")
+    for group in choices:
+        if all(w % group == 0 for w in widths):
+            return group
+    raise ValueError(f"no INT4 group size of {', '.join(map(str, choices))} divides every adapted layer's in_features "
+                     f"({', '.join(map(str, widths))}); leave the odd layers out of target_modules, or base_quant off")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -90,14 +91,29 @@ def _forget_gguf_quantization(model) -> None:
         del model.config.quantization_config
 
 
-def load_model(spec: Optional[str] = None, dtype=None):
-    """(model, source) for a --model value (folder, .gguf or hub id), without a tokenizer."""
+def load_model(spec: Optional[str] = None, dtype=None, quantization_config=None):
+    """(model, source) for a --model value (folder, .gguf or hub id), without a tokenizer.
+
+    ``quantization_config`` (a transformers ``BitsAndBytesConfig``) loads the weights quantized. A .gguf is
+    dequantized on load, which transformers does not combine with another quantization: it is loaded, written
+    to a temporary folder in ``dtype`` and loaded again from there, quantized."""
     from transformers import AutoModelForCausalLM
 
     source = resolve_model_source(spec)
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     if dtype is not None:
         kwargs["dtype"] = dtype
+    if quantization_config is not None and source.gguf_file:
+        model, _ = load_model(spec, dtype)
+        with tempfile.TemporaryDirectory(prefix="sits-lora-base-") as folder:
+            model.save_pretrained(folder)
+            del model
+            quantized = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
+                                                             quantization_config=quantization_config)
+        quantized.config._name_or_path = quantized.name_or_path = source.portable_name()
+        return quantized, source
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
     model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
     if source.gguf_file:
         _forget_gguf_quantization(model)
@@ -107,11 +123,11 @@ def load_model(spec: Optional[str] = None, dtype=None):
     return model, source
 
 
-def load_model_and_tokenizer(spec: Optional[str] = None, dtype=None):
+def load_model_and_tokenizer(spec: Optional[str] = None, dtype=None, quantization_config=None):
     """(model, tokenizer, source) for a --model value; the tokenizer gets a pad token if it lacks one."""
     from transformers import AutoTokenizer
 
-    model, source = load_model(spec, dtype)
+    model, source = load_model(spec, dtype, quantization_config)
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
     if tokenizer.pad_token is None:

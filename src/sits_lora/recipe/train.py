@@ -46,6 +46,13 @@ class TrainRecipe:
         "help": "off | hybrid | e4m3: the frozen base in fp8 (SitsLoraConfig.fp8); needs a GPU of compute capability >= 8.9"})
     fp8_emulate: bool = field(default=False, metadata={
         "help": "run the fp8 numerics in plain PyTorch on any device (slow; for checks without such a GPU)"})
+    base_quant: str = field(default="off", metadata={
+        "help": "off | int4 | nf4: a 4-bit frozen base. int4: sits_lora's own (SitsLoraConfig.base_quant, any device, "
+                "no extra package); nf4: QLoRA, the model loaded in 4-bit by bitsandbytes (NF4, double quantization) "
+                "on a CUDA GPU (pip install 'sits-lora[quant]'), adapted by PEFT's own 4-bit LoRA layers"})
+    int4_group_size: int = field(default=0, metadata={
+        "help": "input features per INT4 scale / min pair; 0 = the largest of 128, 64, 32 that divides every "
+                "adapted layer (SmolLM2-135M: 64)"})
     liger: str = field(default="auto", metadata={
         "help": "auto | true | false: Liger-Kernel's fused RMSNorm / RoPE / SwiGLU / linear cross-entropy around "
                 "the adapter, applied by the Trainer (TrainingArguments.use_liger_kernel) for every model type "
@@ -87,6 +94,19 @@ class TrainRecipe:
             raise ValueError(f"fp8={self.fp8!r} is invalid: allowed values are {', '.join(FP8_RECIPES)}")
         if not isinstance(self.fp8_emulate, bool):
             raise ValueError(f"fp8_emulate={self.fp8_emulate!r} is invalid: it must be true or false")
+        if self.base_quant is False:  # YAML 1.1 reads an unquoted `base_quant: off` as false
+            self.base_quant = "off"
+        if self.base_quant not in BASE_QUANTS:
+            raise ValueError(f"base_quant={self.base_quant!r} is invalid: allowed values are {', '.join(BASE_QUANTS)}")
+        if isinstance(self.int4_group_size, bool) or not isinstance(self.int4_group_size, int) or (
+                self.int4_group_size and (self.int4_group_size < 32 or self.int4_group_size & (self.int4_group_size - 1))):
+            raise ValueError(f"int4_group_size={self.int4_group_size!r} is invalid: it must be 0 (the largest of 128, "
+                             f"64, 32 that divides every adapted layer) or a power of two of at least 32")
+        if self.int4_group_size and self.base_quant != "int4":
+            raise ValueError(f"int4_group_size={self.int4_group_size} only applies with base_quant: int4 (base_quant is "
+                             f"{self.base_quant!r})")
+        if self.base_quant != "off" and self.fp8 != "off":
+            raise ValueError(f"base_quant={self.base_quant!r} and fp8={self.fp8!r} are two frozen bases: choose one")
         if isinstance(self.liger, str):  # from a flag or a quoted YAML value
             self.liger = {"true": True, "false": False}.get(self.liger.lower(), self.liger)
         if not (isinstance(self.liger, bool) or self.liger == "auto"):
@@ -130,9 +150,19 @@ class TrainRecipe:
 
     def check_machine(self) -> None:
         """Refuse, before anything is loaded, what this machine cannot run (ValueError naming the field)."""
-        if self.kernel != "triton" and self.fp8 == "off" and self.liger is not True:
+        if self.kernel != "triton" and self.fp8 == "off" and self.liger is not True and self.base_quant != "nf4":
             return  # nothing here needs a GPU: answered without importing torch
         import torch
+
+        if self.base_quant == "nf4":
+            import importlib.util
+
+            if not torch.cuda.is_available():
+                raise ValueError("base_quant=nf4 needs a CUDA GPU (bitsandbytes' 4-bit layers); use base_quant: int4 on "
+                                 "this machine")
+            if importlib.util.find_spec("bitsandbytes") is None:
+                raise ValueError("base_quant=nf4 needs bitsandbytes: pip install 'sits-lora[quant]' (or use base_quant: "
+                                 "int4, which needs nothing more)")
 
         if self.kernel == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("kernel='triton' needs a CUDA GPU (set TRITON_INTERPRET=1 to run the kernels on the CPU, "
@@ -161,7 +191,26 @@ class TrainRecipe:
 # the recipe's field checks import no torch (a bad input answers in a fraction of a second); these are
 # ops.KERNELS and the torch dtypes by name (tests/recipe/test_recipe.py keeps them equal)
 KERNELS = ("auto", "triton", "torch")
+BASE_QUANTS = ("off", "int4", "nf4")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ModelChoiceError(ValueError):
+    """An option that does not fit the loaded model (found once it has loaded, before any slow work)."""
+
+
+def int4_fields(recipe: TrainRecipe, model) -> dict:
+    """The SitsLoraConfig fields of recipe.base_quant: int4 with its group size (chosen when 0), else none."""
+    if recipe.base_quant != "int4":
+        return {}
+    from ..int4 import largest_group_size
+
+    try:
+        group = recipe.int4_group_size or largest_group_size(model, recipe.target_modules)
+    except ValueError as error:
+        raise ModelChoiceError(f"--base-quant int4: {error}") from None
+    print(f"[sits_lora] frozen base: INT4, group size {group}")
+    return {"base_quant": "int4", "int4_group_size": group}
 
 
 def torch_dtype_named(name: str):
@@ -320,11 +369,18 @@ def run(recipe: TrainRecipe) -> dict:
     threads = _set_cpu_threads(recipe.cpu_threads) if not torch.cuda.is_available() else None
     dtype = torch_dtype_named(recipe.dtype)
     recipe.check_inputs()
-    model, tokenizer, source = load_model_and_tokenizer(recipe.model, dtype=dtype)
+    quantization = None
+    if recipe.base_quant == "nf4":
+        from transformers import BitsAndBytesConfig
+
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                          bnb_4bit_compute_dtype=dtype)
+    model, tokenizer, source = load_model_and_tokenizer(recipe.model, dtype=dtype, quantization_config=quantization)
     if os.path.isdir(source.location):
         # a local model: nothing to ask the hub, and PEFT would ask it at every save for the base model's
         # config (base_model_name_or_path is a hub id for the default GGUF), waiting on the network offline
         os.environ["HF_HUB_OFFLINE"] = "1"
+    int4 = int4_fields(recipe, model)  # a group size that fits no layer is refused before any slow work
     use_liger, liger_note = resolve_liger(recipe.liger, model.config.model_type)
     print(f"[sits_lora] Liger-Kernel: {liger_note}")
     print(f"[sits_lora] model: {source.describe()} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
@@ -343,7 +399,7 @@ def run(recipe: TrainRecipe) -> dict:
     config = SitsLoraConfig(
         r=recipe.r, lora_alpha=recipe.lora_alpha, lora_dropout=recipe.lora_dropout,
         target_modules=list(recipe.target_modules), kernel=recipe.kernel, task_type="CAUSAL_LM",
-        fp8=recipe.fp8, fp8_emulate=recipe.fp8_emulate,
+        fp8=recipe.fp8, fp8_emulate=recipe.fp8_emulate, **int4,
     )
     model = get_peft_model(model, config)
     model.print_trainable_parameters()
