@@ -51,7 +51,10 @@ OPTIONAL_ARMS = ["peft+liger", "sits+liger", "sits+gc", "peft+gc", "sits+fp8", "
                  "sits+saved", "sits+liger+saved",
                  # "+offload": gradient checkpointing with the layer inputs in pinned host memory and the MLP in tiles
                  # of 8192 tokens (sits_lora.activations), the long-context setting
-                 "sits+liger+offload"]
+                 "sits+liger+offload",
+                 # 4-bit frozen bases: "+nf4" the projections as bitsandbytes NF4 layers (QLoRA; PEFT's layer or
+                 # sits_lora's fused one), "+int4" sits_lora's own INT4 base
+                 "peft+nf4", "sits+nf4", "sits+int4", "peft+nf4+liger", "sits+nf4+liger", "sits+int4+liger"]
 
 
 @contextlib.contextmanager
@@ -69,6 +72,24 @@ def liger_patch_undone():
         for n, value in saved.items():
             setattr(modeling_llama, n, value)
         modeling_llama.LlamaForCausalLM.forward = forward
+
+
+def to_bitsandbytes_nf4(model, dtype) -> None:
+    """Swap the decoder's projections for bitsandbytes Linear4bit (NF4, double quantization, ``dtype`` compute),
+    quantized on the model's device, and mark the model loaded in 4-bit (what PEFT's dispatcher reads)."""
+    import bitsandbytes as bnb
+
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name in TARGETS:
+                linear = getattr(parent, name, None)
+                if linear is None:
+                    continue
+                quantized = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                              compute_dtype=dtype, quant_type="nf4", compress_statistics=True)
+                quantized.load_state_dict(linear.state_dict())
+                setattr(parent, name, quantized.to(linear.weight.device))
+    model.is_loaded_in_4bit = True
 
 
 def build(model_name: str, arm: str, device: str, dtype, layers: int = 0):
@@ -90,6 +111,8 @@ def build(model_name: str, arm: str, device: str, dtype, layers: int = 0):
     model.config.use_cache = False
     if "gc" in arm.split("+"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if "nf4" in arm.split("+"):  # QLoRA: the projections as bitsandbytes 4-bit layers, as a 4-bit load gives them
+        to_bitsandbytes_nf4(model, dtype)
     if arm.startswith("frozen"):
         model.requires_grad_(False)
         model.enable_input_require_grads()
@@ -107,8 +130,9 @@ def build(model_name: str, arm: str, device: str, dtype, layers: int = 0):
         if "fp8" in arm.split("+"):  # fp8 frozen base, "hybrid" recipe (issue 6); emulated on a CPU for --smoke
             fp8 = dict(fp8="hybrid", fp8_emulate=device == "cpu")
         saved = {"recompute_lora_inputs": False} if "saved" in arm.split("+") else {}
+        int4 = {"base_quant": "int4"} if "int4" in arm.split("+") else {}
         model = get_peft_model(model, SitsLoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS,
-                                                     **fp8, **saved))
+                                                     **fp8, **saved, **int4))
     if "gc" in arm.split("+"):
         model.enable_input_require_grads()
     if "offload" in arm.split("+"):

@@ -69,14 +69,54 @@ class SitsLoraVariant(LoraVariant):
         parameter or buffer."""
 
 
-class SitsLoraLinear(LoraLinear):
+class FusedAdapterChoice:
+    """Which adapter a sits_lora layer's frozen base runs on its fused path: what SitsLoraLinear (a dense or
+    quantized-by-sits_lora base) and SitsLoraLinear4bit (a bitsandbytes 4-bit base) share. The layer sets
+    ``frozen_base`` (sits_lora.bases) and ``sits_kernel`` (the adapters' SitsLoraConfig.kernel)."""
+
+    frozen_base = BF16_BASE
+
+    def _sits_variant(self, adapter_name: str) -> Optional[SitsLoraVariant]:
+        variant = self.lora_variant.get(adapter_name)
+        return variant if isinstance(variant, SitsLoraVariant) else None
+
+    def _runs_plain(self, adapter_name: str) -> bool:
+        variant = self._sits_variant(adapter_name)
+        return variant is not None and variant.runs_plain(self, adapter_name)
+
+    def _fused_adapter(self, args: tuple, kwargs: dict) -> str | None:
+        """The single active adapter the frozen base's fused path can run, or None to use another path."""
+        if self.disable_adapters or self.merged or args:
+            return None
+        if kwargs and any(v is not None for v in kwargs.values()):  # adapter_names and the like
+            return None
+        active = [a for a in self.active_adapters if a in self.lora_A]
+        if len(active) != 1:
+            return None
+        adapter = active[0]
+        base = self.base_layer
+        if (
+            # a variant's adapter, unless it is plain LoRA now (a dynamic-rank adapter that does not route)
+            (adapter in self.lora_variant and not self._runs_plain(adapter))
+            or self.lora_bias[adapter]
+            or self.fan_in_fan_out
+            or type(base) is not self.frozen_base.module_type
+            or base._forward_hooks
+            or base._forward_pre_hooks
+        ):
+            return None
+        return adapter
+
+
+class SitsLoraLinear(FusedAdapterChoice, LoraLinear):
     # Per-adapter state that PEFT's delete_adapter / set_adapter must carry along (a variant adds its own to
     # the instance, as PEFT's DoRA does).
     other_param_names = LoraLinear.other_param_names + ("sits_kernel",)
     # Set by SitsLoraModel for layers that read the same input as others (sits_lora.siblings).
     _sibling_group = None
     # The frozen base's fused path (sits_lora.bases): plain nn.Linear unless a feature quantizes the base
-    # (sits_lora.fp8 sets an Fp8Base). A plain object, not a submodule: it holds no parameters.
+    # (sits_lora.fp8 sets an Fp8Base, sits_lora.int4 the INT4 base). A plain object, not a submodule: it holds no
+    # parameters.
     frozen_base = BF16_BASE
     # The features' LoRA variants, keyed as PEFT's lora_variants (a tuple of config fields tagged
     # is_lora_variant); SitsLoraModel registers one when an adapter first asks for it.
@@ -113,37 +153,6 @@ class SitsLoraLinear(LoraLinear):
             )
         super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
         self.sits_kernel[adapter_name] = getattr(config, "kernel", "auto")
-
-    def _sits_variant(self, adapter_name: str) -> Optional[SitsLoraVariant]:
-        variant = self.lora_variant.get(adapter_name)
-        return variant if isinstance(variant, SitsLoraVariant) else None
-
-    def _runs_plain(self, adapter_name: str) -> bool:
-        variant = self._sits_variant(adapter_name)
-        return variant is not None and variant.runs_plain(self, adapter_name)
-
-    def _fused_adapter(self, args: tuple, kwargs: dict) -> str | None:
-        """The single active adapter the frozen base's fused path can run, or None to use another path."""
-        if self.disable_adapters or self.merged or args:
-            return None
-        if kwargs and any(v is not None for v in kwargs.values()):  # adapter_names and the like
-            return None
-        active = [a for a in self.active_adapters if a in self.lora_A]
-        if len(active) != 1:
-            return None
-        adapter = active[0]
-        base = self.base_layer
-        if (
-            # a variant's adapter, unless it is plain LoRA now (a dynamic-rank adapter that does not route)
-            (adapter in self.lora_variant and not self._runs_plain(adapter))
-            or self.lora_bias[adapter]
-            or self.fan_in_fan_out
-            or type(base) is not self.frozen_base.module_type
-            or base._forward_hooks
-            or base._forward_pre_hooks
-        ):
-            return None
-        return adapter
 
     def _routed_adapter(self, args: tuple, kwargs: dict) -> Optional[str]:
         # the layer's rule is its feature variant's (one kind per layer: dynamic rank); PEFT's variants do not route

@@ -47,6 +47,12 @@ def _int4_layer(tuner):
     return int4_model
 
 
+def _is_bnb_linear4bit(module: nn.Module) -> bool:
+    """A bitsandbytes ``Linear4bit`` (found by name: importing bitsandbytes to ask costs seconds)."""
+    cls = type(module)
+    return cls.__name__ == "Linear4bit" and cls.__module__.startswith("bitsandbytes")
+
+
 def _register_dynamic_rank(config) -> None:
     """Make SitsLoraLinear resolve use_dynamic_rank to its variant (it loads the routers: first use only)."""
     if getattr(config, "use_dynamic_rank", False) and ("use_dynamic_rank",) not in SitsLoraLinear.feature_variants:
@@ -74,9 +80,10 @@ def check_target_modules_exist(model: nn.Module, config) -> None:
 class SitsLoraModel(LoraModel):
     """LoRA tuner whose linear layers are SitsLoraLinear.
 
-    Dispatch, first match wins: a plain ``torch.nn.Linear`` becomes a SitsLoraLinear; every other
-    layer type (quantized bitsandbytes / GPTQ / ... linears, Conv1D, embeddings, convolutions) gets
-    PEFT's own LoRA layer for it, so a model with such layers still trains, saves and loads.
+    Dispatch, first match wins: a bitsandbytes 4-bit ``Linear4bit`` of a model loaded in 4-bit becomes a
+    SitsLoraLinear4bit (PEFT's QLoRA layer with the fused path); a plain ``torch.nn.Linear`` becomes a
+    SitsLoraLinear; every other layer type (8-bit bitsandbytes, GPTQ, ... linears, Conv1D, embeddings,
+    convolutions) gets PEFT's own LoRA layer for it, so a model with such layers still trains, saves and loads.
     """
 
     prefix: str = "lora_"
@@ -146,6 +153,10 @@ class SitsLoraModel(LoraModel):
     @staticmethod
     def _create_new_module(lora_config, adapter_name, target, **kwargs):
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+        if kwargs.get("loaded_in_4bit") and _is_bnb_linear4bit(base) and kwargs.get("parameter_name") is None:
+            from .layer_bnb import SitsLoraLinear4bit  # imports bitsandbytes: only for a model loaded in 4-bit
+
+            return SitsLoraLinear4bit(target, adapter_name, config=lora_config, **kwargs)
         if type(base) is nn.Linear and kwargs.get("parameter_name") is None:
             if lora_config.fan_in_fan_out:
                 warnings.warn("fan_in_fan_out=True does not apply to torch.nn.Linear; setting it to False.")

@@ -16,9 +16,9 @@ Two ways to run the base products, y = x Wᵀ (forward) and dx = dy W (backward)
   prologue), never writing W. It reads a quarter of the bytes, so it wins where the GEMM is bound by the
   weight's bytes (few tokens); cuBLAS wins where it is bound by FLOPs (training batches).
 
-``int4_lora_linear`` picks one by the token count (``fused`` up to ``FUSED_MAX_TOKENS``), or runs the plain
-PyTorch reference. The LoRA branch runs on the shared kernels of ``fused`` (shrink, expand, the dy and x
-passes), exactly as the bf16 op does; only the base products differ.
+``int4_lora_linear`` picks one by the token count (``fused`` up to ``FUSED_MAX_TOKENS``) and runs
+``dequant_linear``'s op with it (the LoRA branch on the shared kernels of ``fused``, as the bf16 op), or runs
+the plain PyTorch reference.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .dequant_linear import DenseProducts, dequant_lora_linear, shared_buffer
 from .reference import lora_linear_torch
 
 GROUP_SIZE = 128
@@ -257,111 +258,41 @@ def int4_matmul(a: Tensor, packed: Tensor, scales: Tensor, mins: Tensor, in_feat
 
 # ----------------------------------------------------------------------------- the op
 
-# One dequantization buffer per (device, dtype), grown to the largest layer: every "dequant" call writes it and
-# reads it back in the same stream, so layers can share it (nothing holds W past the GEMM that reads it).
-_buffers: dict[tuple, Tensor] = {}
-
-
-def _shared_buffer(device: torch.device, dtype: torch.dtype, numel: int) -> Tensor:
-    key = (device, dtype)
-    buffer = _buffers.get(key)
-    if buffer is None or buffer.numel() < numel:
-        buffer = _buffers[key] = torch.empty(numel, device=device, dtype=dtype)
-    return buffer[:numel]
-
 
 def dequantized_into_shared_buffer(packed: Tensor, scales: Tensor, mins: Tensor, in_features: int,
                                    dtype: torch.dtype) -> Tensor:
-    """W (N, in_features) in the device's shared buffer: valid until the next INT4 call on that device."""
-    out = _shared_buffer(packed.device, dtype, packed.shape[0] * in_features).view(packed.shape[0], in_features)
+    """W (N, in_features) in the device's shared buffer (``dequant_linear.shared_buffer``)."""
+    out = shared_buffer(packed.device, dtype, (packed.shape[0], in_features))
     return int4_dequantize(packed, scales, mins, in_features, out)
 
 
-def _base_forward(x: Tensor, packed, scales, mins, in_features: int, mode: str, out: Optional[Tensor]) -> Tensor:
-    """x Wᵀ, added to ``out`` when given."""
-    if mode == "fused":
-        return int4_matmul(x, packed, scales, mins, in_features, transposed=False, out=out)
-    w = dequantized_into_shared_buffer(packed, scales, mins, in_features, x.dtype)
-    return torch.mm(x, w.t()) if out is None else out.addmm_(x, w.t())
+class Int4Products:
+    """The base products of one packed INT4 W for ``dequant_linear`` (its "products" object), run by ``mode``:
+    "dequant" (W into the shared buffer, then cuBLAS) or "fused" (the dequant-GEMM kernels)."""
 
+    def __init__(self, packed: Tensor, scales: Tensor, mins: Tensor, in_features: int, mode: str):
+        self.packed, self.scales, self.mins, self.in_features = packed, scales, mins, in_features
+        self.dense = DenseProducts(lambda dtype: dequantized_into_shared_buffer(packed, scales, mins, in_features,
+                                                                                dtype)) if mode == "dequant" else None
 
-def _base_backward(dy: Tensor, packed, scales, mins, in_features: int, mode: str, out: Optional[Tensor]) -> Tensor:
-    """dy W, added to ``out`` when given."""
-    if mode == "fused":
-        return int4_matmul(dy, packed, scales, mins, in_features, transposed=True, out=out)
-    w = dequantized_into_shared_buffer(packed, scales, mins, in_features, dy.dtype)
-    return torch.mm(dy, w) if out is None else out.addmm_(dy, w)
+    def forward_into(self, x: Tensor, out: Optional[Tensor]) -> Tensor:
+        if self.dense is not None:
+            return self.dense.forward_into(x, out)
+        return int4_matmul(x, self.packed, self.scales, self.mins, self.in_features, transposed=False, out=out)
+
+    def backward_into(self, dy: Tensor, out: Optional[Tensor]) -> Tensor:
+        if self.dense is not None:
+            return self.dense.backward_into(dy, out)
+        return int4_matmul(dy, self.packed, self.scales, self.mins, self.in_features, transposed=True, out=out)
 
 
 def resolve_mode(mode: str, tokens: int) -> str:
+    """"auto": "fused" up to FUSED_MAX_TOKENS tokens, "dequant" above."""
+    if mode not in MODES:
+        raise ValueError(f"int4 mode={mode!r} is invalid: allowed {', '.join(map(repr, MODES))}")
     if mode == "auto":
         return "fused" if tokens <= FUSED_MAX_TOKENS else "dequant"
     return mode
-
-
-class Int4LoraLinearFunction(torch.autograd.Function):
-    """y = x Wᵀ + b + s·(x_lora Aᵀ) Bᵀ over a packed INT4 W; lora_A / lora_B None: the base alone.
-
-    Saves the LoRA input, h (T x r) and the packed tensors (no dense W): backward dequantizes again."""
-
-    @staticmethod
-    def forward(ctx, x, x_lora, lora_A, lora_B, bias, packed, scales, mins, in_features, scaling, mode):
-        from . import fused as kernels
-
-        lead, K = x.shape[:-1], x.shape[-1]
-        x2 = x.reshape(-1, K)
-        xl2 = None if x_lora is None else x_lora.reshape(-1, K)
-        mode = resolve_mode(mode, x2.shape[0])
-        N = packed.shape[0]
-        has_lora = lora_A is not None
-        if has_lora:
-            h = kernels.lora_shrink(x2 if xl2 is None else xl2, lora_A)
-            y = kernels.lora_expand(h, lora_B, scaling, bias, x.dtype)
-            _base_forward(x2, packed, scales, mins, in_features, mode, out=y)
-        else:
-            h = None
-            y = _base_forward(x2, packed, scales, mins, in_features, mode, out=None)
-            if bias is not None:
-                y += bias
-        ctx.save_for_backward(x if (has_lora and x_lora is None) else None, x_lora, lora_A, lora_B, h,
-                              packed, scales, mins)
-        ctx.in_features, ctx.scaling, ctx.mode = in_features, scaling, mode
-        return y.view(*lead, N)
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        from . import fused as kernels
-
-        x, x_lora, lora_A, lora_B, h, packed, scales, mins = ctx.saved_tensors
-        N, K = packed.shape[0], ctx.in_features
-        lead = grad_y.shape[:-1]
-        dy = grad_y.reshape(-1, N).contiguous()
-        need_dx = ctx.needs_input_grad[0]
-        dx = dx_lora = dA = dB = None
-        if lora_A is None:
-            dx = _base_backward(dy, packed, scales, mins, K, ctx.mode, out=None) if need_dx else None
-        else:
-            g_part, db_part = kernels.lora_dy_pass_parts(dy, lora_B, h, ctx.scaling)
-            if x_lora is not None:
-                # dropout: the LoRA gradient belongs to x_lora; autograd applies the mask and adds it to dx
-                da_part, dx_lora = kernels.lora_x_pass_parts(x_lora.reshape(-1, K), lora_A, g_part, ctx.scaling,
-                                                             write_dx=True)
-                if need_dx:
-                    dx = _base_backward(dy, packed, scales, mins, K, ctx.mode, out=None)
-            else:
-                da_part, dx = kernels.lora_x_pass_parts(x.reshape(-1, K), lora_A, g_part, ctx.scaling,
-                                                        write_dx=need_dx)
-                if need_dx:
-                    _base_backward(dy, packed, scales, mins, K, ctx.mode, out=dx)
-            dA, dB = kernels.sum_partials(da_part, db_part)
-            dA, dB = dA.to(lora_A.dtype), dB.to(lora_B.dtype)
-        return (
-            dx.view(*lead, K) if dx is not None else None,
-            dx_lora.view(*lead, K) if dx_lora is not None else None,
-            dA if ctx.needs_input_grad[2] else None,
-            dB if ctx.needs_input_grad[3] else None,
-            None, None, None, None, None, None, None,
-        )
 
 
 def int4_lora_linear(x: Tensor, x_lora: Optional[Tensor], lora_A: Optional[Tensor], lora_B: Optional[Tensor],
@@ -370,15 +301,14 @@ def int4_lora_linear(x: Tensor, x_lora: Optional[Tensor], lora_A: Optional[Tenso
     """y = x Wᵀ + b + s·(x_lora Aᵀ) Bᵀ with W the packed INT4 weight; ``lora_A`` None gives x Wᵀ + b.
 
     ``kernel`` "torch": the reference (W dequantized by PyTorch, then ``lora_linear_torch``: it keeps that W
-    for backward, which is fine for the CPU tests it serves). "triton": the fused path, base products by
-    ``mode`` ("auto", "dequant", "fused"; see the module docstring). ``x_lora`` is x (the same tensor) without
-    dropout."""
+    for backward, which is fine for the CPU tests it serves). "triton": ``dequant_linear``'s op with the base
+    products run by ``mode`` ("auto", "dequant", "fused"; see the module docstring). ``x_lora`` is x (the same
+    tensor) without dropout."""
     if kernel == "torch":
         w = int4_unpack_reference(packed, scales, mins, in_features, x.dtype)
         if lora_A is None:
             return torch.nn.functional.linear(x, w, bias)
         return lora_linear_torch(x, x_lora, w, bias, lora_A, lora_B, scaling)
-    if mode not in MODES:
-        raise ValueError(f"int4_lora_linear: mode={mode!r} is invalid: allowed {', '.join(map(repr, MODES))}")
-    return Int4LoraLinearFunction.apply(x, None if x_lora is x else x_lora, lora_A, lora_B, bias, packed, scales,
-                                        mins, in_features, float(scaling), mode)
+    tokens = x.numel() // max(x.shape[-1], 1)
+    products = Int4Products(packed, scales, mins, in_features, resolve_mode(mode, tokens))
+    return dequant_lora_linear(x, x_lora, lora_A, lora_B, bias, products, packed.shape[0], scaling)

@@ -1,0 +1,73 @@
+"""The bitsandbytes 4-bit frozen base (QLoRA: NF4 / FP4, with or without double quantization): its fused path.
+
+A model loaded with ``BitsAndBytesConfig(load_in_4bit=True)`` keeps each adapted weight as a bitsandbytes
+``Linear4bit``. :class:`Bnb4bitBase` runs such a layer's base products through a dense W that bitsandbytes'
+own ``dequantize_4bit`` writes into the shared buffer of ``sits_lora.ops.dequant_linear`` (once in forward,
+once in backward: the model holds only the packed bytes), then cuBLAS, with the LoRA branch on the fused
+kernels. Importing this module imports bitsandbytes.
+"""
+
+from __future__ import annotations
+
+import bitsandbytes as bnb
+import torch
+from torch import nn
+
+from .. import ops
+from ..ops.dequant_linear import DenseProducts, dequant_lora_linear, shared_buffer
+from ..ops.reference import lora_linear_torch
+from .bf16 import autocast_inputs
+
+
+def dequantized(weight, dtype: torch.dtype) -> torch.Tensor:
+    """W (out_features, in_features) of a bitsandbytes ``Params4bit`` in the shared buffer, in ``dtype``."""
+    state = weight.quant_state
+    if weight.device.type == "cpu":  # bitsandbytes' CPU backend has no dequantize_4bit.out: a tensor of its own
+        out = bnb.functional.dequantize_4bit(weight.data, state)
+    else:
+        out = shared_buffer(weight.device, state.dtype, tuple(state.shape))
+        bnb.functional.dequantize_4bit(weight.data, state, out=out)
+    return out if state.dtype == dtype else out.to(dtype)
+
+
+def dequantized_copy(weight) -> torch.Tensor:
+    """W in its original dtype, a tensor of its own (for the reference and for checks)."""
+    return bnb.functional.dequantize_4bit(weight.data, weight.quant_state)
+
+
+class Bnb4bitBase:
+    """The fused path of a SitsLoraLinear4bit (stateless: one instance, :data:`BNB4_BASE`, serves every layer).
+
+    Computes in W's dtype (the dtype the model was quantized from, ``quant_state.dtype``) and hands the result
+    back in the input's dtype, as bitsandbytes' own layer does."""
+
+    module_type = bnb.nn.Linear4bit
+    fuses_siblings = False
+
+    def fused_forward(self, layer, adapter: str, x: torch.Tensor) -> torch.Tensor:
+        base = layer.base_layer
+        weight = base.weight
+        kernel = ops.resolve_kernel(layer.sits_kernel[adapter], x, layer.out_features)
+        x_in, _, bias, autocast_off = autocast_inputs(x, weight, base.bias)
+        dtype = weight.quant_state.dtype if not torch.is_autocast_enabled(x.device.type) else x_in.dtype
+        x_in = x_in.to(dtype)
+        if bias is not None and bias.dtype != dtype:
+            bias = bias.to(dtype)
+        dropout = layer.lora_dropout[adapter]
+        x_lora = dropout(x_in) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else x_in
+        lora_A, lora_B = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+        with autocast_off:
+            if kernel == "torch":
+                y = lora_linear_torch(x_in, x_lora, dequantized_copy(weight).to(dtype), bias, lora_A, lora_B,
+                                      layer.scaling[adapter])
+            else:
+                products = DenseProducts(lambda dt: dequantized(weight, dt))
+                y = dequant_lora_linear(x_in, x_lora, lora_A, lora_B, bias, products, layer.out_features,
+                                        layer.scaling[adapter])
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def __repr__(self) -> str:
+        return "BNB4_BASE"
+
+
+BNB4_BASE = Bnb4bitBase()

@@ -1,0 +1,46 @@
+"""SitsLoraLinear4bit: PEFT's LoRA layer over a bitsandbytes 4-bit base, with sits_lora's fused path.
+
+PEFT's ``lora.bnb.Linear4bit`` keeps everything it does (merge into the 4-bit weight by dequantize, add and
+requantize; several adapters; mixed batches; DoRA and the other variants); only the plain path (one active
+vanilla adapter) runs the frozen base's fused path (``sits_lora.bases.bnb4``) instead of bitsandbytes' own
+matmul plus a separate LoRA branch. Importing this module imports bitsandbytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from peft.tuners.lora.bnb import Linear4bit
+
+from .bases.bnb4 import BNB4_BASE
+from .layer import FusedAdapterChoice
+
+
+class SitsLoraLinear4bit(FusedAdapterChoice, Linear4bit):
+    other_param_names = Linear4bit.other_param_names + ("sits_kernel",)
+    frozen_base = BNB4_BASE
+
+    def __init__(self, base_layer: torch.nn.Module, adapter_name: str, config, r: int = 0, lora_alpha: int = 1,
+                 **kwargs):
+        self.sits_kernel: dict[str, str] = {}
+        super().__init__(base_layer, adapter_name, config=config, r=r, lora_alpha=lora_alpha, **kwargs)
+        # On a CPU with AVX512-BF16, bitsandbytes' eval-mode forward repacks the weight in place for its bf16 CPU
+        # kernel; after that dequantize_4bit (which the fused path, merges and PEFT read the weight through)
+        # returns wrong values without an error. The repacking is only a CPU inference speed-up: turned off.
+        base = self.get_base_layer()
+        if getattr(base, "support_avx512bf16_for_cpu", False):
+            base.support_avx512bf16_for_cpu = False
+
+    def update_layer(self, adapter_name: str, r: int, lora_alpha: int, config, **kwargs) -> None:
+        super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
+        self.sits_kernel[adapter_name] = getattr(config, "kernel", "auto")
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        adapter = self._fused_adapter(args, kwargs)
+        if adapter is not None:
+            return self.frozen_base.fused_forward(self, adapter, x)
+        return super().forward(x, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return "sits_lora." + super().__repr__().removeprefix("lora.")

@@ -1,0 +1,116 @@
+"""The LoRA op over a frozen base held quantized: y = x Wᵀ + b + s·(x_lora Aᵀ) Bᵀ, W never kept dense.
+
+The base products (x Wᵀ in forward, dy W in backward) come from a *products* object that knows the
+format (``sits_lora.ops.int4_linear``'s packed INT4; bitsandbytes' NF4 / FP4 in ``sits_lora.bases.bnb4``):
+
+- ``forward_into(x, out)``: x Wᵀ for 2-D x, added to ``out`` when it is given, else a new tensor;
+- ``backward_into(dy, out)``: dy W, the same way.
+
+The LoRA branch runs on the shared kernels of ``fused`` (shrink, expand, the dy and x passes), as the bf16
+op does. Saved for backward: the LoRA input, h (T x r), and the products object, which holds the packed
+weight (a module's own tensors: no copy); backward forms W again. A format that forms W dense for the GEMM
+writes it into :func:`shared_buffer`, one per (device, dtype) and grown to the largest layer: each product
+writes it and reads it back on the same stream, so every layer can share it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+_buffers: dict[tuple, Tensor] = {}
+
+
+def shared_buffer(device: torch.device, dtype: torch.dtype, shape: tuple[int, int]) -> Tensor:
+    """A (rows, cols) tensor in the device's shared dense-weight buffer: valid until the next product that
+    writes it (the next quantized layer's call on that device)."""
+    numel = shape[0] * shape[1]
+    key = (torch.device(device), dtype)
+    buffer = _buffers.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _buffers[key] = torch.empty(numel, device=device, dtype=dtype)
+    return buffer[:numel].view(shape)
+
+
+class DenseProducts:
+    """Base products through a dense W that ``dequantize(dtype)`` forms (in :func:`shared_buffer`), then
+    cuBLAS: addmm_ onto the LoRA part, as the bf16 op does."""
+
+    def __init__(self, dequantize):
+        self.dequantize = dequantize
+
+    def forward_into(self, x: Tensor, out: Optional[Tensor]) -> Tensor:
+        w = self.dequantize(x.dtype)
+        return torch.mm(x, w.t()) if out is None else out.addmm_(x, w.t())
+
+    def backward_into(self, dy: Tensor, out: Optional[Tensor]) -> Tensor:
+        w = self.dequantize(dy.dtype)
+        return torch.mm(dy, w) if out is None else out.addmm_(dy, w)
+
+
+class DequantLoraLinearFunction(torch.autograd.Function):
+    """The op; ``lora_A`` / ``lora_B`` None gives the base alone (x Wᵀ + b)."""
+
+    @staticmethod
+    def forward(ctx, x, x_lora, lora_A, lora_B, bias, products: Any, out_features: int, scaling: float):
+        from . import fused as kernels
+
+        lead, K = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, K)
+        if lora_A is not None:
+            h = kernels.lora_shrink(x2 if x_lora is None else x_lora.reshape(-1, K), lora_A)
+            y = kernels.lora_expand(h, lora_B, scaling, bias, x.dtype)
+            products.forward_into(x2, y)
+        else:
+            h = None
+            y = products.forward_into(x2, None)
+            if bias is not None:
+                y += bias
+        ctx.save_for_backward(x if (lora_A is not None and x_lora is None) else None, x_lora, lora_A, lora_B, h)
+        ctx.products, ctx.in_features, ctx.out_features, ctx.scaling = products, K, out_features, scaling
+        return y.view(*lead, out_features)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        from . import fused as kernels
+
+        x, x_lora, lora_A, lora_B, h = ctx.saved_tensors
+        K, N, products = ctx.in_features, ctx.out_features, ctx.products
+        lead = grad_y.shape[:-1]
+        dy = grad_y.reshape(-1, N).contiguous()
+        need_dx = ctx.needs_input_grad[0]
+        dx = dx_lora = dA = dB = None
+        if lora_A is None:
+            dx = products.backward_into(dy, None) if need_dx else None
+        else:
+            g_part, db_part = kernels.lora_dy_pass_parts(dy, lora_B, h, ctx.scaling)
+            if x_lora is not None:
+                # dropout: the LoRA gradient belongs to x_lora; autograd applies the mask and adds it to dx
+                da_part, dx_lora = kernels.lora_x_pass_parts(x_lora.reshape(-1, K), lora_A, g_part, ctx.scaling,
+                                                             write_dx=True)
+                if need_dx:
+                    dx = products.backward_into(dy, None)
+            else:
+                da_part, dx = kernels.lora_x_pass_parts(x.reshape(-1, K), lora_A, g_part, ctx.scaling,
+                                                        write_dx=need_dx)
+                if need_dx:
+                    products.backward_into(dy, dx)
+            dA, dB = kernels.sum_partials(da_part, db_part)
+            dA, dB = dA.to(lora_A.dtype), dB.to(lora_B.dtype)
+        return (
+            dx.view(*lead, K) if dx is not None else None,
+            dx_lora.view(*lead, K) if dx_lora is not None else None,
+            dA if ctx.needs_input_grad[2] else None,
+            dB if ctx.needs_input_grad[3] else None,
+            None, None, None, None,
+        )
+
+
+def dequant_lora_linear(x: Tensor, x_lora: Optional[Tensor], lora_A: Optional[Tensor], lora_B: Optional[Tensor],
+                        bias: Optional[Tensor], products, out_features: int, scaling: float) -> Tensor:
+    """The fused op (Triton: a CUDA tensor, or the CPU under TRITON_INTERPRET=1). ``x_lora`` is x itself (the
+    same tensor) or None without dropout."""
+    return DequantLoraLinearFunction.apply(x, None if x_lora is x else x_lora, lora_A, lora_B, bias, products,
+                                           out_features, float(scaling))

@@ -1,0 +1,166 @@
+"""A bitsandbytes 4-bit base (QLoRA) on the CPU: SitsLoraLinear4bit against PEFT's own QLoRA layer (nf4 / fp4,
+double quantization on and off; the reference and the Triton path under the interpreter), merge, export to stock
+PEFT, save / load, and the CPU eval-mode repacking that bitsandbytes would otherwise do."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import sys
+
+import pytest
+import torch
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)  # "Failed to load ... kernels-community"
+bnb = pytest.importorskip("bitsandbytes")
+
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+from transformers import BitsAndBytesConfig, LlamaForCausalLM  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from conftest import rel_err, tiny_llama  # noqa: E402
+
+from sits_lora import SitsLoraConfig, export_peft_lora  # noqa: E402
+from sits_lora.layer import SitsLoraLinear  # noqa: E402
+
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama-4bit")
+    tiny_llama(0, hidden_size=64, intermediate_size=128).save_pretrained(folder)
+    return folder
+
+
+def load_4bit(folder, quant_type="nf4", double=True):
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=double,
+                                bnb_4bit_compute_dtype=torch.float32)
+    return LlamaForCausalLM.from_pretrained(folder, quantization_config=config, device_map="cpu")
+
+
+def train_step(model, ids):
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n.split("base_model.model.", 1)[-1]: p.grad for n, p in model.named_parameters()
+                           if p.grad is not None}
+
+
+def layers_of(model, cls):
+    return [m for m in model.modules() if type(m).__name__ == cls]
+
+
+@pytest.mark.parametrize("quant_type,double", [("nf4", True), ("nf4", False), ("fp4", True)])
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_fused_qlora_layer_matches_peft_qlora(model_dir, quant_type, double, kernel):
+    ids = torch.randint(0, 97, (2, 9))
+    torch.manual_seed(1)
+    peft_model = get_peft_model(load_4bit(model_dir, quant_type, double),
+                                LoraConfig(r=8, lora_alpha=16, target_modules=PROJECTIONS, init_lora_weights=False))
+    torch.manual_seed(1)
+    ours = get_peft_model(load_4bit(model_dir, quant_type, double),
+                          SitsLoraConfig(r=8, lora_alpha=16, target_modules=PROJECTIONS, init_lora_weights=False,
+                                         kernel=kernel))
+    assert len(layers_of(ours, "SitsLoraLinear4bit")) == 14 and not layers_of(ours, "SitsLoraLinear")
+    ref_loss, ref_grads = train_step(peft_model, ids)
+    loss, grads = train_step(ours, ids)
+    assert rel_err(loss, ref_loss) < 1e-6
+    assert set(grads) == set(ref_grads) and len(grads) == 28
+    for name in grads:
+        assert rel_err(grads[name], ref_grads[name]) < 1e-5, name
+
+
+def test_dropout_draws_the_same_masks_as_peft(model_dir):
+    ids = torch.randint(0, 97, (2, 9))
+    results = []
+    for config in (LoraConfig(r=8, target_modules=PROJECTIONS, lora_dropout=0.3, init_lora_weights=False),
+                   SitsLoraConfig(r=8, target_modules=PROJECTIONS, lora_dropout=0.3, init_lora_weights=False)):
+        torch.manual_seed(1)
+        model = get_peft_model(load_4bit(model_dir), config)
+        torch.manual_seed(2)
+        results.append(train_step(model, ids))
+    (ref_loss, ref_grads), (loss, grads) = results
+    assert rel_err(loss, ref_loss) < 1e-6
+    assert all(rel_err(grads[n], ref_grads[n]) < 1e-5 for n in grads)
+
+
+def test_eval_forward_leaves_the_packed_weight_alone(model_dir):
+    """bitsandbytes' CPU eval path would repack the weight for its bf16 kernel, after which dequantize_4bit
+    (and so merges and the fused path) read it wrong; the layer turns that off."""
+    model = get_peft_model(load_4bit(model_dir), SitsLoraConfig(r=4, target_modules=PROJECTIONS))
+    weight = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    before = bnb.functional.dequantize_4bit(weight.data, weight.quant_state).clone()
+    model.eval()
+    with torch.no_grad(), model.disable_adapter():  # PEFT's path: bitsandbytes' own forward
+        model(input_ids=torch.randint(0, 97, (1, 6)))
+    assert torch.equal(bnb.functional.dequantize_4bit(weight.data, weight.quant_state), before)
+
+
+def test_merge_matches_peft_and_export_loads_in_stock_peft_on_the_same_4bit_model(model_dir, tmp_path):
+    # train mode throughout (no dropout: deterministic): bitsandbytes' CPU eval path is its bf16 kernel, which
+    # the stock layers below would take
+    ids = torch.randint(0, 97, (2, 8))
+    torch.manual_seed(3)
+    ours = get_peft_model(load_4bit(model_dir), SitsLoraConfig(r=8, target_modules=PROJECTIONS,
+                                                               init_lora_weights=False))
+    ours.train()
+    with torch.no_grad():
+        expected = ours(input_ids=ids).logits
+    export_peft_lora(ours, tmp_path / "plain")
+    stock = PeftModel.from_pretrained(load_4bit(model_dir), tmp_path / "plain")
+    assert layers_of(stock, "Linear4bit") and not layers_of(stock, "SitsLoraLinear4bit")
+    torch.manual_seed(3)
+    peft_model = get_peft_model(load_4bit(model_dir), LoraConfig(r=8, target_modules=PROJECTIONS,
+                                                                 init_lora_weights=False))
+    with torch.no_grad():
+        assert rel_err(stock.train()(input_ids=ids).logits, expected) < 1e-6
+        merged_ours = copy.deepcopy(ours).merge_and_unload().train()(input_ids=ids).logits
+        merged_peft = peft_model.merge_and_unload().train()(input_ids=ids).logits
+    assert rel_err(merged_ours, merged_peft) < 1e-6  # both requantize the merged weight the same way
+
+
+def test_save_and_load_give_the_fused_layers_back(model_dir, tmp_path):
+    ids = torch.randint(0, 97, (1, 7))
+    torch.manual_seed(4)
+    model = get_peft_model(load_4bit(model_dir), SitsLoraConfig(r=4, target_modules=PROJECTIONS,
+                                                                init_lora_weights=False))
+    model.eval()
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    model.save_pretrained(tmp_path / "adapter")
+    loaded = PeftModel.from_pretrained(load_4bit(model_dir), tmp_path / "adapter")
+    assert len(layers_of(loaded, "SitsLoraLinear4bit")) == 14
+    with torch.no_grad():
+        assert rel_err(loaded.eval()(input_ids=ids).logits, expected) < 1e-6
+
+
+def test_a_dense_model_still_gets_the_dense_layer(model_dir):
+    model = get_peft_model(LlamaForCausalLM.from_pretrained(model_dir), SitsLoraConfig(r=4, target_modules=["q_proj"]))
+    assert isinstance(model.base_model.model.model.layers[0].self_attn.q_proj, SitsLoraLinear)
+
+
+def test_the_int4_base_refuses_a_bitsandbytes_model_by_name(model_dir):
+    with pytest.raises(ValueError, match=r"quantizes torch.nn.Linear base layers only.*\(Linear4bit\)"):
+        get_peft_model(load_4bit(model_dir), SitsLoraConfig(r=4, target_modules=["q_proj"], base_quant="int4",
+                                                            int4_group_size=32))
+
+
+@pytest.mark.gpu
+def test_fused_qlora_layer_matches_peft_qlora_on_a_gpu_in_bf16(model_dir):
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=torch.bfloat16)
+    ids = torch.randint(0, 97, (2, 64), device="cuda")
+    results = []
+    for lora in (LoraConfig(r=8, target_modules=PROJECTIONS, init_lora_weights=False),
+                 SitsLoraConfig(r=8, target_modules=PROJECTIONS, init_lora_weights=False)):
+        torch.manual_seed(1)
+        base = LlamaForCausalLM.from_pretrained(model_dir, quantization_config=config, dtype=torch.bfloat16,
+                                                device_map="cuda")
+        results.append(train_step(get_peft_model(base, lora), ids))
+    (ref_loss, ref_grads), (loss, grads) = results
+    assert rel_err(loss.float(), ref_loss.float()) < 1e-2
+    for name in grads:
+        assert rel_err(grads[name].float(), ref_grads[name].float()) < 5e-2, name
