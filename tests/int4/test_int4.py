@@ -21,6 +21,7 @@ from sits_lora.bases.int4 import Int4BaseLinear  # noqa: E402
 from sits_lora.int4 import int4_weight_memory  # noqa: E402
 from sits_lora.ops import int4_linear as Q  # noqa: E402
 from sits_lora.training import plan_memory  # noqa: E402
+from sits_lora.training.constraints import check_int4  # noqa: E402
 
 # (out_features, in_features, group size): odd row counts, a padded row (96 features: 48 bytes -> 64), groups
 # of 32 / 64 / 128
@@ -292,3 +293,15 @@ def test_the_memory_plan_counts_the_packed_weights_and_one_dequantization_buffer
     dense_bytes = sum(m.base_layer.weight.numel() * 4 for m in dense.modules() if hasattr(m, "lora_A"))
     largest = max(m.in_features * m.out_features * 4 for m in quantized.modules() if isinstance(m, Int4BaseLinear))
     assert plan_int4.frozen_weights == plan_dense.frozen_weights - dense_bytes + packed + largest
+
+
+def test_the_guard_rails_check_the_int4_rows_and_name_a_misaligned_layer():
+    model = get_peft_model(_llama(), _int4_config(target_modules=["q_proj", "down_proj"]))
+    result = check_int4(model)
+    assert result.status == "ok" and result.details["layers_checked"] == 4
+    layer = next(m for m in model.modules() if isinstance(m, Int4BaseLinear))
+    shifted = torch.empty(layer.weight.numel() + 8, dtype=torch.uint8)[8:].view_as(layer.weight)
+    shifted.copy_(layer.weight)
+    layer.weight.data = shifted  # a view 8 bytes into its buffer
+    result = check_int4(model)
+    assert result.status == "violated" and "byte offset 8 mod 32" in result.details["problems"][0]

@@ -33,6 +33,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from ..bases.int4 import Int4BaseLinear
 from .memory import (MemoryPlan, base_layer_of, decoder_layers, format_bytes, is_adapted, linear_dims, plan_memory,
                      unwrap_model)
 
@@ -311,17 +312,34 @@ def estimate_step_seconds(model: nn.Module, tokens: int, flops: float, accumulat
 # ----------------------------------------------------------------------------- INT4 alignment
 
 
+def _check_int4_base(name: str, module: Int4BaseLinear, problems: list) -> None:
+    """sits_lora's INT4 base: the packed codes start on a 32-byte boundary and every row is a multiple of 32 bytes."""
+    packed = module.weight
+    out_f, in_f = module.out_features, module.in_features
+    if packed.data_ptr() % 32:
+        problems.append(f"{name} ({out_f} x {in_f}): packed INT4 codes at byte offset {packed.data_ptr() % 32} mod 32, "
+                        f"not 32-byte aligned (a view into a shared buffer); fix: module.weight.data = "
+                        f"module.weight.data.clone()")
+    row_bytes = packed.stride(0) * packed.element_size()
+    if row_bytes % 32:
+        problems.append(f"{name} ({out_f} x {in_f}): packed rows of {row_bytes} bytes, not a multiple of 32 (the rows "
+                        f"were not padded); fix: quantize again with sits_lora (SitsLoraConfig(base_quant='int4'))")
+
+
 def check_int4(model: nn.Module) -> ConstraintResult:
-    """Every bitsandbytes Linear4bit: packed data 32-byte aligned, in_features a multiple of the block."""
+    """Every 4-bit layer: sits_lora's INT4 base (packed codes and rows 32-byte aligned) and bitsandbytes'
+    Linear4bit (packed data 32-byte aligned, in_features a multiple of the block)."""
     import sys
 
-    bnb = sys.modules.get("bitsandbytes")  # a model cannot hold bnb layers unless bitsandbytes was imported
-    if bnb is None:
-        return ConstraintResult("int4", "skipped", "bitsandbytes not loaded: no 4-bit layers")
-    linear4bit = bnb.nn.Linear4bit
     layers, problems = [], []
     for name, module in model.named_modules():
-        if not isinstance(module, linear4bit):
+        if isinstance(module, Int4BaseLinear):
+            layers.append(name)
+            _check_int4_base(name, module, problems)
+    bnb = sys.modules.get("bitsandbytes")  # a model cannot hold bnb layers unless bitsandbytes was imported
+    linear4bit = bnb.nn.Linear4bit if bnb is not None else ()
+    for name, module in model.named_modules():
+        if not linear4bit or not isinstance(module, linear4bit):
             continue
         weight = module.weight
         state = getattr(weight, "quant_state", None)
@@ -344,7 +362,8 @@ def check_int4(model: nn.Module) -> ConstraintResult:
             problems.append(f"{name} ({out_f} x {in_f}): an odd number of weights does not pack two per byte; "
                             f"fix: {fix_shape}")
     if not layers:
-        return ConstraintResult("int4", "skipped", "no quantized 4-bit layers")
+        why = "no quantized 4-bit layers" + ("" if bnb is not None else " (bitsandbytes not loaded)")
+        return ConstraintResult("int4", "skipped", why)
     details = {"layers_checked": len(layers), "problems": problems}
     if not problems:
         return ConstraintResult("int4", "ok", f"{len(layers)} 4-bit layers aligned", details)
