@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from conftest import randomize_lora_weights, rel_err, tiny_llama  # noqa: E402
 
 from sits_lora import SitsLoraConfig, export_peft_lora  # noqa: E402
+from sits_lora.activations import input_recompute_report  # noqa: E402
 from sits_lora.bases.int4 import Int4BaseLinear  # noqa: E402
 from sits_lora.int4 import int4_weight_memory  # noqa: E402
 from sits_lora.ops import int4_linear as Q  # noqa: E402
@@ -305,3 +306,20 @@ def test_the_guard_rails_check_the_int4_rows_and_name_a_misaligned_layer():
     layer.weight.data = shifted  # a view 8 bytes into its buffer
     result = check_int4(model)
     assert result.status == "violated" and "byte offset 8 mod 32" in result.details["problems"][0]
+
+
+def test_rebuilt_lora_inputs_work_on_the_int4_base_and_change_no_gradient():
+    base = _llama()
+    ids = torch.randint(0, 97, (2, 9))
+    grads = {}
+    for rebuild in (True, False):
+        model = get_peft_model(copy.deepcopy(base), _int4_config(kernel="triton", recompute_lora_inputs=rebuild))
+        randomize_lora_weights(model)
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads[rebuild] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        if rebuild:
+            report = input_recompute_report(model)
+            # as on the bf16 base: everything but the first layer's q / k / v (its norm reads the embeddings)
+            assert sum(r["rebuilt"] for r in report) == 11 and sum(r["saved"] for r in report) == 3
+    assert all(torch.equal(grads[True][n], grads[False][n]) for n in grads[True])
