@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Optional
 
@@ -12,6 +13,8 @@ from torch import nn
 from .activations import attach_input_recompute, detach_input_recompute
 from .layer import SitsLoraLinear
 from .siblings import assign_sibling_groups
+
+logger = logging.getLogger("sits_lora")
 
 
 def _module_names_matching(model: nn.Module, target: str) -> list[str]:
@@ -128,6 +131,11 @@ class SitsLoraModel(LoraModel):
             int4.restore_dense_base_layers(self, SitsLoraLinear)
 
     def merge_adapter(self, *args, **kwargs) -> None:
+        if _int4_layer(self) is not None:
+            logger.warning("sits_lora: merge_adapter on an INT4 base gives the adapted layers back dense "
+                           "(dequantized weights, about 4x the bytes) for good; unmerge_adapter does not quantize "
+                           "them again. merge_and_unload exports a merged model; to generate, keep the adapter "
+                           "unmerged.")
         self._restore_dense_bases()
         super().merge_adapter(*args, **kwargs)
 

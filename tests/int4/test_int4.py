@@ -323,3 +323,74 @@ def test_rebuilt_lora_inputs_work_on_the_int4_base_and_change_no_gradient():
             # as on the bf16 base: everything but the first layer's q / k / v (its norm reads the embeddings)
             assert sum(r["rebuilt"] for r in report) == 11 and sum(r["saved"] for r in report) == 3
     assert all(torch.equal(grads[True][n], grads[False][n]) for n in grads[True])
+
+
+def test_a_trainable_base_bias_gets_its_gradient_on_both_paths():
+    torch.manual_seed(6)
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 40, bias=True))
+    grads = {}
+    x = torch.randn(5, 64)
+    for kernel in ("torch", "triton"):
+        model = get_peft_model(copy.deepcopy(layer), SitsLoraConfig(r=4, target_modules=["0"], base_quant="int4",
+                                                                     int4_group_size=32, bias="all", kernel=kernel))
+        randomize_lora_weights(model)
+        model(x).square().sum().backward()
+        grads[kernel] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert any(n.endswith("base_layer.bias") for n in grads["triton"])
+    assert set(grads["triton"]) == set(grads["torch"])
+    assert all(rel_err(grads["triton"][n], grads["torch"][n]) < 1e-5 for n in grads["torch"])
+
+
+def test_an_fp32_model_with_a_bias_under_bf16_autocast_computes_in_bf16():
+    torch.manual_seed(7)
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 40, bias=True))
+    model = get_peft_model(layer, SitsLoraConfig(r=4, target_modules=["0"], base_quant="int4", int4_group_size=32))
+    randomize_lora_weights(model)
+    x = torch.randn(3, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(x)
+        with model.disable_adapter():
+            base_only = model(x)
+    assert y.dtype == torch.bfloat16 and base_only.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.float32
+
+
+def test_the_reference_path_keeps_no_dense_weight_for_backward():
+    model = get_peft_model(_llama(), _int4_config(kernel="torch", target_modules=["gate_proj"]))
+    own = {p.data_ptr() for p in model.parameters()}  # unadapted layers save their (own) weights: not copies
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        model(input_ids=torch.randint(0, 97, (1, 6)), labels=torch.randint(0, 97, (1, 6))).loss
+    dense = [t for t in saved if t.shape in ((96, 64), (64, 96)) and t.data_ptr() not in own]
+    assert not dense  # gate_proj's dequantized W (out 96, in 64), or its transpose
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    base = _llama()
+    ids = torch.randint(0, 97, (2, 9))
+    grads = []
+    for checkpointing in (False, True):
+        model = get_peft_model(copy.deepcopy(base), _int4_config(kernel="triton"))
+        randomize_lora_weights(model)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert all(rel_err(grads[1][n], grads[0][n]) < 1e-6 for n in grads[0])
+
+
+def test_merge_adapter_says_the_base_stays_dense_and_unmerge_still_trains(caplog):
+    model = get_peft_model(_llama(), _int4_config())
+    randomize_lora_weights(model)
+    ids = torch.randint(0, 97, (1, 8))
+    with caplog.at_level("WARNING", logger="sits_lora"):
+        model.merge_adapter()
+    assert "gives the adapted layers back dense" in caplog.text
+    assert not any(isinstance(m, Int4BaseLinear) for m in model.modules())
+    model.unmerge_adapter()
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)

@@ -147,11 +147,14 @@ def test_recipe_int4_base_trains_and_picks_the_group_size(tmp_path):
     assert saved["base_quant"] == "int4" and saved["int4_group_size"] == 32
 
 
-def test_recipe_int4_refuses_a_model_no_group_size_fits(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("group,listed", [(None, "128, 64, 32"), ("32", "32")])
+def test_recipe_int4_refuses_a_model_no_group_size_fits(tiny_model_dir, tmp_path, group, listed):
+    extra = ["--int4-group-size", group] if group else []
     proc = _train("--model", str(tiny_model_dir), "--base-quant", "int4", "--output-dir", str(tmp_path / "run"),
-                  "--max-steps", "1", cwd=tmp_path)
+                  "--max-steps", "1", *extra, cwd=tmp_path)
     last = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode == 2 and last.startswith("error: --base-quant int4: no INT4 group size of 128, 64, 32 divides")
+    assert proc.returncode == 2 and last.startswith(f"error: --base-quant int4: no INT4 group size of {listed} divides")
+    assert "held-out perplexity" not in proc.stdout  # refused before the slow work
     assert "Traceback" not in proc.stderr
 
 

@@ -14,9 +14,8 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..ops.dequant_linear import DenseProducts, dequant_lora_linear, shared_buffer
-from ..ops.reference import lora_linear_torch
-from .bf16 import autocast_inputs
+from ..ops.dequant_linear import DenseProducts, dequant_lora_linear, dequant_lora_linear_reference, shared_buffer
+from .int4 import compute_inputs
 
 
 def dequantized(weight, dtype: torch.dtype) -> torch.Tensor:
@@ -38,8 +37,8 @@ def dequantized_copy(weight) -> torch.Tensor:
 class Bnb4bitBase:
     """The fused path of a SitsLoraLinear4bit (stateless: one instance, :data:`BNB4_BASE`, serves every layer).
 
-    Computes in W's dtype (the dtype the model was quantized from, ``quant_state.dtype``) and hands the result
-    back in the input's dtype, as bitsandbytes' own layer does."""
+    Computes in the layer's ``compute_dtype`` (autocast's when it is on) and hands the result back in the
+    input's dtype, as bitsandbytes' own layer does."""
 
     module_type = bnb.nn.Linear4bit
     fuses_siblings = False
@@ -47,19 +46,17 @@ class Bnb4bitBase:
     def fused_forward(self, layer, adapter: str, x: torch.Tensor) -> torch.Tensor:
         base = layer.base_layer
         weight = base.weight
-        kernel = ops.resolve_kernel(layer.sits_kernel[adapter], x, layer.out_features)
-        x_in, _, bias, autocast_off = autocast_inputs(x, weight, base.bias)
-        dtype = weight.quant_state.dtype if not torch.is_autocast_enabled(x.device.type) else x_in.dtype
-        x_in = x_in.to(dtype)
-        if bias is not None and bias.dtype != dtype:
-            bias = bias.to(dtype)
+        # bitsandbytes computes in its compute_dtype (bnb_4bit_compute_dtype), W dequantized to it
+        x_in, bias, autocast_off = compute_inputs(x, base.bias, base.compute_dtype or weight.quant_state.dtype)
+        kernel = ops.resolve_kernel(layer.sits_kernel[adapter], x_in, layer.out_features)
         dropout = layer.lora_dropout[adapter]
         x_lora = dropout(x_in) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else x_in
         lora_A, lora_B = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
         with autocast_off:
             if kernel == "torch":
-                y = lora_linear_torch(x_in, x_lora, dequantized_copy(weight).to(dtype), bias, lora_A, lora_B,
-                                      layer.scaling[adapter])
+                products = DenseProducts(lambda dt: dequantized_copy(weight).to(dt))
+                y = dequant_lora_linear_reference(x_in, x_lora, lora_A, lora_B, bias, products, layer.out_features,
+                                                  layer.scaling[adapter])
             else:
                 products = DenseProducts(lambda dt: dequantized(weight, dt))
                 y = dequant_lora_linear(x_in, x_lora, lora_A, lora_B, bias, products, layer.out_features,

@@ -7,6 +7,7 @@ fused kernels (``sits_lora.ops.int4_linear``). Which layers get it is decided by
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Optional
 
 import torch
@@ -15,6 +16,16 @@ from torch import nn
 from .. import ops
 from ..ops import int4_linear as int4_ops
 from .bf16 import autocast_inputs
+
+
+def compute_inputs(x: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype):
+    """(x, bias, context) in the dtype a quantized base computes in: autocast's when it is on (as for an
+    nn.Linear; the context turns it off inside the op), else ``dtype`` (the dtype W is rebuilt in)."""
+    if torch.is_autocast_enabled(x.device.type):
+        x, _, bias, autocast_off = autocast_inputs(x, x, bias)
+        return x, bias, autocast_off
+    x = x if x.dtype == dtype else x.to(dtype)
+    return x, (bias if bias is None or bias.dtype == dtype else bias.to(dtype)), nullcontext()
 
 
 class Int4BaseLinear(nn.Linear):
@@ -64,8 +75,8 @@ class Int4BaseLinear(nn.Linear):
         return sum(t.numel() * t.element_size() for t in (self.weight, self.weight_scales, self.weight_mins))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, bias, autocast_off = compute_inputs(x, self.bias, self.compute_dtype)
         kernel = ops.resolve_kernel("auto", x, self.out_features)
-        x, _, bias, autocast_off = autocast_inputs(x, self.weight_scales, self.bias)
         with autocast_off:
             return int4_ops.int4_lora_linear(x, None, None, None, bias, self.weight, self.weight_scales,
                                              self.weight_mins, self.in_features, 0.0, kernel, self.int4_mode)
@@ -91,10 +102,8 @@ class Int4Base:
 
     def fused_forward(self, layer, adapter: str, x: torch.Tensor) -> torch.Tensor:
         base = layer.base_layer
+        x, bias, autocast_off = compute_inputs(x, base.bias, base.compute_dtype)
         kernel = ops.resolve_kernel(layer.sits_kernel[adapter], x, layer.out_features)
-        x, _, bias, autocast_off = autocast_inputs(x, base.weight_scales, base.bias)
-        if x.dtype != base.compute_dtype:
-            x = x.to(base.compute_dtype)
         dropout = layer.lora_dropout[adapter]
         x_lora = dropout(x) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else x
         with autocast_off:

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..bases import BF16_BASE
 from ..bases.int4 import INT4_BASE, Int4BaseLinear
+from ..ops.dequant_linear import release_shared_buffers
 from ..ops.int4_linear import check_group_size
 from .checks import SHARED_FIELDS
 
@@ -90,6 +91,8 @@ def restore_dense_base_layers(tuner, layer_cls) -> int:
             layer.base_layer = layer.base_layer.to_linear()
             layer.frozen_base = BF16_BASE
             restored += 1
+    if restored and not any(isinstance(m, Int4BaseLinear) for m in tuner.model.modules()):
+        release_shared_buffers()  # the dequantization buffer of the largest layer: nothing reads it any more
     return restored
 
 
@@ -128,5 +131,8 @@ def largest_group_size(model: nn.Module, target_modules, choices=(128, 64, 32)) 
     for group in choices:
         if all(w % group == 0 for w in widths):
             return group
+    odd = sorted({key.rsplit(".", 1)[-1] for key, m in model.named_modules() if isinstance(m, nn.Linear) and key
+                  and any(key == t or key.endswith("." + t) for t in targets) and m.in_features % choices[-1]})
     raise ValueError(f"no INT4 group size of {', '.join(map(str, choices))} divides every adapted layer's in_features "
-                     f"({', '.join(map(str, widths))}); leave the odd layers out of target_modules, or base_quant off")
+                     f"({', '.join(map(str, widths))}; {', '.join(odd)} do not fit {choices[-1]}); leave those out of "
+                     f"target_modules, or base_quant off")

@@ -10,7 +10,9 @@ The LoRA branch runs on the shared kernels of ``fused`` (shrink, expand, the dy 
 op does. Saved for backward: the LoRA input, h (T x r), and the products object, which holds the packed
 weight (a module's own tensors: no copy); backward forms W again. A format that forms W dense for the GEMM
 writes it into :func:`shared_buffer`, one per (device, dtype) and grown to the largest layer: each product
-writes it and reads it back on the same stream, so every layer can share it.
+writes it and reads it back on the same stream, so every layer can share it. That holds for one stream and one
+thread per device (the training step's); products issued on another stream at the same time would need a buffer
+of their own. ``dequant_lora_linear_reference`` is the same math in plain PyTorch, which also forms W per product.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class DequantLoraLinearFunction(torch.autograd.Function):
                 y += bias
         ctx.save_for_backward(x if (lora_A is not None and x_lora is None) else None, x_lora, lora_A, lora_B, h)
         ctx.products, ctx.in_features, ctx.out_features, ctx.scaling = products, K, out_features, scaling
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return y.view(*lead, out_features)
 
     @staticmethod
@@ -99,18 +102,55 @@ class DequantLoraLinearFunction(torch.autograd.Function):
                     products.backward_into(dy, dx)
             dA, dB = kernels.sum_partials(da_part, db_part)
             dA, dB = dA.to(lora_A.dtype), dB.to(lora_B.dtype)
+        # a trainable bias (PEFT's bias="all" / "lora_only" on the base layer): the sum of dy over tokens
+        db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if ctx.needs_input_grad[4] else None
         return (
             dx.view(*lead, K) if dx is not None else None,
             dx_lora.view(*lead, K) if dx_lora is not None else None,
             dA if ctx.needs_input_grad[2] else None,
             dB if ctx.needs_input_grad[3] else None,
-            None, None, None, None,
+            db, None, None, None,
         )
 
 
+@torch.compiler.disable  # an eager autograd Function over Triton launches and a module-level buffer: not traced
 def dequant_lora_linear(x: Tensor, x_lora: Optional[Tensor], lora_A: Optional[Tensor], lora_B: Optional[Tensor],
                         bias: Optional[Tensor], products, out_features: int, scaling: float) -> Tensor:
     """The fused op (Triton: a CUDA tensor, or the CPU under TRITON_INTERPRET=1). ``x_lora`` is x itself (the
     same tensor) or None without dropout."""
     return DequantLoraLinearFunction.apply(x, None if x_lora is x else x_lora, lora_A, lora_B, bias, products,
                                            out_features, float(scaling))
+
+
+class DequantMatmulFunction(torch.autograd.Function):
+    """x Wᵀ with W from a products object, forming W again in backward (the reference keeps no dense W)."""
+
+    @staticmethod
+    def forward(ctx, x, products: Any, out_features: int):
+        ctx.products, ctx.in_features = products, x.shape[-1]
+        return products.forward_into(x.reshape(-1, x.shape[-1]), None).view(*x.shape[:-1], out_features)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        dy = grad_y.reshape(-1, grad_y.shape[-1])
+        dx = ctx.products.backward_into(dy, None) if ctx.needs_input_grad[0] else None
+        return (None if dx is None else dx.view(*grad_y.shape[:-1], ctx.in_features)), None, None
+
+
+def dequant_lora_linear_reference(x: Tensor, x_lora: Optional[Tensor], lora_A: Optional[Tensor],
+                                  lora_B: Optional[Tensor], bias: Optional[Tensor], products, out_features: int,
+                                  scaling: float) -> Tensor:
+    """The plain PyTorch path (any device): the base product through :class:`DequantMatmulFunction`, bias and
+    LoRA branch as autograd ops in x's dtype."""
+    y = DequantMatmulFunction.apply(x, products, out_features)
+    if bias is not None:
+        y = y + bias
+    if lora_A is not None:
+        x_lora = x if x_lora is None else x_lora
+        y = y + (x_lora @ lora_A.t().to(x.dtype)) @ lora_B.t().to(x.dtype) * scaling
+    return y
+
+
+def release_shared_buffers() -> None:
+    """Free the shared dense-weight buffers (after the last quantized layer is gone: merge, unload)."""
+    _buffers.clear()

@@ -28,8 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .dequant_linear import DenseProducts, dequant_lora_linear, shared_buffer
-from .reference import lora_linear_torch
+from .dequant_linear import DenseProducts, dequant_lora_linear, dequant_lora_linear_reference, shared_buffer
 
 GROUP_SIZE = 128
 ROW_ALIGN_BYTES = 32
@@ -199,7 +198,7 @@ class Int4Products:
 def resolve_mode(mode: str, tokens: int) -> str:
     """"auto": "fused" up to FUSED_MAX_TOKENS tokens, "dequant" above."""
     if mode not in MODES:
-        raise ValueError(f"int4 mode={mode!r} is invalid: allowed {', '.join(map(repr, MODES))}")
+        raise ValueError(f"Int4BaseLinear.int4_mode={mode!r} is invalid: allowed values are {', '.join(map(repr, MODES))}")
     if mode == "auto":
         return "fused" if tokens <= FUSED_MAX_TOKENS else "dequant"
     return mode
@@ -210,15 +209,12 @@ def int4_lora_linear(x: Tensor, x_lora: Optional[Tensor], lora_A: Optional[Tenso
                      scaling: float, kernel: str = "torch", mode: str = "auto") -> Tensor:
     """y = x Wᵀ + b + s·(x_lora Aᵀ) Bᵀ with W the packed INT4 weight; ``lora_A`` None gives x Wᵀ + b.
 
-    ``kernel`` "torch": the reference (W dequantized by PyTorch, then ``lora_linear_torch``: it keeps that W
-    for backward, which is fine for the CPU tests it serves). "triton": ``dequant_linear``'s op with the base
+    ``kernel`` "torch": the plain PyTorch path (W dequantized by PyTorch for each product, none kept). "triton": ``dequant_linear``'s op with the base
     products run by ``mode`` ("auto", "dequant", "fused"; see the module docstring). ``x_lora`` is x (the same
     tensor) without dropout."""
     if kernel == "torch":
-        w = int4_unpack_reference(packed, scales, mins, in_features, x.dtype)
-        if lora_A is None:
-            return torch.nn.functional.linear(x, w, bias)
-        return lora_linear_torch(x, x_lora, w, bias, lora_A, lora_B, scaling)
+        products = DenseProducts(lambda dtype: int4_unpack_reference(packed, scales, mins, in_features, dtype))
+        return dequant_lora_linear_reference(x, x_lora, lora_A, lora_B, bias, products, packed.shape[0], scaling)
     tokens = x.numel() // max(x.shape[-1], 1)
     products = Int4Products(packed, scales, mins, in_features, resolve_mode(mode, tokens))
     return dequant_lora_linear(x, x_lora, lora_A, lora_B, bias, products, packed.shape[0], scaling)

@@ -49,7 +49,7 @@ class TrainRecipe:
     base_quant: str = field(default="off", metadata={
         "help": "off | int4 | nf4: a 4-bit frozen base. int4: sits_lora's own (SitsLoraConfig.base_quant, any device, "
                 "no extra package); nf4: QLoRA, the model loaded in 4-bit by bitsandbytes (NF4, double quantization) "
-                "on a CUDA GPU (pip install 'sits-lora[quant]'), adapted by PEFT's own 4-bit LoRA layers"})
+                "on a CUDA GPU (pip install 'sits-lora[quant]'), its 4-bit layers adapted by SitsLoraLinear4bit (the fused path)"})
     int4_group_size: int = field(default=0, metadata={
         "help": "input features per INT4 scale / min pair; 0 = the largest of 128, 64, 32 that divides every "
                 "adapted layer (SmolLM2-135M: 64)"})
@@ -206,7 +206,8 @@ def int4_fields(recipe: TrainRecipe, model) -> dict:
     from ..int4 import largest_group_size
 
     try:
-        group = recipe.int4_group_size or largest_group_size(model, recipe.target_modules)
+        group = largest_group_size(model, recipe.target_modules,
+                                   (recipe.int4_group_size,) if recipe.int4_group_size else (128, 64, 32))
     except ValueError as error:
         raise ModelChoiceError(f"--base-quant int4: {error}") from None
     print(f"[sits_lora] frozen base: INT4, group size {group}")
@@ -390,18 +391,23 @@ def run(recipe: TrainRecipe) -> dict:
     train_blocks = pack_into_blocks(train_text, tokenizer, recipe.seq_len, max_blocks=max(needed, 1))
     heldout_blocks = pack_into_blocks(heldout_text, tokenizer, recipe.seq_len, max_blocks=recipe.eval_blocks)
     print(f"[sits_lora] data: {len(train_blocks)} train blocks, {len(heldout_blocks)} held-out blocks of {recipe.seq_len} tokens")
+    config = SitsLoraConfig(
+        r=recipe.r, lora_alpha=recipe.lora_alpha, lora_dropout=recipe.lora_dropout,
+        target_modules=list(recipe.target_modules), kernel=recipe.kernel, task_type="CAUSAL_LM",
+        fp8=recipe.fp8, fp8_emulate=recipe.fp8_emulate, **int4,
+    )
+    if int4:
+        # quantized where it loaded, before it moves: the device never holds the dense weights; "before" is then
+        # the INT4 base (B = 0), so that the gain below is the adapter's, not the quantization's loss
+        model = get_peft_model(model, config)
     if torch.cuda.is_available():
         model.cuda()
 
     ppl_before = heldout_perplexity(model, heldout_blocks, desc="held-out perplexity (before)")
     print(f"[sits_lora] held-out perplexity before: {ppl_before:.3f}")
 
-    config = SitsLoraConfig(
-        r=recipe.r, lora_alpha=recipe.lora_alpha, lora_dropout=recipe.lora_dropout,
-        target_modules=list(recipe.target_modules), kernel=recipe.kernel, task_type="CAUSAL_LM",
-        fp8=recipe.fp8, fp8_emulate=recipe.fp8_emulate, **int4,
-    )
-    model = get_peft_model(model, config)
+    if not int4:
+        model = get_peft_model(model, config)
     model.print_trainable_parameters()
 
     args = TrainingArguments(

@@ -3,8 +3,8 @@
 The cost model (every number is bytes; T = batch_size x seq_len tokens, h hidden size, I MLP
 size, V vocabulary, H / KV query / key-value heads of size d, a the activation element size):
 
-- frozen weights, adapters: the parameters as they are (tied weights once); an INT4 base adds one
-  dequantization buffer of its largest layer's W (sits_lora.int4).
+- frozen weights, adapters: the parameters as they are (tied weights once); 4-bit bases (sits_lora's INT4,
+  bitsandbytes under SitsLoraLinear4bit) add one dequantization buffer of the largest such layer's W.
 - optimizer states: AdamW keeps 2 tensors per trainable parameter (8-bit AdamW 2 bytes, SGD none).
 - adapter gradients: made during backward, after the peak, and set to None by ``zero_grad``; they
   are at the peak only with gradient accumulation (they live through the next forward).
@@ -422,6 +422,10 @@ def plan_memory(
     # largest such layer's W, for the GEMM of a training batch (sits_lora.ops.int4_linear)
     dequant_buffer = max((m.in_features * m.out_features * m.weight_scales.element_size()
                           for m in inner.modules() if isinstance(m, Int4BaseLinear)), default=0)
+    # the same for the bitsandbytes 4-bit bases of SitsLoraLinear4bit layers (W in the dtype it was quantized from)
+    dequant_buffer = max([dequant_buffer] + [
+        m.in_features * m.out_features * m.get_base_layer().weight.quant_state.dtype.itemsize
+        for m in inner.modules() if type(m).__name__ == "SitsLoraLinear4bit"])
     frozen += dequant_buffer
     devices = {p.device for p in inner.parameters() if p.device.type != "meta"}
     if len(devices) > 1:
