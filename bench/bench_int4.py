@@ -58,7 +58,6 @@ def main(argv=None) -> int:
             rows.append({"kind": "forward product", "N": N, "K": K, "tokens": T, "fused_ms": fused,
                          "dequant_cublas_ms": dequant, "dense_cublas_ms": dense,
                          "faster": "fused" if fused < dequant else "dequant"})
-        del packed, scales, mins, out, src
     os.makedirs(args.out, exist_ok=True)
     write_results("int4_kernels", rows, args.out, {"command": "python bench/bench_int4.py " + " ".join(argv or sys.argv[1:])})
     print_table([r for r in rows if r["kind"] == "dequantize"], ["N", "K", "ms", "gb_per_s", "copy_gb_per_s", "vs_copy"])
