@@ -15,6 +15,7 @@ import logging
 import torch
 from torch import nn
 
+from ..base_checks import adapter_targets, check_adapters_agree, check_linear_targets
 from ..bases import BF16_BASE
 from ..bases.fp8 import Fp8Base, Fp8BaseLinear, check_fp8_hardware
 from ..ops import fp8 as fp8_ops
@@ -25,19 +26,9 @@ from .scaling import Fp8ScalingState
 logger = logging.getLogger(__name__)
 
 STATE_ATTRIBUTE = "sits_fp8"   # the state's name on SitsLoraModel: model.base_model.sits_fp8
-def _fp8_settings(config) -> dict:
-    return {name: getattr(config, name, None) for name in SHARED_FIELDS}
-
-
 def _check_targets(config, adapter_name: str, targets: list) -> None:
     """targets: (name, base module) pairs; each must be an nn.Linear with dims that are multiples of 16."""
-    wrong = [f"{key} ({type(m).__name__})" for key, m in targets if type(m) not in (nn.Linear, Fp8BaseLinear)]
-    if wrong:
-        raise ValueError(
-            f"SitsLoraConfig.fp8={config.fp8!r} quantizes torch.nn.Linear base layers only; adapter {adapter_name!r} "
-            f"targets {', '.join(wrong[:6])}{' ...' if len(wrong) > 6 else ''}. Leave these out of target_modules "
-            f"(or add them to exclude_modules), or set fp8='off'."
-        )
+    check_linear_targets(f"fp8={config.fp8!r}", adapter_name, targets, Fp8BaseLinear)
     odd = [f"{key} ({m.in_features} x {m.out_features})" for key, m in targets
            if m.in_features % 16 or m.out_features % 16]
     if odd:
@@ -50,31 +41,13 @@ def _check_targets(config, adapter_name: str, targets: list) -> None:
 
 def check_before_injection(tuner, model: nn.Module, adapter_name: str) -> None:
     """Refuse an fp8 setting that cannot work before PEFT touches the model (nothing lost on bad input)."""
-    import copy
-
-    from peft.tuners.tuners_utils import BaseTunerLayer, _maybe_include_all_linear_layers, check_target_module_exists
-
     config = tuner.peft_config[adapter_name]
-    settings = _fp8_settings(config)
-    for name, other_config in tuner.peft_config.items():
-        other = _fp8_settings(other_config)
-        if name != adapter_name and other != settings:
-            differ = ", ".join(f"{k}: {other[k]!r} vs {settings[k]!r}" for k in SHARED_FIELDS if other[k] != settings[k])
-            raise ValueError(
-                f"SitsLoraConfig of adapter {adapter_name!r} and of adapter {name!r} disagree on the fp8 base "
-                f"({differ}); the adapters of one model share one base, quantized or not. Give both the same fp8 "
-                f"settings, or load the model again for the other setting."
-            )
+    check_adapters_agree(tuner, adapter_name, SHARED_FIELDS, "fp8 base", "Give both the same fp8 settings")
     if config.fp8 == "off":
         return
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     check_fp8_hardware(device, config.fp8_emulate)
-    resolved = _maybe_include_all_linear_layers(copy.copy(config), model)
-    targets = []
-    for key, module in model.named_modules():
-        if key and check_target_module_exists(resolved, key):
-            targets.append((key, module.get_base_layer() if isinstance(module, BaseTunerLayer) else module))
-    _check_targets(config, adapter_name, targets)
+    _check_targets(config, adapter_name, adapter_targets(config, model))
 
 
 def quantize_base_layers(tuner, adapter_name: str, layer_cls) -> int:

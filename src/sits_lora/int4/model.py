@@ -8,11 +8,9 @@ weights are dense: W dequantized plus the LoRA update).
 
 from __future__ import annotations
 
-import copy
-
-from peft.tuners.tuners_utils import BaseTunerLayer, _maybe_include_all_linear_layers, check_target_module_exists
 from torch import nn
 
+from ..base_checks import adapter_targets, check_adapters_agree, check_linear_targets
 from ..bases import BF16_BASE
 from ..bases.int4 import INT4_BASE, Int4BaseLinear
 from ..ops.dequant_linear import release_shared_buffers
@@ -20,18 +18,9 @@ from ..ops.int4_linear import check_group_size
 from .checks import SHARED_FIELDS
 
 
-def _settings(config) -> dict:
-    return {name: getattr(config, name, None) for name in SHARED_FIELDS}
-
-
 def _check_targets(config, adapter_name: str, targets: list) -> None:
     """targets: (name, base module) pairs; each must be an nn.Linear whose in_features the group size divides."""
-    wrong = [f"{key} ({type(m).__name__})" for key, m in targets if type(m) not in (nn.Linear, Int4BaseLinear)]
-    if wrong:
-        raise ValueError(
-            f"SitsLoraConfig.base_quant={config.base_quant!r} quantizes torch.nn.Linear base layers only; adapter "
-            f"{adapter_name!r} targets {', '.join(wrong[:6])}{' ...' if len(wrong) > 6 else ''}. Leave these out of "
-            f"target_modules (or add them to exclude_modules), or set base_quant='off'.")
+    check_linear_targets(f"base_quant={config.base_quant!r}", adapter_name, targets, Int4BaseLinear)
     odd = [f"{key} (in_features={m.in_features})" for key, m in targets
            if check_group_size(m.in_features, config.int4_group_size) is not None]
     if odd:
@@ -45,21 +34,11 @@ def _check_targets(config, adapter_name: str, targets: list) -> None:
 def check_before_injection(tuner, model: nn.Module, adapter_name: str) -> None:
     """Refuse a 4-bit setting that cannot work before PEFT touches the model (nothing lost on bad input)."""
     config = tuner.peft_config[adapter_name]
-    settings = _settings(config)
-    for name, other_config in tuner.peft_config.items():
-        other = _settings(other_config)
-        if name != adapter_name and other != settings:
-            differ = ", ".join(f"{k}: {other[k]!r} vs {settings[k]!r}" for k in SHARED_FIELDS if other[k] != settings[k])
-            raise ValueError(
-                f"SitsLoraConfig of adapter {adapter_name!r} and of adapter {name!r} disagree on the 4-bit base "
-                f"({differ}); the adapters of one model share one base. Give both the same base_quant and "
-                f"int4_group_size, or load the model again for the other setting.")
+    check_adapters_agree(tuner, adapter_name, SHARED_FIELDS, "4-bit base",
+                         "Give both the same base_quant and int4_group_size")
     if config.base_quant == "off":
         return
-    resolved = _maybe_include_all_linear_layers(copy.copy(config), model)
-    targets = [(key, module.get_base_layer() if isinstance(module, BaseTunerLayer) else module)
-               for key, module in model.named_modules() if key and check_target_module_exists(resolved, key)]
-    _check_targets(config, adapter_name, targets)
+    _check_targets(config, adapter_name, adapter_targets(config, model))
 
 
 def quantize_base_layers(tuner, adapter_name: str, layer_cls) -> int:
