@@ -555,3 +555,26 @@ def test_gpu_compile_tunes_then_reuses_the_cache(capsys, tmp_path, tiny_model_di
     assert all(r["versions"] == first["versions"] for r in first["rows"] + second["rows"])
     assert second["cached_under_other_versions"] == 0 and second["versions_unknown"] == 0
     assert (tmp_path / "kernel_configs.versions.json").exists()
+
+
+def test_check_plans_the_int4_base_and_names_what_it_cannot_plan(capsys, tmp_path, tiny_model_dir):
+    from conftest import tiny_llama
+
+    folder = tmp_path / "model"
+    tiny_llama(0, hidden_size=64, intermediate_size=96).save_pretrained(folder)
+    plans = {}
+    for quant in ("off", "int4"):
+        recipe = tmp_path / f"{quant}.yaml"
+        recipe.write_text(f"base_quant: {quant}\n")
+        code, out, _ = run_cli(capsys, "check", "--model", str(folder), "--config", str(recipe), "--json")
+        assert code in (0, 1)
+        plans[quant] = json.loads(out)["memory_plan"]
+    assert plans["int4"]["frozen_weights"] < plans["off"]["frozen_weights"]
+    nf4 = tmp_path / "nf4.yaml"
+    nf4.write_text("base_quant: nf4\n")
+    code, _, err = run_cli(capsys, "check", "--model", str(folder), "--config", str(nf4))
+    assert code == 2 and "base_quant: nf4 is not planned by `sits-lora check`" in one_line_error(err, "check")
+    unfit = tmp_path / "unfit.yaml"
+    unfit.write_text("base_quant: int4\n")
+    code, _, err = run_cli(capsys, "check", "--model", str(tiny_model_dir), "--config", str(unfit))
+    assert code == 2 and "no INT4 group size of 128, 64, 32 divides" in one_line_error(err, "check")

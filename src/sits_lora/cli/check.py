@@ -179,12 +179,19 @@ def model_config(spec: Optional[str]):
                          f"{str(error).splitlines()[0] if str(error) else type(error).__name__}") from None
 
 
-def adapter_config(recipe):
+def adapter_config(recipe, model=None):
+    """The recipe's SitsLoraConfig; with ``base_quant: int4`` the group size the recipe would pick for ``model``."""
     from ..config import SitsLoraConfig
+    from ..recipe.train import int4_fields
 
+    if recipe.base_quant == "nf4":
+        raise CheckError("base_quant: nf4 is not planned by `sits-lora check` (the model would have to load through "
+                         "bitsandbytes); check the run with base_quant: int4 or off")
     try:
+        quant = int4_fields(recipe, model, quiet=True) if model is not None else {}
         return SitsLoraConfig(r=recipe.r, lora_alpha=recipe.lora_alpha, lora_dropout=recipe.lora_dropout,
-                              target_modules=list(recipe.target_modules), kernel=recipe.kernel, task_type="CAUSAL_LM")
+                              target_modules=list(recipe.target_modules), kernel=recipe.kernel, task_type="CAUSAL_LM",
+                              **quant)
     except ValueError as error:
         raise CheckError(str(error)) from None
 
@@ -197,7 +204,7 @@ def build_meta_model(config, recipe, dtype: torch.dtype):
     with torch.device("meta"):  # from_config picks the attention implementation from_pretrained would (sdpa)
         model = AutoModelForCausalLM.from_config(config).to(dtype)
     try:
-        return get_peft_model(model, adapter_config(recipe))
+        return get_peft_model(model, adapter_config(recipe, model))
     except ValueError as error:
         raise CheckError(str(error).splitlines()[0]) from None
 

@@ -400,7 +400,7 @@ def run_profile(model: Optional[str] = None, config: Optional[str] = None, batch
         raise CheckError(f"--out {out_dir}: a file of that name exists; give a folder for profile.csv / .png / .json")
     recipe = load_recipe(config, model=model, batch_size=batch_size, seq_len=seq_len)
     dtype = recipe_dtype(recipe)
-    lora = adapter_config(recipe)
+    lora = adapter_config(recipe)  # checked before the model loads; INT4 picks its group size once it has
     try:
         base, source = load_model(recipe.model, dtype)
     except FileNotFoundError as error:
@@ -411,7 +411,7 @@ def run_profile(model: Optional[str] = None, config: Optional[str] = None, batch
     device = torch.device("cuda") if cuda else torch.device("cpu")
     base.to(device)
     try:
-        peft_model = get_peft_model(base, lora)
+        peft_model = get_peft_model(base, adapter_config(recipe, base) if recipe.base_quant == "int4" else lora)
     except ValueError as error:
         raise CheckError(str(error).splitlines()[0]) from None
     vocab = peft_model.get_input_embeddings().num_embeddings

@@ -199,7 +199,7 @@ class ModelChoiceError(ValueError):
     """An option that does not fit the loaded model (found once it has loaded, before any slow work)."""
 
 
-def int4_fields(recipe: TrainRecipe, model) -> dict:
+def int4_fields(recipe: TrainRecipe, model, quiet: bool = False) -> dict:
     """The SitsLoraConfig fields of recipe.base_quant: int4 with its group size (chosen when 0), else none."""
     if recipe.base_quant != "int4":
         return {}
@@ -210,7 +210,8 @@ def int4_fields(recipe: TrainRecipe, model) -> dict:
                                    (recipe.int4_group_size,) if recipe.int4_group_size else (128, 64, 32))
     except ValueError as error:
         raise ModelChoiceError(f"--base-quant int4: {error}") from None
-    print(f"[sits_lora] frozen base: INT4, group size {group}")
+    if not quiet:
+        print(f"[sits_lora] frozen base: INT4, group size {group}")
     return {"base_quant": "int4", "int4_group_size": group}
 
 
