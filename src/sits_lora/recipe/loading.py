@@ -37,6 +37,20 @@ class ModelSource:
             return self.hub_id or self.gguf_file
         return self.location
 
+    def quantized_block(self) -> Optional[int]:
+        """For a .gguf whose weight matrices are block-quantized (llama.cpp's Q4_0 ... Q8_0, blocks of 32; the
+        k-quants, 256 made of sub-blocks of 32), the smallest block along the input features: 32. None for a
+        folder or a .gguf of F32 / F16 / BF16 weights."""
+        if not self.gguf_file:
+            return None
+        import gguf
+
+        reader = gguf.GGUFReader(os.path.join(self.location, self.gguf_file))
+        dense = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+        blocks = {gguf.GGML_QUANT_SIZES[t.tensor_type][0] for t in reader.tensors
+                  if len(t.shape) == 2 and t.tensor_type not in dense}
+        return 32 if blocks else None
+
     def describe(self) -> str:
         return os.path.join(self.location, self.gguf_file) if self.gguf_file else self.location
 

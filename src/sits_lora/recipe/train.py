@@ -51,8 +51,9 @@ class TrainRecipe:
                 "no extra package); nf4: QLoRA, the model loaded in 4-bit by bitsandbytes (NF4, double quantization) "
                 "on a CUDA GPU (pip install 'sits-lora[quant]'), its 4-bit layers adapted by SitsLoraLinear4bit (the fused path)"})
     int4_group_size: int = field(default=0, metadata={
-        "help": "input features per INT4 scale / min pair; 0 = the largest of 128, 64, 32 that divides every "
-                "adapted layer (SmolLM2-135M: 64)"})
+        "help": "input features per INT4 scale / min pair; 0 = 32 for a block-quantized .gguf (the default "
+                "SmolLM2-135M Q4_1: its weights already lie on 32-blocks), else the largest of 128, 64, 32 that "
+                "divides every adapted layer"})
     liger: str = field(default="auto", metadata={
         "help": "auto | true | false: Liger-Kernel's fused RMSNorm / RoPE / SwiGLU / linear cross-entropy around "
                 "the adapter, applied by the Trainer (TrainingArguments.use_liger_kernel) for every model type "
@@ -199,19 +200,26 @@ class ModelChoiceError(ValueError):
     """An option that does not fit the loaded model (found once it has loaded, before any slow work)."""
 
 
-def int4_fields(recipe: TrainRecipe, model, quiet: bool = False) -> dict:
-    """The SitsLoraConfig fields of recipe.base_quant: int4 with its group size (chosen when 0), else none."""
+def int4_fields(recipe: TrainRecipe, model, quiet: bool = False, source_block: Optional[int] = None) -> dict:
+    """The SitsLoraConfig fields of recipe.base_quant: int4 with its group size, else none.
+
+    The group size when recipe.int4_group_size is 0: ``source_block`` when the weights were loaded from a
+    block-quantized .gguf (they already lie on a grid of that block: INT4 groups of the same size keep it, and
+    coarser ones add error on top of the file's), else the largest of 128, 64, 32 that divides every layer."""
     if recipe.base_quant != "int4":
         return {}
     from ..int4 import largest_group_size
 
+    choices = (recipe.int4_group_size,) if recipe.int4_group_size else (
+        (source_block,) if source_block else (128, 64, 32))
     try:
-        group = largest_group_size(model, recipe.target_modules,
-                                   (recipe.int4_group_size,) if recipe.int4_group_size else (128, 64, 32))
+        group = largest_group_size(model, recipe.target_modules, choices)
     except ValueError as error:
         raise ModelChoiceError(f"--base-quant int4: {error}") from None
     if not quiet:
-        print(f"[sits_lora] frozen base: INT4, group size {group}")
+        why = (f": the .gguf's weights are block-quantized in blocks of {source_block}, the same grid"
+               if source_block and not recipe.int4_group_size else "")
+        print(f"[sits_lora] frozen base: INT4, group size {group}{why}")
     return {"base_quant": "int4", "int4_group_size": group}
 
 
@@ -382,7 +390,8 @@ def run(recipe: TrainRecipe) -> dict:
         # a local model: nothing to ask the hub, and PEFT would ask it at every save for the base model's
         # config (base_model_name_or_path is a hub id for the default GGUF), waiting on the network offline
         os.environ["HF_HUB_OFFLINE"] = "1"
-    int4 = int4_fields(recipe, model)  # a group size that fits no layer is refused before any slow work
+    # a group size that fits no layer is refused before any slow work
+    int4 = int4_fields(recipe, model, source_block=source.quantized_block() if recipe.base_quant == "int4" else None)
     use_liger, liger_note = resolve_liger(recipe.liger, model.config.model_type)
     print(f"[sits_lora] Liger-Kernel: {liger_note}")
     print(f"[sits_lora] model: {source.describe()} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
