@@ -1,5 +1,6 @@
-"""Checks that a quantized frozen base (fp8, INT4) makes before PEFT touches the model: which modules an adapter
-targets, that every adapter of the model agrees on the one base, and that the targets are ``nn.Linear``."""
+"""Checks that a quantized frozen base (fp8, INT4) makes around injection: which modules an adapter targets, that
+every adapter of the model agrees on the one base, that the targets are ``nn.Linear``, and that the injected layers
+are sits_lora's own."""
 
 from __future__ import annotations
 
@@ -41,3 +42,16 @@ def check_linear_targets(setting: str, adapter_name: str, targets: list, own_typ
             f"SitsLoraConfig.{setting} quantizes torch.nn.Linear base layers only; adapter {adapter_name!r} targets "
             f"{', '.join(wrong[:6])}{' ...' if len(wrong) > 6 else ''}. Leave these out of target_modules (or add "
             f"them to exclude_modules), or set {field}='off'.")
+
+
+def injected_layers(tuner, adapter_name: str, layer_cls: type, setting: str, base: str) -> list[tuple[str, nn.Module]]:
+    """(name, layer) of every layer that holds ``adapter_name`` after injection; raise when one is not ``layer_cls``
+    (a PEFT layer sits_lora does not run: the quantized ``base`` cannot go under it). ``setting`` is the field as
+    the user wrote it (``fp8='hybrid'``)."""
+    layers = [(key, m) for key, m in tuner.model.named_modules() if hasattr(m, "lora_A") and adapter_name in m.lora_A]
+    not_ours = [f"{key} ({type(m).__name__})" for key, m in layers if type(m) is not layer_cls]
+    if not_ours:
+        raise ValueError(
+            f"SitsLoraConfig.{setting}: adapter {adapter_name!r} put PEFT layers that sits_lora does not run on "
+            f"{', '.join(not_ours[:6])}; {base} needs torch.nn.Linear targets. Leave these out of target_modules.")
+    return layers

@@ -354,6 +354,8 @@ def test_an_fp32_model_with_a_bias_under_bf16_autocast_computes_in_bf16():
     assert y.dtype == torch.bfloat16 and base_only.dtype == torch.bfloat16
     y.float().sum().backward()
     assert x.grad is not None and x.grad.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # an input already in autocast's dtype stays in it
+        assert model(torch.randn(3, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16
 
 
 def test_the_reference_path_keeps_no_dense_weight_for_backward():

@@ -24,8 +24,9 @@ def _autocast_on(device_type: str) -> bool:
     return available and torch.is_autocast_enabled(device_type)
 
 
-def autocast_inputs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
-    """(x, weight, bias, context) as autocast would hand them to a linear layer.
+def autocast_inputs(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor]):
+    """(x, weight, bias, context) as autocast would hand them to a linear layer (weight None: a quantized base,
+    which forms W in x's dtype itself).
 
     The fused path is an autograd Function, which autocast does not cast for: under autocast the
     input and the frozen weight are cast here to the autocast dtype (as autocast does for
@@ -36,7 +37,7 @@ def autocast_inputs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     if not _autocast_on(device_type):
         return x, weight, bias, nullcontext()
     dtype = torch.get_autocast_dtype(device_type)
-    return (x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype),
+    return (x.to(dtype), None if weight is None else weight.to(dtype), None if bias is None else bias.to(dtype),
             torch.autocast(device_type, enabled=False))
 
 

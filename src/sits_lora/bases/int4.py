@@ -21,9 +21,9 @@ from .bf16 import autocast_inputs
 def compute_inputs(x: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype):
     """(x, bias, context) in the dtype a quantized base computes in: autocast's when it is on (as for an
     nn.Linear; the context turns it off inside the op), else ``dtype`` (the dtype W is rebuilt in)."""
-    if torch.is_autocast_enabled(x.device.type):
-        x, _, bias, autocast_off = autocast_inputs(x, x, bias)
-        return x, bias, autocast_off
+    cast, _, cast_bias, autocast_off = autocast_inputs(x, None, bias)
+    if not isinstance(autocast_off, nullcontext):  # autocast is on: its dtype, and the context that turns it off
+        return cast, cast_bias, autocast_off
     x = x if x.dtype == dtype else x.to(dtype)
     return x, (bias if bias is None or bias.dtype == dtype else bias.to(dtype)), nullcontext()
 

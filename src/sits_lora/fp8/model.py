@@ -15,7 +15,7 @@ import logging
 import torch
 from torch import nn
 
-from ..base_checks import adapter_targets, check_adapters_agree, check_linear_targets
+from ..base_checks import adapter_targets, check_adapters_agree, check_linear_targets, injected_layers
 from ..bases import BF16_BASE
 from ..bases.fp8 import Fp8Base, Fp8BaseLinear, check_fp8_hardware
 from ..ops import fp8 as fp8_ops
@@ -59,12 +59,7 @@ def quantize_base_layers(tuner, adapter_name: str, layer_cls) -> int:
     config = tuner.peft_config[adapter_name]
     if config.fp8 == "off":
         return 0
-    layers = [(key, m) for key, m in tuner.model.named_modules() if hasattr(m, "lora_A") and adapter_name in m.lora_A]
-    not_ours = [f"{key} ({type(m).__name__})" for key, m in layers if type(m) is not layer_cls]
-    if not_ours:
-        raise ValueError(
-            f"SitsLoraConfig.fp8={config.fp8!r}: adapter {adapter_name!r} put PEFT layers that sits_lora does not run "
-            f"on {', '.join(not_ours[:6])}; fp8 needs torch.nn.Linear targets. Leave these out of target_modules.")
+    layers = injected_layers(tuner, adapter_name, layer_cls, f"fp8={config.fp8!r}", "fp8")
     _check_targets(config, adapter_name, [(key, m.base_layer) for key, m in layers])
     grad_dtype = fp8_ops.E5M2 if config.fp8 == "hybrid" else fp8_ops.E4M3
     choose_by_speed = config.fp8_layers == "auto" and not config.fp8_emulate

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..base_checks import adapter_targets, check_adapters_agree, check_linear_targets
+from ..base_checks import adapter_targets, check_adapters_agree, check_linear_targets, injected_layers
 from ..bases import BF16_BASE
 from ..bases.int4 import INT4_BASE, Int4BaseLinear
 from ..ops.dequant_linear import release_shared_buffers
@@ -46,13 +46,7 @@ def quantize_base_layers(tuner, adapter_name: str, layer_cls) -> int:
     config = tuner.peft_config[adapter_name]
     if config.base_quant == "off":
         return 0
-    layers = [(key, m) for key, m in tuner.model.named_modules() if hasattr(m, "lora_A") and adapter_name in m.lora_A]
-    not_ours = [f"{key} ({type(m).__name__})" for key, m in layers if type(m) is not layer_cls]
-    if not_ours:
-        raise ValueError(
-            f"SitsLoraConfig.base_quant={config.base_quant!r}: adapter {adapter_name!r} put PEFT layers that sits_lora "
-            f"does not run on {', '.join(not_ours[:6])}; the INT4 base needs torch.nn.Linear targets. Leave these "
-            f"out of target_modules.")
+    layers = injected_layers(tuner, adapter_name, layer_cls, f"base_quant={config.base_quant!r}", "the INT4 base")
     quantized = 0
     for _, layer in layers:
         if type(layer.base_layer) is nn.Linear:
