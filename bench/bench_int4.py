@@ -12,6 +12,7 @@ Dequantization: the kernel reads the packed codes, scales and mins and writes W 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -26,7 +27,7 @@ SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]   # (out_features, in_feat
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 8192])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 32, 64, 128, 256, 1024, 8192])
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     from sits_lora.ops import int4_linear as Q
@@ -45,9 +46,21 @@ def main(argv=None) -> int:
         dq_ms = median_ms(lambda: Q.int4_dequantize(packed, scales, mins, K, out))
         src = torch.empty_like(out)
         copy_ms = median_ms(lambda: out.copy_(src))
-        rows.append({"kind": "dequantize", "N": N, "K": K, "tokens": None, "ms": dq_ms,
-                     "gb_per_s": (read + written) / dq_ms / 1e6, "copy_gb_per_s": 2 * written / copy_ms / 1e6,
-                     "vs_copy": (read + written) / dq_ms / (2 * written / copy_ms)})
+        copy_gb_per_s = 2 * written / copy_ms / 1e6
+        rows.append({"kind": "dequantize", "format": "int4 g128", "N": N, "K": K, "tokens": None, "ms": dq_ms,
+                     "gb_per_s": (read + written) / dq_ms / 1e6, "copy_gb_per_s": copy_gb_per_s,
+                     "vs_copy": (read + written) / dq_ms / 1e6 / copy_gb_per_s})
+        if device == "cuda" and importlib.util.find_spec("bitsandbytes") is not None:
+            # what SitsLoraLinear4bit runs per call on a QLoRA model: bitsandbytes' own NF4 dequantization
+            import bitsandbytes.functional as F
+
+            codes, state = F.quantize_4bit(torch.randn(N, K, device=device, dtype=dtype) * 0.02, quant_type="nf4",
+                                           compress_statistics=True)
+            nf4_read = codes.numel() * codes.element_size() + state.absmax.numel() * state.absmax.element_size()
+            nf4_ms = median_ms(lambda: F.dequantize_4bit(codes, state, out=out))
+            rows.append({"kind": "dequantize", "format": "bnb nf4 (double quant)", "N": N, "K": K, "tokens": None,
+                         "ms": nf4_ms, "gb_per_s": (nf4_read + written) / nf4_ms / 1e6, "copy_gb_per_s": copy_gb_per_s,
+                         "vs_copy": (nf4_read + written) / nf4_ms / 1e6 / copy_gb_per_s})
         for T in tokens:
             x = torch.randn(T, K, device=device, dtype=dtype)
             fused = median_ms(lambda: Q.int4_matmul(x, packed, scales, mins, K))
@@ -60,7 +73,8 @@ def main(argv=None) -> int:
                          "faster": "fused" if fused < dequant else "dequant"})
     os.makedirs(args.out, exist_ok=True)
     write_results("int4_kernels", rows, args.out, {"command": "python bench/bench_int4.py " + " ".join(argv or sys.argv[1:])})
-    print_table([r for r in rows if r["kind"] == "dequantize"], ["N", "K", "ms", "gb_per_s", "copy_gb_per_s", "vs_copy"])
+    print_table([r for r in rows if r["kind"] == "dequantize"],
+                ["format", "N", "K", "ms", "gb_per_s", "copy_gb_per_s", "vs_copy"])
     print_table([r for r in rows if r["kind"] != "dequantize"],
                 ["N", "K", "tokens", "fused_ms", "dequant_cublas_ms", "dense_cublas_ms", "faster"])
     return 0

@@ -3,7 +3,7 @@
     python bench/bench_layer.py                   # on the GPU: the four shapes x r in {16, 64}, T = 8192, bf16
     python bench/bench_layer.py --smoke           # seconds on a CPU: tiny shapes, checks the script runs
     python bench/bench_layer.py --arms frozen sits:cublas sits:fp8 --ranks 16   # the fp8 base (issue 6)
-    python bench/bench_layer.py --arms frozen sits:cublas sits:int4 peft:nf4 --ranks 16   # the 4-bit bases
+    python bench/bench_layer.py --arms frozen sits:cublas sits:int4 sits:nf4 peft:nf4 --ranks 16   # the 4-bit bases
 
 "frozen" is the floor: the base nn.Linear with a frozen weight and an input that requires grad
 (forward GEMM + dX GEMM). Every LoRA layer does at least this work. Each arm is timed in the same
@@ -47,8 +47,9 @@ def build(arm: str, d_in: int, d_out: int, r: int, dtype, device):
         return base
     if arm == "peft":
         model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=["proj"]))
-    elif arm == "peft:nf4":
-        # PEFT's QLoRA layer: a bitsandbytes Linear4bit base (nf4, double quantization, bf16 compute)
+    elif arm in ("peft:nf4", "sits:nf4"):
+        # PEFT's QLoRA layer, or sits_lora's fused one: a bitsandbytes Linear4bit base (nf4, double
+        # quantization, bf16 compute)
         import bitsandbytes as bnb
 
         quantized = bnb.nn.Linear4bit(d_in, d_out, bias=False, compute_dtype=dtype, quant_type="nf4",
@@ -56,7 +57,9 @@ def build(arm: str, d_in: int, d_out: int, r: int, dtype, device):
         quantized.load_state_dict(base.proj.state_dict())
         base.proj = quantized.to(device)
         base.is_loaded_in_4bit = True  # what PEFT's bitsandbytes dispatcher looks for
-        model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=["proj"]))
+        config = (LoraConfig if arm == "peft:nf4" else sits_lora.SitsLoraConfig)(r=r, lora_alpha=2 * r,
+                                                                                 target_modules=["proj"])
+        model = get_peft_model(base, config)
     elif arm.startswith("sits:int4"):
         # the INT4 base; "sits:int4:fused" / "sits:int4:dequant" pin how its products run
         model = get_peft_model(base, sits_lora.SitsLoraConfig(r=r, lora_alpha=2 * r, target_modules=["proj"],

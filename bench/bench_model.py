@@ -85,10 +85,16 @@ def to_bitsandbytes_nf4(model, dtype) -> None:
                 linear = getattr(parent, name, None)
                 if linear is None:
                     continue
+                # built on the meta device and given the weight, quantized where it lies: a CPU-built layer
+                # would first fill a random fp32 weight on the host (about 100 s for the 8B shape's 224 layers)
                 quantized = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                              compute_dtype=dtype, quant_type="nf4", compress_statistics=True)
-                quantized.load_state_dict(linear.state_dict())
-                setattr(parent, name, quantized.to(linear.weight.device))
+                                              compute_dtype=dtype, quant_type="nf4", compress_statistics=True,
+                                              device="meta")
+                quantized.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, compress_statistics=True,
+                                                     quant_type="nf4", module=quantized).to(linear.weight.device)
+                if linear.bias is not None:
+                    quantized.bias = linear.bias
+                setattr(parent, name, quantized)
     model.is_loaded_in_4bit = True
 
 
@@ -153,6 +159,8 @@ def worker(args) -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     batch, seq = (args.batch, args.seq) if not args.smoke else (2, 32)
     model, params = build(args.model, args.arm, device, dtype, args.layers)
+    # the whole model as it waits for its first step: weights (4-bit ones packed), LoRA parameters
+    weights_gib = torch.cuda.memory_allocated() / 2**30 if device == "cuda" else None
     model.train()
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda") if params else None
     parts = args.arm.split("+")
@@ -213,7 +221,14 @@ def worker(args) -> None:
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
         "peak_includes_warmup": cuda_graphs,
         "warmup_s": warmup_s, "loss": float(loss), "trainable_params": sum(p.numel() for p in params),
+        "weights_gib": weights_gib,
     }
+    if params:
+        from sits_lora.int4 import int4_weight_memory
+
+        # the adapted projections' frozen weights as stored (4-bit: codes and scales) over their bf16 bytes
+        memory = int4_weight_memory(model)
+        row["adapted_weight_gib"], row["adapted_weight_ratio"] = memory["stored_bytes"] / 2**30, memory["ratio"]
     if args.arm.startswith("sits"):
         from sits_lora.activations import input_recompute_report
 

@@ -1,13 +1,16 @@
 """The GPU regression gate: every arm of a training step on two Llama-3 shapes, against a baseline and the targets.
 
-    python bench/regress.py --out OUT                   # a GPU (H200): 1B and 8B shapes, about 9 minutes
-    python bench/regress.py --out OUT --shapes 1b       # one shape per call: 1B ~5.5 min, 8B ~3.5 min
+    python bench/regress.py --out OUT                   # a GPU (H200): 1B and 8B shapes, about 14 minutes
+    python bench/regress.py --out OUT --shapes 1b       # one shape per call: 1B ~8 min, 8B ~6 min
+    python bench/regress.py --out OUT --shapes 8b-full --arms frozen+liger sits+liger peft+nf4 sits+nf4+liger \
+        sits+int4+liger                                 # the 4-bit arms on all 32 layers of the 8B shape
     python bench/regress.py --out OUT --write-baseline bench/baseline/h200.json   # record a new baseline
     python bench/regress.py --smoke --out OUT           # a CPU: tiny shape, the arms that run without CUDA
 
 Each arm is one process of bench/bench_model.py (random bf16 weights, bs 4 x 2048, LoRA r16 on the seven
 projections, fused AdamW): frozen (eager, compile, Liger), PEFT (eager, compile) and sits (eager, compile,
-Liger, fp8, fp8 + Liger). "The floor" is the fastest frozen arm of the same run;
+Liger, fp8, fp8 + Liger) and the 4-bit frozen bases (PEFT QLoRA on bitsandbytes NF4; sits on NF4 and on its
+own INT4, each also with Liger). "The floor" is the fastest frozen arm of the same run;
 every arm is compared as its step time over the floor, which drifts less between runs than the times
 themselves. The 8B shape runs SHAPES["8b"]["layers"] of its 32 decoder layers so that the compiled arms
 fit the device call: the layers are identical, so the per-layer ratios are the model's, but the head and
@@ -22,6 +25,7 @@ OUT/regress.json, regress.csv and regress.png.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -37,16 +41,23 @@ from bench_model import FLOOR_ARMS, add_floor_ratios, run_arm  # noqa: E402
 from harness import environment, png, print_table, write_results  # noqa: E402
 
 DEFAULT_BASELINE = os.path.join(HERE, "baseline", "h200.json")
-SHAPES = {"1b": dict(model="1b", layers=16), "8b": dict(model="8b", layers=4)}
+SHAPES = {"1b": dict(model="1b", layers=16), "8b": dict(model="8b", layers=4),
+          # all 32 layers: the whole model's peak and weight memory (the 4-bit arms' targets), not run by default
+          "8b-full": dict(model="8b", layers=32)}
+DEFAULT_SHAPES = ("1b", "8b")
 SMOKE_SHAPES = {"tiny": dict(model="tiny", layers=2)}
 # frozen+liger+compile is left out: Liger-Kernel 0.8.5 under torch.compile (torch 2.11) stopped with "an illegal
 # memory access was encountered" on the H200 (docs/performance.md); pass it in --arms to try again
+# the 4-bit frozen bases: PEFT's QLoRA layer (bitsandbytes NF4), sits_lora's fused one on NF4, its own INT4
+FOUR_BIT_ARMS = ["peft+nf4", "sits+nf4", "sits+nf4+liger", "sits+int4", "sits+int4+liger"]
 ARMS = ["frozen", "frozen+compile", "frozen+liger", "peft", "peft+compile",
-        "sits", "sits+compile", "sits+liger", "sits+fp8", "sits+fp8+liger"]
+        "sits", "sits+compile", "sits+liger", "sits+fp8", "sits+fp8+liger"] + FOUR_BIT_ARMS
 # on a CPU: no Liger (GPU kernels), fp8 emulated
 SMOKE_ARMS = ["frozen", "frozen+compile", "peft", "sits", "sits+compile", "sits+fp8"]
 BF16_SITS = ("sits", "sits+compile", "sits+liger", "sits+liger+compile")
 FP8_SITS = ("sits+fp8", "sits+fp8+liger")
+NF4_SITS = ("sits+nf4", "sits+nf4+liger")
+INT4_SITS = ("sits+int4", "sits+int4+liger")
 # the configurations of bench/graph_breaks.py that must compile without a break (the dynamic-rank ones are
 # reported, not gated: their routing state does not trace yet)
 GATED_COMPILE_CONFIGS = ("static", "static, no siblings", "static, fp32 model under bf16 autocast", "fp8 hybrid",
@@ -86,12 +97,69 @@ def _speedup_target(arms, over: str, factor: float) -> Callable:
     return check
 
 
-def _fp8_vs_bf16(rows):
-    fp8, bf16 = _best(rows, FP8_SITS), _best(rows, BF16_SITS)
-    if fp8 is None or bf16 is None:
-        return None, "not measured"
-    ratio = fp8[1] / bf16[1]
-    return ratio <= 1.0, f"{fp8[0]} {ratio:.3f}x {bf16[0]} (<= 1.0)"
+def _vs_best(arms, against, limit: float) -> Callable:
+    """A target: the best of ``arms`` at most ``limit`` x the best of ``against`` (step time)."""
+    def check(rows):
+        best, ref = _best(rows, arms), _best(rows, against)
+        if best is None or ref is None:
+            return None, "not measured"
+        ratio = best[1] / ref[1]
+        return ratio <= limit, f"{best[0]} {ratio:.3f}x {ref[0]} (<= {limit})"
+    return check
+
+
+def _peak_vs(arms, against: str, limit: float) -> Callable:
+    """A target: the peak memory of the fastest of ``arms`` at most ``limit`` x the peak of ``against``."""
+    def check(rows):
+        best = _best(rows, arms)
+        peak = next((r.get("peak_gib") for r in rows if best and r["arm"] == best[0]), None)
+        ref = next((r.get("peak_gib") for r in rows if r["arm"] == against and "step_s" in r), None)
+        if not peak or not ref:
+            return None, "not measured"
+        ratio = peak / ref
+        return ratio <= limit, f"{best[0]} peak {peak:.1f} GiB, {ratio:.2f}x {against}'s {ref:.1f} (<= {limit})"
+    return check
+
+
+def _adapted_weights(arms, limit: float) -> Callable:
+    """A target: every one of ``arms`` stores its adapted projections' frozen weights in at most ``limit`` x
+    their bf16 bytes (bench_model's adapted_weight_ratio)."""
+    def check(rows):
+        found = [(r["arm"], r["adapted_weight_ratio"]) for r in rows
+                 if r["arm"] in arms and r.get("adapted_weight_ratio") is not None]
+        if not found:
+            return None, "not measured"
+        return (all(ratio <= limit for _, ratio in found),
+                ", ".join(f"{arm} {ratio:.3f}x" for arm, ratio in found) + f" the bf16 bytes (<= {limit})")
+    return check
+
+
+def _whole_weights(arms, against, limit: float) -> Callable:
+    """A target: the whole model's weights before the first step (weights_gib), the fastest of ``arms`` against
+    the fastest of ``against``."""
+    def check(rows):
+        best, ref = _best(rows, arms), _best(rows, against)
+        if best is None or ref is None:
+            return None, "not measured"
+        gib = {r["arm"]: r.get("weights_gib") for r in rows}
+        if not gib.get(best[0]) or not gib.get(ref[0]):
+            return None, "not measured"
+        ratio = gib[best[0]] / gib[ref[0]]
+        return ratio <= limit, (f"{best[0]} {gib[best[0]]:.2f} GiB, {ratio:.3f}x {ref[0]}'s {gib[ref[0]]:.2f} "
+                                f"(<= {limit})")
+    return check
+
+
+_fp8_vs_bf16 = _vs_best(FP8_SITS, BF16_SITS, 1.0)
+# the 4-bit targets, the same on every shape (the 4-layer 8B shape's peak and whole-model weights are mostly
+# its head and embeddings: the "8b-full" shape measures those as the model has them)
+FOUR_BIT_TARGETS = [
+    ("best sits nf4 >= 1.8x peft+nf4 (PEFT QLoRA)", _speedup_target(NF4_SITS, "peft+nf4", 1.8)),
+    ("fastest sits nf4 peak <= 0.6x peft+nf4 peak", _peak_vs(NF4_SITS, "peft+nf4", 0.6)),
+    ("best sits nf4 <= 1.15x best sits bf16", _vs_best(NF4_SITS, BF16_SITS, 1.15)),
+    ("best sits int4 <= 1.15x best sits bf16", _vs_best(INT4_SITS, BF16_SITS, 1.15)),
+    ("adapted weights of sits nf4 / int4 <= 0.35x bf16", _adapted_weights(NF4_SITS + INT4_SITS, 0.35)),
+]
 
 
 def _memory_target(arm: str, extra_gib: float) -> Callable:
@@ -120,6 +188,12 @@ TARGETS = {
            ("best sits bf16 >= 1.6x peft+compile", _speedup_target(BF16_SITS, "peft+compile", 1.6)),
            ("best sits fp8 no slower than best sits bf16", _fp8_vs_bf16)],
 }
+for _shape in TARGETS:
+    TARGETS[_shape] += FOUR_BIT_TARGETS
+TARGETS["8b-full"] = FOUR_BIT_TARGETS + [
+    ("whole-model weights, fastest sits nf4 <= 0.35x fastest sits bf16", _whole_weights(NF4_SITS, BF16_SITS, 0.35)),
+    ("whole-model weights, fastest sits int4 <= 0.35x fastest sits bf16",
+     _whole_weights(INT4_SITS, BF16_SITS, 0.35))]
 
 
 def compare(rows: list[dict], baseline: Optional[dict], compile_rows: list[dict], targets: dict,
@@ -208,7 +282,8 @@ def write_baseline(path: str, rows: list[dict], previous: Optional[dict], comman
     """This run's rows as a baseline at ``path``; the (shape, arm) pairs it did not measure keep ``previous``'s
     rows (a gate split over two device calls, one shape each, builds one baseline; a run of a few arms
     updates those). Each row's ratio is to the floor of its own run."""
-    keep = ("shape", "model", "layers", "arm", "batch", "seq", "step_s", "tokens_per_s", "vs_floor", "peak_gib")
+    keep = ("shape", "model", "layers", "arm", "batch", "seq", "step_s", "tokens_per_s", "vs_floor", "peak_gib",
+            "weights_gib", "adapted_weight_ratio")
     measured = {(r["shape"], r["arm"]) for r in rows}
     kept = [r for r in (previous or {}).get("rows", []) if (r.get("shape"), r.get("arm")) not in measured]
     # an earlier run stays listed while a row it measured is still in the baseline
@@ -226,7 +301,8 @@ def write_baseline(path: str, rows: list[dict], previous: Optional[dict], comman
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "regress"))
-    parser.add_argument("--shapes", nargs="+", default=None, help=f"from {sorted(SHAPES)} (default all)")
+    parser.add_argument("--shapes", nargs="+", default=None,
+                        help=f"from {sorted(SHAPES)} (default {' '.join(DEFAULT_SHAPES)})")
     parser.add_argument("--arms", nargs="+", default=None, help=f"default {ARMS}")
     parser.add_argument("--baseline", default=DEFAULT_BASELINE, help="committed baseline JSON to compare with")
     parser.add_argument("--write-baseline", default=None, help="also write this run as a baseline to this path")
@@ -254,10 +330,15 @@ def main(argv=None) -> int:
     for c in compile_rows:
         print(f"[graph breaks] {c['config']}: {c.get('error') or c.get('graph_breaks')}", flush=True)
     rows = []
-    for shape in args.shapes or list(shapes):
+    arms = args.arms or (SMOKE_ARMS if args.smoke else ARMS)
+    if importlib.util.find_spec("bitsandbytes") is None and any("nf4" in a.split("+") for a in arms):
+        print("[regress] bitsandbytes is not installed: the nf4 arms are left out (pip install bitsandbytes, or "
+              "carry its wheel to the GPU)", flush=True)
+        arms = [a for a in arms if "nf4" not in a.split("+")]
+    for shape in args.shapes or (list(shapes) if args.smoke else list(DEFAULT_SHAPES)):
         spec = shapes[shape]
         shape_rows = []
-        for arm in args.arms or (SMOKE_ARMS if args.smoke else ARMS):
+        for arm in arms:
             row = run_arm(spec["model"], arm, warmup=args.warmup, steps=args.steps, smoke=args.smoke,
                           layers=spec["layers"], timeout_s=args.arm_timeout)
             row["shape"] = shape
@@ -277,7 +358,7 @@ def main(argv=None) -> int:
         _plot(ok_rows, baseline, os.path.join(args.out, "regress.png"))
     if args.write_baseline:
         write_baseline(args.write_baseline, ok_rows, baseline, extra["command"])
-    print_table(ok_rows, ["shape", "arm", "tokens_per_s", "step_s", "vs_floor", "peak_gib", "warmup_s"])
+    print_table(ok_rows, ["shape", "arm", "tokens_per_s", "step_s", "vs_floor", "peak_gib", "weights_gib", "warmup_s"])
     failed = [c for c in checks if c["ok"] is False]
     for c in checks:
         mark = {True: "ok  ", False: "FAIL", None: "--  "}[c["ok"]]

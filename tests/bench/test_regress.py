@@ -78,6 +78,37 @@ def test_the_memory_target_compares_with_the_peak_of_the_floor_arm():
     assert _by_what(regress.compare(rows, None, [], regress.TARGETS), "target")[("8b", target)]["ok"] is None
 
 
+def test_the_4bit_targets_compare_speed_peak_and_weight_bytes_in_the_same_run():
+    rows = _rows("8b", frozen_liger=1.0, sits_liger=1.05, peft_nf4=2.0, sits_nf4=1.3, sits_nf4_liger=1.1,
+                 sits_int4=1.4, sits_int4_liger=1.25)
+    info = {"peft+nf4": (50.0, 0.26), "sits+nf4": (30.0, 0.26), "sits+nf4+liger": (31.0, 0.26),
+            "sits+int4": (30.0, 0.27), "sits+int4+liger": (28.0, 0.36)}
+    for row in rows:
+        row["peak_gib"], row["adapted_weight_ratio"] = info.get(row["arm"], (20.0, None))
+    checks = _by_what(regress.compare(rows, None, [], regress.TARGETS), "target")
+    speed = checks[("8b", "best sits nf4 >= 1.8x peft+nf4 (PEFT QLoRA)")]
+    assert speed["ok"] is True and "sits+nf4+liger 1.82x as fast as peft+nf4" in speed["detail"]
+    peak = checks[("8b", "fastest sits nf4 peak <= 0.6x peft+nf4 peak")]
+    assert peak["ok"] is False and "sits+nf4+liger peak 31.0 GiB, 0.62x" in peak["detail"]   # the fastest one's
+    assert checks[("8b", "best sits nf4 <= 1.15x best sits bf16")]["ok"] is True               # 1.1 / 1.05
+    assert checks[("8b", "best sits int4 <= 1.15x best sits bf16")]["ok"] is False             # 1.25 / 1.05
+    weights = checks[("8b", "adapted weights of sits nf4 / int4 <= 0.35x bf16")]
+    assert weights["ok"] is False and "sits+int4+liger 0.360x" in weights["detail"]
+    # a run without the 4-bit arms (bitsandbytes missing, or --arms) reports them as not measured
+    bare = _by_what(regress.compare(_rows("8b", frozen=1.0, sits=1.1), None, [], regress.TARGETS), "target")
+    assert bare[("8b", "best sits nf4 >= 1.8x peft+nf4 (PEFT QLoRA)")]["ok"] is None
+
+
+def test_the_full_8b_shape_checks_whole_model_weights():
+    rows = _rows("8b-full", frozen_liger=1.0, sits_liger=1.05, sits_nf4_liger=1.1, sits_int4_liger=1.12)
+    for row, gib in zip(rows, (15.0, 15.1, 5.2, 5.6)):
+        row["weights_gib"] = gib
+    checks = _by_what(regress.compare(rows, None, [], regress.TARGETS), "target")
+    nf4 = checks[("8b-full", "whole-model weights, fastest sits nf4 <= 0.35x fastest sits bf16")]
+    assert nf4["ok"] is True and "sits+nf4+liger 5.20 GiB, 0.344x sits+liger's 15.10" in nf4["detail"]
+    assert checks[("8b-full", "whole-model weights, fastest sits int4 <= 0.35x fastest sits bf16")]["ok"] is False
+
+
 def test_a_baseline_split_over_two_calls_keeps_the_other_shape(tmp_path):
     path = tmp_path / "baseline.json"
     regress.write_baseline(str(path), _rows("1b", frozen=1.0, sits=1.2), None, "first call")

@@ -26,7 +26,7 @@ from sits_lora.cli.bench import (
     BenchmarkConfigError,
     BenchmarkRunner,
 )
-from sits_lora.ops.int4 import int4_dequantize, int4_dequantize_into, int4_dequantize_reference, int4_quantize
+from sits_lora.ops.int4_linear import int4_dequantize, int4_pack, int4_unpack_into, int4_unpack_reference
 
 from conftest import REPO_ROOT, tiny_llama
 
@@ -259,20 +259,22 @@ def test_int4_rule_verdicts():
 
 
 def test_int4_kernel_and_pytorch_paths_match_the_reference_at_any_offset():
+    """The bench times the INT4 base's own format (ops.int4_linear) from views at any byte offset."""
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(32, 64, generator=gen)
-    packed, absmax = int4_quantize(weight)
-    reference = int4_dequantize_reference(packed, absmax)
-    assert (reference.view(32, 64) - weight).abs().max() <= absmax.max() / 14 + 1e-6  # half a step of 1/7 absmax
+    weight = torch.randn(32, 128, generator=gen)
+    packed, scales, mins = int4_pack(weight, 64)
+    reference = int4_unpack_reference(packed, scales, mins, 128, torch.float32)
+    assert (reference - weight).abs().max() <= scales.max() / 2 + 1e-6  # half a step
     buffer = torch.zeros(packed.numel() + 64, dtype=torch.uint8)
     for offset in (0, 1, 4, 16, 32):
-        view = buffer[offset:offset + packed.numel()]
+        view = buffer[offset:offset + packed.numel()].view(packed.shape)
         view.copy_(packed)
-        assert torch.equal(int4_dequantize_into(view, absmax, torch.empty(2 * packed.numel())), reference)
+        assert torch.equal(int4_unpack_into(view, scales, mins, torch.empty(32, 128)), reference)
         if os.environ.get("TRITON_INTERPRET") == "1":
-            assert torch.equal(int4_dequantize(view, absmax, torch.float32), reference), offset
-    with pytest.raises(ValueError, match="not a multiple of the block size 64"):
-        int4_quantize(torch.randn(3, 7))
+            out = torch.empty(32, 128)
+            assert torch.equal(int4_dequantize(view, scales, mins, 128, out), reference), offset
+    with pytest.raises(ValueError, match=r"out must be contiguous \(32, 128\)"):
+        int4_unpack_into(packed, scales, mins, torch.empty(32, 64))
 
 
 # ----------------------------------------------------------------------------- check

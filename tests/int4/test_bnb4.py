@@ -164,3 +164,21 @@ def test_fused_qlora_layer_matches_peft_qlora_on_a_gpu_in_bf16(model_dir):
     assert rel_err(loss.float(), ref_loss.float()) < 1e-2
     for name in grads:
         assert rel_err(grads[name].float(), ref_grads[name].float()) < 5e-2, name
+
+
+def test_weight_memory_counts_the_4bit_codes_and_their_quantization_state(model_dir):
+    from sits_lora.int4 import int4_weight_memory
+
+    for double in (True, False):
+        model = get_peft_model(load_4bit(model_dir, "nf4", double), SitsLoraConfig(r=8, target_modules=PROJECTIONS))
+        memory = int4_weight_memory(model)
+        bases = [m.get_base_layer() for m in layers_of(model, "SitsLoraLinear4bit")]
+        codes = sum(b.weight.numel() for b in bases)                     # uint8, two weights a byte
+        weights = sum(b.in_features * b.out_features for b in bases)
+        assert memory["layers"] == 14 and memory["bf16_bytes"] == 2 * weights and 2 * codes == weights
+        # one absmax per 64 weights: a byte when double-quantized (plus the nested fp32 absmax and code
+        # tables), a float32 otherwise
+        state = memory["stored_bytes"] - codes
+        assert (weights // 64 < state < weights // 64 + 14 * 2048) if double else state >= 4 * (weights // 64)
+        # the code tables are fixed-size, a large share of this tiny model's bytes (0.26x at Llama shapes)
+        assert memory["ratio"] == memory["stored_bytes"] / memory["bf16_bytes"] < 0.5

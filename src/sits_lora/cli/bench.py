@@ -12,8 +12,10 @@ things on this machine, each a measurement and none an assumption:
   checkpoint (Llama-3-8B shapes, r 16 on the seven projections, saved by ``save_pretrained``) to
   the GPU;
 - **INT4 alignment**: the latency of loading and dequantizing a packed 4-bit weight buffer
-  (``sits_lora.ops.int4``; 4096 x 4096 weights, 8 MiB packed, read from HBM: the L2 cache is flushed
-  before every call) that starts at byte offsets 0, 4, 8, 16, 32, 64, 128 past a 512-byte boundary.
+  in the INT4 base's own format (``SitsLoraConfig(base_quant="int4")``, ``sits_lora.ops.int4_linear``:
+  4096 x 4096 weights, 8 MiB of codes plus a bf16 scale and min per 128 weights, read from HBM: the L2
+  cache is flushed before every call) whose codes start at byte offsets 0, 4, 8, 16, 32, 64, 128 past a
+  512-byte boundary.
 
 The alignment rule. ``alignment="sits2026"`` is the rule sits_lora's guard rails enforce on packed
 INT4 weights (``sits_lora.training`` check "int4"): every packed buffer starts on a 32-byte boundary,
@@ -573,31 +575,31 @@ class BenchmarkRunner:
         section = "int4 alignment"
         if self.int4_mode == "off":
             return [BenchItem(section, "dequantize by offset", "skipped", summary="int4_mode='off'")]
-        from ..ops.int4 import int4_dequantize, int4_dequantize_into, int4_dequantize_reference, int4_quantize
+        from ..ops.int4_linear import int4_dequantize, int4_pack, int4_unpack_into, int4_unpack_reference
 
         interpreter = not self.gpu and _interpreter_on()
         if self.gpu:
             rows, cols, device, dtype, impl = 4096, 4096, "cuda", torch.bfloat16, "Triton kernel"
         elif interpreter:
-            rows, cols, device, dtype, impl = 64, 64, "cpu", torch.float32, "Triton interpreter"
+            rows, cols, device, dtype, impl = 32, 128, "cpu", torch.float32, "Triton interpreter"
         else:
             rows, cols, device, dtype, impl = 1024, 1024, "cpu", torch.float32, "PyTorch"
         gen = torch.Generator().manual_seed(0)
-        packed, absmax = int4_quantize(torch.randn(rows, cols, generator=gen))
-        packed, absmax = packed.to(device), absmax.to(device)
+        # the INT4 base's own format (SitsLoraConfig(base_quant="int4")): codes, then a scale and min per group
+        packed, scales, mins = int4_pack(torch.randn(rows, cols, generator=gen).to(dtype).to(device))
         n = packed.numel()
-        reference = int4_dequantize_reference(packed, absmax, torch.float32)
+        reference = int4_unpack_reference(packed, scales, mins, cols, torch.float32)
         # one buffer; each offset is a view into it, so every address is base + offset
         buffer = torch.zeros(n + max(self.int4_offsets) + 512, dtype=torch.uint8, device=device)
         base = (-buffer.data_ptr()) % 512  # start from a 512-byte boundary whatever the allocator gave
-        out = torch.empty(2 * n, device=device, dtype=dtype)
+        out = torch.empty(rows, cols, device=device, dtype=dtype)
         if self.gpu or interpreter:
-            dequant = lambda view: int4_dequantize(view, absmax, dtype, out=out)  # noqa: E731
+            dequant = lambda view: int4_dequantize(view, scales, mins, cols, out)  # noqa: E731
         else:
-            dequant = lambda view: int4_dequantize_into(view, absmax, out)  # noqa: E731
+            dequant = lambda view: int4_unpack_into(view, scales, mins, out)  # noqa: E731
         views, errors = {}, {}
         for offset in self.int4_offsets:
-            view = buffer[base + offset: base + offset + n]
+            view = buffer[base + offset: base + offset + n].view(packed.shape)
             view.copy_(packed)
             views[offset] = view
             errors[offset] = _rel_err(dequant(view).float(), reference)

@@ -8,6 +8,7 @@ weights are dense: W dequantized plus the LoRA update).
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..base_checks import adapter_targets, check_adapters_agree, check_linear_targets, injected_layers
@@ -72,8 +73,9 @@ def restore_dense_base_layers(tuner, layer_cls) -> int:
 def int4_weight_memory(model: nn.Module) -> dict:
     """Bytes of the adapted layers' frozen weights as stored now and as bf16 would store them.
 
-    ``stored_bytes`` counts an INT4 base's codes, scales and mins, any other base's weight as stored;
-    ``ratio`` = stored / bf16 (0.27 at group size 128 with bf16 scales)."""
+    ``stored_bytes`` counts an INT4 base's codes, scales and mins, a bitsandbytes 4-bit base's codes and its
+    quantization state (absmax, nested absmax and code tables), any other base's weight as stored; ``ratio`` =
+    stored / bf16 (0.27 at group size 128 with bf16 scales, 0.26 for NF4 with double quantization)."""
     stored = bf16 = layers = int4_layers = 0
     seen: set[int] = set()
     for module in model.modules():
@@ -87,9 +89,21 @@ def int4_weight_memory(model: nn.Module) -> dict:
             int4_layers += 1
             stored += base.packed_bytes()
         else:
-            stored += base.weight.numel() * base.weight.element_size()
+            stored += _tensor_bytes(base.weight) + _quant_state_bytes(getattr(base.weight, "quant_state", None))
     return {"layers": layers, "int4_layers": int4_layers, "stored_bytes": stored, "bf16_bytes": bf16,
             "ratio": stored / bf16 if bf16 else None}
+
+
+def _tensor_bytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _quant_state_bytes(state) -> int:
+    """The tensors of a bitsandbytes QuantState (none: 0), its nested state's included."""
+    if state is None:
+        return 0
+    own = sum(_tensor_bytes(getattr(state, name, None)) for name in ("absmax", "code", "offset"))
+    return own + _quant_state_bytes(getattr(state, "state2", None))
 
 
 def largest_group_size(model: nn.Module, target_modules, choices=(128, 64, 32)) -> int:
