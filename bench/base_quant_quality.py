@@ -28,10 +28,11 @@ RECIPE = os.path.join(os.path.dirname(HERE), "recipes", "train.py")
 
 
 def arm_flags(arm: str) -> list[str]:
-    """--base-quant (and --int4-group-size) of an arm: "off", "int4" (the recipe's group size) or "int4:G"."""
+    """--base-quant (and --int4-group-size) of an arm: "off", "nf4" (QLoRA: bitsandbytes, a CUDA GPU), "int4" (the
+    recipe's group size) or "int4:G"."""
     quant, _, group = arm.partition(":")
-    if quant not in ("off", "int4") or (group and not group.isdigit()) or (group and quant != "int4"):
-        raise ValueError(f"--arms {arm}: give off, int4 or int4:G (G a group size, e.g. int4:64)")
+    if quant not in ("off", "int4", "nf4") or (group and not group.isdigit()) or (group and quant != "int4"):
+        raise ValueError(f"--arms {arm}: give off, nf4, int4 or int4:G (G a group size, e.g. int4:64)")
     return ["--base-quant", quant] + (["--int4-group-size", group] if group else [])
 
 

@@ -11,6 +11,7 @@
 #   GPU_TESTS="..."   more test files after tests/tuner/test_compile_gpu.py; GPU_TESTS=all: every test marked gpu
 #                     but the docs tests (their notebook runner is not in the GPU image; about 300 s);  HOST_PROFILE=0 skips the host profile
 #   PACK=1            end with everything in one OUT.tgz (the device tool returns at most 8 files)
+#   TESTS_TIMEOUT=S   stop the tests after S seconds
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 1 ]; then
@@ -30,12 +31,16 @@ if [ "${FP8_CROSSOVER:-0}" = 1 ]; then
     python3 bench/tune_kernels.py --fp8 --no-kernels --out "$OUT/tune" 2>&1 | grep --line-buffered -E "^fp8|cache|Error"
     export SITS_LORA_TUNING_CACHE="$OUT/tune/kernel_configs.json"
 fi
+# TESTS_TIMEOUT=S stops the tests after S seconds (their log names each test as it finishes); 0: no limit
 if [ "${GPU_TESTS:-}" = all ]; then
-    python3 -m pytest -q -p no:logging -rfE --tb=short -m gpu --ignore=tests/docs tests > "$OUT/tests.log" 2>&1
+    timeout "${TESTS_TIMEOUT:-0}" python3 -m pytest -v -p no:logging -rfE --tb=short -m gpu --ignore=tests/docs tests \
+        > "$OUT/tests.log" 2>&1
 else
-    python3 -m pytest -q -p no:logging -rfE --tb=short tests/tuner/test_compile_gpu.py ${GPU_TESTS:-} > "$OUT/tests.log" 2>&1
+    timeout "${TESTS_TIMEOUT:-0}" python3 -m pytest -v -p no:logging -rfE --tb=short tests/tuner/test_compile_gpu.py \
+        ${GPU_TESTS:-} > "$OUT/tests.log" 2>&1
 fi
-grep -E "passed|failed|Error|assert" "$OUT/tests.log" | tail -n 30
+[ $? = 124 ] && echo "tests stopped after ${TESTS_TIMEOUT} s: $(grep -c PASSED "$OUT/tests.log") passed, $(grep -c FAILED "$OUT/tests.log") failed so far"
+grep -E "FAILED|[0-9]+ passed|[0-9]+ failed|^E " "$OUT/tests.log" | tail -n 30
 [ "${HOST_PROFILE:-1}" = 1 ] && python3 bench/profile_host.py --out "$OUT/host" 2>&1 | grep -E "host per call|layer step" | head -n 20
 python3 bench/regress.py --out "$OUT/regress" "$@" 2>&1 | grep --line-buffered -v -E "^W[0-9]{4}|Warning|warnings.warn" | tee "$OUT/regress.log"
 exit "${PIPESTATUS[0]}"

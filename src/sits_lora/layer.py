@@ -75,6 +75,19 @@ class FusedAdapterChoice:
     ``frozen_base`` (sits_lora.bases) and ``sits_kernel`` (the adapters' SitsLoraConfig.kernel)."""
 
     frozen_base = BF16_BASE
+    # Set by sits_lora.activations where the frozen model keeps what this layer's input is made from: the
+    # ops then save a rebuild of the input instead of the input (SitsLoraConfig.recompute_lora_inputs).
+    input_recompute = None
+    # Set by SitsLoraModel for layers that read the same input as others (sits_lora.siblings).
+    _sibling_group = None
+
+    def _input_rebuild_hooks(self, x: torch.Tensor):
+        """Saved-tensor hooks that save a rebuild of x instead of x, or None to run the forward as is."""
+        recompute = self.input_recompute
+        group = self._sibling_group
+        if recompute is None or (group is not None and group.holds_output(self, x)):
+            return None
+        return recompute.saving(x)
 
     def _sits_variant(self, adapter_name: str) -> Optional[SitsLoraVariant]:
         variant = self.lora_variant.get(adapter_name)
@@ -112,8 +125,6 @@ class SitsLoraLinear(FusedAdapterChoice, LoraLinear):
     # Per-adapter state that PEFT's delete_adapter / set_adapter must carry along (a variant adds its own to
     # the instance, as PEFT's DoRA does).
     other_param_names = LoraLinear.other_param_names + ("sits_kernel",)
-    # Set by SitsLoraModel for layers that read the same input as others (sits_lora.siblings).
-    _sibling_group = None
     # The frozen base's fused path (sits_lora.bases): plain nn.Linear unless a feature quantizes the base
     # (sits_lora.fp8 sets an Fp8Base, sits_lora.int4 the INT4 base). A plain object, not a submodule: it holds no
     # parameters.
@@ -121,9 +132,6 @@ class SitsLoraLinear(FusedAdapterChoice, LoraLinear):
     # The features' LoRA variants, keyed as PEFT's lora_variants (a tuple of config fields tagged
     # is_lora_variant); SitsLoraModel registers one when an adapter first asks for it.
     feature_variants: dict[tuple, type] = {}
-    # Set by sits_lora.activations where the frozen model keeps what this layer's input is made from: the
-    # ops then save a rebuild of the input instead of the input (SitsLoraConfig.recompute_lora_inputs).
-    input_recompute = None
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, config, r: int = 0, lora_alpha: int = 1, **kwargs):
         self.sits_kernel: dict[str, str] = {}
@@ -162,13 +170,10 @@ class SitsLoraLinear(FusedAdapterChoice, LoraLinear):
         return None
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        recompute = self.input_recompute
-        group = self._sibling_group
-        if recompute is not None and (group is None or not group.holds_output(self, x)):
-            hooks = recompute.saving(x)  # saved-tensor hooks that save a rebuild of x instead of x, or None
-            if hooks is not None:
-                with hooks:
-                    return self._forward(x, *args, **kwargs)
+        hooks = self._input_rebuild_hooks(x)
+        if hooks is not None:
+            with hooks:
+                return self._forward(x, *args, **kwargs)
         return self._forward(x, *args, **kwargs)
 
     def _forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -38,9 +38,13 @@ class SitsLoraLinear4bit(FusedAdapterChoice, Linear4bit):
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         adapter = self._fused_adapter(args, kwargs)
-        if adapter is not None:
-            return self.frozen_base.fused_forward(self, adapter, x)
-        return super().forward(x, *args, **kwargs)
+        if adapter is None:
+            return super().forward(x, *args, **kwargs)
+        hooks = self._input_rebuild_hooks(x)  # the input rebuilt in backward, as SitsLoraLinear's
+        if hooks is not None:
+            with hooks:
+                return self.frozen_base.fused_forward(self, adapter, x)
+        return self.frozen_base.fused_forward(self, adapter, x)
 
     def __repr__(self) -> str:
         return "sits_lora." + super().__repr__().removeprefix("lora.")

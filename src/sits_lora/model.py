@@ -11,7 +11,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from .activations import attach_input_recompute, detach_input_recompute
-from .layer import SitsLoraLinear
+from .layer import FusedAdapterChoice, SitsLoraLinear
 from .siblings import assign_sibling_groups
 
 logger = logging.getLogger("sits_lora")
@@ -107,7 +107,7 @@ class SitsLoraModel(LoraModel):
         fuse = all(getattr(c, "fuse_siblings", True) for c in self.peft_config.values())
         assign_sibling_groups(model, SitsLoraLinear, enabled=fuse)
         if all(getattr(c, "recompute_lora_inputs", True) for c in self.peft_config.values()):
-            attach_input_recompute(model, SitsLoraLinear)
+            attach_input_recompute(model, FusedAdapterChoice)  # SitsLoraLinear and the QLoRA SitsLoraLinear4bit
         else:
             detach_input_recompute(model)
         config = self.peft_config[adapter_name]

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from conftest import rel_err, tiny_llama  # noqa: E402
 
 from sits_lora import SitsLoraConfig, export_peft_lora  # noqa: E402
+from sits_lora.activations import input_recompute_report  # noqa: E402
 from sits_lora.layer import SitsLoraLinear  # noqa: E402
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -71,6 +72,9 @@ def test_fused_qlora_layer_matches_peft_qlora(model_dir, quant_type, double, ker
     assert set(grads) == set(ref_grads) and len(grads) == 28
     for name in grads:
         assert rel_err(grads[name], ref_grads[name]) < 1e-5, name
+    # the layers after a norm (q/k/v, gate/up) saved a rebuild of their input, not the input (recompute_lora_inputs)
+    report = {r["layer"].rsplit(".", 1)[-1]: r for r in input_recompute_report(ours)}
+    assert len(report) == 7 and all(report[n]["rebuilt"] == report[n]["forwards"] > 0 for n in ("q_proj", "up_proj"))
 
 
 def test_dropout_draws_the_same_masks_as_peft(model_dir):

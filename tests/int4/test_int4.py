@@ -396,3 +396,14 @@ def test_merge_adapter_says_the_base_stays_dense_and_unmerge_still_trains(caplog
     model.train()
     model(input_ids=ids, labels=ids).loss.backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+
+
+def test_auto_mode_fuses_only_few_tokens_on_rows_the_fused_kernel_handles():
+    from sits_lora.ops.int4_linear import FUSED_MAX_IN_FEATURES, FUSED_MAX_TOKENS, resolve_mode
+
+    assert resolve_mode("auto", FUSED_MAX_TOKENS, 4096) == "fused"
+    assert resolve_mode("auto", FUSED_MAX_TOKENS + 1, 4096) == "dequant"          # a training batch
+    assert resolve_mode("auto", 1, FUSED_MAX_IN_FEATURES * 2) == "dequant"         # down_proj of an 8B model
+    assert resolve_mode("fused", 8192, 14336) == "fused" and resolve_mode("dequant", 1, 64) == "dequant"
+    with pytest.raises(ValueError, match=r"int4_mode='fast' is invalid: allowed values are 'auto', 'dequant'"):
+        resolve_mode("fast", 1, 64)

@@ -23,17 +23,23 @@ import torch
 from torch import Tensor
 
 _buffers: dict[tuple, Tensor] = {}
+_views: dict[tuple, Tensor] = {}   # (device, dtype, shape) -> a view of the current buffer: two aten calls saved a call
 
 
 def shared_buffer(device: torch.device, dtype: torch.dtype, shape: tuple[int, int]) -> Tensor:
     """A (rows, cols) tensor in the device's shared dense-weight buffer: valid until the next product that
     writes it (the next quantized layer's call on that device)."""
+    view = _views.get((device, dtype, shape))
+    if view is not None:
+        return view
     numel = shape[0] * shape[1]
     key = (torch.device(device), dtype)
     buffer = _buffers.get(key)
     if buffer is None or buffer.numel() < numel:
         buffer = _buffers[key] = torch.empty(numel, device=device, dtype=dtype)
-    return buffer[:numel].view(shape)
+        _views.clear()   # views of the smaller buffer would keep it alive and stop sharing
+    view = _views[(device, dtype, shape)] = buffer[:numel].view(shape)
+    return view
 
 
 class DenseProducts:
@@ -154,3 +160,4 @@ def dequant_lora_linear_reference(x: Tensor, x_lora: Optional[Tensor], lora_A: O
 def release_shared_buffers() -> None:
     """Free the shared dense-weight buffers (after the last quantized layer is gone: merge, unload)."""
     _buffers.clear()
+    _views.clear()

@@ -1,8 +1,11 @@
 """Triton kernels of the INT4 base (``sits_lora.ops.int4_linear`` holds the format and the launchers): the
-dequantization into a dense W, and the GEMMs that read W packed and dequantize it in registers."""
+dequantization into a dense W, and the GEMMs that read W packed and dequantize it in registers, each with its
+direct launcher (``launch.TritonLauncher``: a fraction of ``kernel[grid]``'s host time per call)."""
 
 import triton
 import triton.language as tl
+
+from .launch import TritonLauncher
 
 
 @triton.jit
@@ -93,3 +96,8 @@ def int4_dequantize_kernel(
                      GROUP, BLOCK_N, BLOCK_K)
     tl.store(out_ptr + n_idx[:, None] * K + k_idx[None, :], w.to(out_ptr.dtype.element_ty),
              mask=(n_idx[:, None] < N) & (k_idx[None, :] < K))
+
+
+DEQUANTIZE = TritonLauncher(int4_dequantize_kernel)
+MATMUL_NT = TritonLauncher(int4_matmul_nt_kernel)
+MATMUL_NN = TritonLauncher(int4_matmul_nn_kernel)

@@ -16,7 +16,7 @@ Two ways to run the base products, y = x Wᵀ (forward) and dx = dy W (backward)
   prologue), never writing W. It reads a quarter of the bytes, so it wins where the GEMM is bound by the
   weight's bytes (few tokens); cuBLAS wins where it is bound by FLOPs (training batches).
 
-``int4_lora_linear`` picks one by the token count (``fused`` up to ``FUSED_MAX_TOKENS``) and runs
+``int4_lora_linear`` picks one by the token count and row length (``resolve_mode``) and runs
 ``dequant_linear``'s op with it (the LoRA branch on the shared kernels of ``fused``, as the bf16 op), or runs
 the plain PyTorch reference.
 """
@@ -33,10 +33,13 @@ from .dequant_linear import DenseProducts, dequant_lora_linear, dequant_lora_lin
 GROUP_SIZE = 128
 ROW_ALIGN_BYTES = 32
 PACKED_COLUMNS_MULTIPLE = 2 * ROW_ALIGN_BYTES      # input features per aligned row unit: 64 (32 bytes)
-# At or below this many tokens the fused dequant-GEMM runs, above it dequantize + cuBLAS. A guess from the
-# bytes each reads (a (T, K) x (K, N) GEMM turns compute-bound near T = 128 on an H100 / H200 in bf16); not
-# measured yet: bench the two per shape before trusting it.
+# At or below this many tokens, and for rows of at most FUSED_MAX_IN_FEATURES, the fused dequant-GEMM runs;
+# otherwise dequantize + cuBLAS. Measured on the H200 (bench/bench_int4.py, forward product, bf16): fused
+# 0.040-0.057 ms against 0.067-0.110 for dequantize + cuBLAS at 16-64 tokens on 4096 x 4096 and 14336 x 4096 W;
+# cuBLAS wins from 256 tokens (0.113 against 0.154 at 14336 x 4096), and at every count on 4096 x 14336 (the
+# kernel splits no K: 64 programs walk 14336 features each).
 FUSED_MAX_TOKENS = 64
+FUSED_MAX_IN_FEATURES = 8192
 MODES = ("auto", "dequant", "fused")
 
 
@@ -140,10 +143,10 @@ def int4_dequantize(packed: Tensor, scales: Tensor, mins: Tensor, in_features: i
     N = packed.shape[0]
     block_n, block_k = (16, _block_k(group)) if _on_interpreter(packed) else (32, _block_k(group))
     grid = (-(-N // block_n), -(-in_features // block_k))
-    from .int4_kernels import int4_dequantize_kernel  # Triton loads on first use
+    from .int4_kernels import DEQUANTIZE  # Triton loads on first use
 
-    int4_dequantize_kernel[grid](packed, scales, mins, out, N, in_features, packed.shape[1], scales.shape[1],
-                                  GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k)
+    DEQUANTIZE(grid, packed, scales, mins, out, N, in_features, packed.shape[1], scales.shape[1],
+               GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k)
     return out
 
 
@@ -160,7 +163,7 @@ def int4_matmul(a: Tensor, packed: Tensor, scales: Tensor, mins: Tensor, in_feat
     accumulate = out is not None
     if out is None:
         out = torch.empty(M, K if transposed else N, device=a.device, dtype=a.dtype)
-    from .int4_kernels import int4_matmul_nn_kernel, int4_matmul_nt_kernel  # Triton loads on first use
+    from .int4_kernels import MATMUL_NN, MATMUL_NT  # Triton loads on first use
 
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     block_k = _block_k(group)
@@ -170,15 +173,15 @@ def int4_matmul(a: Tensor, packed: Tensor, scales: Tensor, mins: Tensor, in_feat
         block_m, block_n, warps, stages = (64, 64, 4, 3) if M > 16 else (16, 64, 4, 3)
     if transposed:
         grid = (-(-M // block_m), -(-K // block_k))
-        int4_matmul_nn_kernel[grid](a, packed, scales, mins, out, M, N, K, packed.shape[1], scales.shape[1],
-                                     ACCUMULATE=accumulate, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n,
-                                     BLOCK_K=block_k, DOT_PRECISION=precision, num_warps=warps, num_stages=stages)
+        MATMUL_NN(grid, a, packed, scales, mins, out, M, N, K, packed.shape[1], scales.shape[1],
+                  ACCUMULATE=accumulate, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n,
+                  BLOCK_K=block_k, DOT_PRECISION=precision, num_warps=warps, num_stages=stages)
     else:
         grid = (-(-M // block_m), -(-N // block_n))
-        int4_matmul_nt_kernel[grid](a, packed, scales, mins, out, M, N, K, padded_in_features(K), packed.shape[1],
-                                     scales.shape[1], ACCUMULATE=accumulate, GROUP=group, BLOCK_M=block_m,
-                                     BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision, num_warps=warps,
-                                     num_stages=stages)
+        MATMUL_NT(grid, a, packed, scales, mins, out, M, N, K, padded_in_features(K), packed.shape[1],
+                  scales.shape[1], ACCUMULATE=accumulate, GROUP=group, BLOCK_M=block_m,
+                  BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision, num_warps=warps,
+                  num_stages=stages)
     return out
 
 
@@ -212,12 +215,12 @@ class Int4Products:
         return int4_matmul(dy, self.packed, self.scales, self.mins, self.in_features, transposed=True, out=out)
 
 
-def resolve_mode(mode: str, tokens: int) -> str:
-    """"auto": "fused" up to FUSED_MAX_TOKENS tokens, "dequant" above."""
+def resolve_mode(mode: str, tokens: int, in_features: int = 0) -> str:
+    """"auto": "fused" up to FUSED_MAX_TOKENS tokens on rows of up to FUSED_MAX_IN_FEATURES, else "dequant"."""
     if mode not in MODES:
         raise ValueError(f"Int4BaseLinear.int4_mode={mode!r} is invalid: allowed values are {', '.join(map(repr, MODES))}")
     if mode == "auto":
-        return "fused" if tokens <= FUSED_MAX_TOKENS else "dequant"
+        return "fused" if tokens <= FUSED_MAX_TOKENS and in_features <= FUSED_MAX_IN_FEATURES else "dequant"
     return mode
 
 
@@ -233,5 +236,5 @@ def int4_lora_linear(x: Tensor, x_lora: Optional[Tensor], lora_A: Optional[Tenso
         products = DenseProducts(lambda dtype: int4_unpack_reference(packed, scales, mins, in_features, dtype))
         return dequant_lora_linear_reference(x, x_lora, lora_A, lora_B, bias, products, packed.shape[0], scaling)
     tokens = x.numel() // max(x.shape[-1], 1)
-    products = Int4Products(packed, scales, mins, in_features, resolve_mode(mode, tokens))
+    products = Int4Products(packed, scales, mins, in_features, resolve_mode(mode, tokens, in_features))
     return dequant_lora_linear(x, x_lora, lora_A, lora_B, bias, products, packed.shape[0], scaling)
