@@ -61,6 +61,17 @@ def main(argv=None) -> int:
             rows.append({"kind": "dequantize", "format": "bnb nf4 (double quant)", "N": N, "K": K, "tokens": None,
                          "ms": nf4_ms, "gb_per_s": (nf4_read + written) / nf4_ms / 1e6, "copy_gb_per_s": copy_gb_per_s,
                          "vs_copy": (nf4_read + written) / nf4_ms / 1e6 / copy_gb_per_s})
+            # the same bytes through sits_lora's kernel (SITS_LORA_BNB4_DEQUANT=triton), checked against bitsandbytes'
+            from sits_lora.bases.bnb4 import layout_of
+            from sits_lora.ops.bnb4_dequant import bnb4_dequantize
+
+            expected = out.clone()
+            ours_ms = median_ms(lambda: bnb4_dequantize(codes, layout_of(state), out))
+            rows.append({"kind": "dequantize", "format": "nf4 by sits_lora's kernel", "N": N, "K": K, "tokens": None,
+                         "ms": ours_ms, "gb_per_s": (nf4_read + written) / ours_ms / 1e6,
+                         "copy_gb_per_s": copy_gb_per_s,
+                         "vs_copy": (nf4_read + written) / ours_ms / 1e6 / copy_gb_per_s,
+                         "max_abs_diff_vs_bnb": float((out.float() - expected.float()).abs().max())})
         for T in tokens:
             x = torch.randn(T, K, device=device, dtype=dtype)
             fused = median_ms(lambda: Q.int4_matmul(x, packed, scales, mins, K))

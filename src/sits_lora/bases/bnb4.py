@@ -9,13 +9,38 @@ kernels. Importing this module imports bitsandbytes.
 
 from __future__ import annotations
 
+import os
+
 import bitsandbytes as bnb
 import torch
 from torch import nn
 
 from .. import ops
+from ..ops.bnb4_dequant import Bnb4Layout, bnb4_dequantize
 from ..ops.dequant_linear import DenseProducts, dequant_lora_linear, dequant_lora_linear_reference, shared_buffer
 from .int4 import compute_inputs
+
+
+DEQUANTIZERS = ("bitsandbytes", "triton")
+
+
+def dequantizer() -> str:
+    """Which kernel forms W on a GPU: ``SITS_LORA_BNB4_DEQUANT`` = "bitsandbytes" (the default: its own
+    ``dequantize_4bit``) or "triton" (``sits_lora.ops.bnb4_dequant``; not yet measured against it in a training
+    step, see docs/quantization.md)."""
+    choice = os.environ.get("SITS_LORA_BNB4_DEQUANT", "bitsandbytes")
+    if choice not in DEQUANTIZERS:
+        raise ValueError(f"SITS_LORA_BNB4_DEQUANT={choice!r} is invalid: allowed values are "
+                         f"{', '.join(map(repr, DEQUANTIZERS))}")
+    return choice
+
+
+def layout_of(state) -> Bnb4Layout:
+    """The tensors of a bitsandbytes ``QuantState`` that ``ops.bnb4_dequant`` reads."""
+    if state.nested:
+        return Bnb4Layout(state.absmax, state.code, state.blocksize, state.state2.absmax, state.state2.code,
+                          state.offset, state.state2.blocksize)
+    return Bnb4Layout(state.absmax, state.code, state.blocksize, None, None, None)
 
 
 def dequantized(weight, dtype: torch.dtype) -> torch.Tensor:
@@ -25,7 +50,10 @@ def dequantized(weight, dtype: torch.dtype) -> torch.Tensor:
         out = bnb.functional.dequantize_4bit(weight.data, state)
     else:
         out = shared_buffer(weight.device, state.dtype, tuple(state.shape))
-        bnb.functional.dequantize_4bit(weight.data, state, out=out)
+        if dequantizer() == "triton":
+            bnb4_dequantize(weight.data, layout_of(state), out)
+        else:
+            bnb.functional.dequantize_4bit(weight.data, state, out=out)
     return out if state.dtype == dtype else out.to(dtype)
 
 
