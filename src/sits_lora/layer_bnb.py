@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import bitsandbytes as bnb
 import torch
 from peft.tuners.lora.bnb import Linear4bit
 
@@ -31,6 +32,7 @@ class SitsLoraLinear4bit(FusedAdapterChoice, Linear4bit):
         base = self.get_base_layer()
         if getattr(base, "support_avx512bf16_for_cpu", False):
             base.support_avx512bf16_for_cpu = False
+        _undo_cpu_repacking(base)
 
     def update_layer(self, adapter_name: str, r: int, lora_alpha: int, config, **kwargs) -> None:
         super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
@@ -48,3 +50,18 @@ class SitsLoraLinear4bit(FusedAdapterChoice, Linear4bit):
 
     def __repr__(self) -> str:
         return "sits_lora." + super().__repr__().removeprefix("lora.")
+
+
+def _undo_cpu_repacking(base) -> None:
+    """A weight that an eval forward on such a CPU already repacked (the model evaluated before get_peft_model)
+    gets its bitsandbytes layout back, as bitsandbytes does itself before ``.cuda()`` and ``state_dict()``."""
+    weight = base.weight
+    if not getattr(getattr(weight, "quant_state", None), "packing_format_for_cpu", False):
+        return
+    inverse = getattr(bnb.functional, "_convert_weight_packed_for_cpu_inverse", None)
+    if inverse is None:
+        raise RuntimeError("this bitsandbytes 4-bit weight was repacked for bitsandbytes' CPU kernel (an eval-mode "
+                           "forward on a CPU with AVX512-BF16) and this bitsandbytes has no inverse: load the model "
+                           "again and call get_peft_model before evaluating it")
+    weight.data, weight.quant_state = inverse(weight.data, weight.quant_state)
+    base.quant_state = weight.quant_state

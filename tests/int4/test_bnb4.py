@@ -103,6 +103,33 @@ def test_eval_forward_leaves_the_packed_weight_alone(model_dir):
     assert torch.equal(bnb.functional.dequantize_4bit(weight.data, weight.quant_state), before)
 
 
+def test_a_model_evaluated_before_wrapping_gets_its_repacked_weights_back(model_dir):
+    """An eval forward on the plain 4-bit model (before get_peft_model) repacks its weights on a CPU with
+    AVX512-BF16; the sits_lora layer restores bitsandbytes' layout, so its outputs match a model never evaluated."""
+    ids = torch.randint(0, 97, (2, 9))
+    config = SitsLoraConfig(r=8, lora_alpha=16, target_modules=PROJECTIONS, init_lora_weights=False)
+    evaluated = load_4bit(model_dir)
+    linears = [m for m in evaluated.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    for m in linears:
+        m.support_avx512bf16_for_cpu = True  # as on such a CPU, whatever this one has
+    evaluated.eval()
+    with torch.no_grad():
+        evaluated(input_ids=ids)
+    repacked = [getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in linears]
+    if not any(repacked):
+        pytest.skip("this bitsandbytes does not repack 4-bit weights for its CPU kernel")
+    torch.manual_seed(1)
+    ours = get_peft_model(evaluated, config)
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in linears)
+    torch.manual_seed(1)
+    fresh = get_peft_model(load_4bit(model_dir), config)
+    (loss, grads), (ref_loss, ref_grads) = train_step(ours, ids), train_step(fresh, ids)
+    # bitsandbytes' inverse quantizes the scales again (double quantization): close, not bit for bit (the repacked
+    # layout itself, read by dequantize_4bit, gives wrong values: the eval-forward test above)
+    assert rel_err(loss, ref_loss) < 1e-4, rel_err(loss, ref_loss)
+    assert max(rel_err(grads[n], ref_grads[n]) for n in grads) < 1e-2, max(rel_err(grads[n], ref_grads[n]) for n in grads)
+
+
 def test_merge_matches_peft_and_export_loads_in_stock_peft_on_the_same_4bit_model(model_dir, tmp_path):
     # train mode throughout (no dropout: deterministic): bitsandbytes' CPU eval path is its bf16 kernel, which
     # the stock layers below would take
@@ -186,3 +213,18 @@ def test_weight_memory_counts_the_4bit_codes_and_their_quantization_state(model_
         assert (weights // 64 < state < weights // 64 + 14 * 2048) if double else state >= 4 * (weights // 64)
         # the code tables are fixed-size, a large share of this tiny model's bytes (0.26x at Llama shapes)
         assert memory["ratio"] == memory["stored_bytes"] / memory["bf16_bytes"] < 0.5
+
+
+def test_the_memory_plan_counts_what_the_4bit_weights_store(model_dir):
+    """plan_memory's frozen weights: every frozen tensor once, a 4-bit weight with its whole quantization state
+    (the nested absmax and code tables too), plus one dequantization buffer of the largest adapted W."""
+    from sits_lora.training.memory import plan_memory
+    from sits_lora.utils.model_structure import stored_bytes
+
+    model = get_peft_model(load_4bit(model_dir), SitsLoraConfig(r=8, target_modules=PROJECTIONS))
+    frozen = sum(stored_bytes(t) for t in list(model.parameters()) + list(model.buffers()) if not t.requires_grad)
+    state = sum(stored_bytes(m.get_base_layer().weight) - m.get_base_layer().weight.numel()
+                for m in layers_of(model, "SitsLoraLinear4bit"))
+    largest_w = max(m.in_features * m.out_features * 4 for m in layers_of(model, "SitsLoraLinear4bit"))  # fp32
+    assert state > 14 * (1024 + 64)   # each layer's nested code table (256 fp32) and NF4 table (16 fp32) at least
+    assert plan_memory(model, batch_size=2, seq_len=16).frozen_weights == frozen + largest_w

@@ -8,7 +8,6 @@ weights are dense: W dequantized plus the LoRA update).
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from ..base_checks import adapter_targets, check_adapters_agree, check_linear_targets, injected_layers
@@ -16,6 +15,7 @@ from ..bases import BF16_BASE
 from ..bases.int4 import INT4_BASE, Int4BaseLinear
 from ..ops.dequant_linear import release_shared_buffers
 from ..ops.int4_linear import check_group_size
+from ..utils.model_structure import stored_bytes
 from .checks import SHARED_FIELDS
 
 
@@ -89,21 +89,9 @@ def int4_weight_memory(model: nn.Module) -> dict:
             int4_layers += 1
             stored += base.packed_bytes()
         else:
-            stored += _tensor_bytes(base.weight) + _quant_state_bytes(getattr(base.weight, "quant_state", None))
+            stored += stored_bytes(base.weight)
     return {"layers": layers, "int4_layers": int4_layers, "stored_bytes": stored, "bf16_bytes": bf16,
             "ratio": stored / bf16 if bf16 else None}
-
-
-def _tensor_bytes(t) -> int:
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-
-
-def _quant_state_bytes(state) -> int:
-    """The tensors of a bitsandbytes QuantState (none: 0), its nested state's included."""
-    if state is None:
-        return 0
-    own = sum(_tensor_bytes(getattr(state, name, None)) for name in ("absmax", "code", "offset"))
-    return own + _quant_state_bytes(getattr(state, "state2", None))
 
 
 def largest_group_size(model: nn.Module, target_modules, choices=(128, 64, 32)) -> int:

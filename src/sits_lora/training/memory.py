@@ -53,7 +53,7 @@ from ..activations.offload import offloads_activations, offloads_checkpoints
 from ..activations.selective import is_selective
 from ..activations.tiled_mlp import mlp_tile_tokens as mlp_tile_tokens_of
 from ..bases.int4 import Int4BaseLinear
-from ..utils.model_structure import decoder_layers, text_config, unwrap_model  # noqa: F401 (re-exported)
+from ..utils.model_structure import decoder_layers, stored_bytes, text_config, unwrap_model  # noqa: F401 (re-exported)
 
 
 OPTIMIZERS = ("adamw", "adamw_8bit", "adafactor", "sgd", "sgd_momentum", "lion", "none")
@@ -407,11 +407,7 @@ def plan_memory(
         if ptr in seen:
             continue
         seen.add(ptr)
-        size = p.numel() * p.element_size()
-        quant_state = getattr(p, "quant_state", None)
-        absmax = getattr(quant_state, "absmax", None)
-        if isinstance(absmax, torch.Tensor):
-            size += absmax.numel() * absmax.element_size()
+        size = stored_bytes(p)   # a 4-bit weight's quantization state included
         if isinstance(p, nn.Parameter) and p.requires_grad:
             adapters += size
             trainable.append(p)

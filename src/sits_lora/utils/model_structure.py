@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -54,3 +55,21 @@ def restore_forwards(model: nn.Module, wrapper_type: type) -> int:
                 del module.forward
             restored += 1
     return restored
+
+
+def stored_bytes(weight) -> int:
+    """Bytes a weight holds: the tensor's, plus the bitsandbytes 4-bit quantization state attached to it (absmax,
+    code tables, the nested state of double quantization), read by duck typing: bitsandbytes is not imported."""
+    return _tensor_bytes(weight) + _quant_state_bytes(getattr(weight, "quant_state", None))
+
+
+def _tensor_bytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _quant_state_bytes(state) -> int:
+    if state is None:
+        return 0
+    own = sum(_tensor_bytes(getattr(state, name, None)) for name in ("absmax", "code", "offset"))
+    return own + _quant_state_bytes(getattr(state, "state2", None))
+
