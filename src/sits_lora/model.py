@@ -100,6 +100,7 @@ class SitsLoraModel(LoraModel):
         if int4 is not None:
             int4.check_before_injection(self, model, adapter_name)
         super().inject_adapter(model, adapter_name, *args, **kwargs)
+        _note_peft_layers(model, adapter_name)
         if fp8 is not None:
             fp8.quantize_base_layers(self, adapter_name, SitsLoraLinear)
         if int4 is not None:
@@ -171,3 +172,18 @@ class SitsLoraModel(LoraModel):
                 lora_config.fan_in_fan_out = False
             return SitsLoraLinear(target, adapter_name, config=lora_config, **kwargs)
         return LoraModel._create_new_module(lora_config, adapter_name, target, **kwargs)
+
+
+def _note_peft_layers(model: nn.Module, adapter_name: str) -> None:
+    """One line per base layer type whose targets got PEFT's own LoRA layer (no fused path): Conv2d, Embedding,
+    Conv1D, 8-bit layers, ..., naming one target of each."""
+    first: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FusedAdapterChoice) or not isinstance(module, BaseTunerLayer):
+            continue
+        if adapter_name in getattr(module, "lora_A", {}) or adapter_name in getattr(module, "lora_embedding_A", {}):
+            first.setdefault(type(module.get_base_layer()).__name__, name)
+    for kind, name in first.items():
+        logger.warning("sits_lora: adapter %r: %s targets (such as %r) use PEFT's own LoRA layer, without the fused "
+                       "path", adapter_name, kind, name)
+
