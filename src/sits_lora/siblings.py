@@ -7,7 +7,8 @@ output in one ``LoraSiblingsFunction`` (one shrink pass over x, one saved x, one
 x for all dA, one dx) and hands the others their output when they are called with the same x.
 This is done from the layers, not by patching the parent module, so it works for any model whose
 parent calls its siblings on one tensor; when a sibling is called with another tensor (cross
-attention, say), the group notices and the layers run one by one from then on.
+attention, say), the group notices and the layers run one by one from then on. A diffusers cross-attention
+module (``is_cross_attention``) groups only to_k / to_v, which read the text encoder's states.
 
 Eager mode only: under torch.compile each layer is one custom op and Inductor schedules them.
 """
@@ -27,8 +28,11 @@ SIBLING_NAME_SETS = (
     ("gate_proj", "up_proj"),
     ("query", "key", "value"),
     ("to_q", "to_k", "to_v"),
+    ("add_q_proj", "add_k_proj", "add_v_proj"),   # diffusers' joint attention (SD3, Flux): the text stream
     ("w1", "w3"),
 )
+# diffusers' cross-attention (Attention.is_cross_attention): to_q reads the image tokens, to_k / to_v the text
+CROSS_ATTENTION_NAMES = ("to_k", "to_v")
 
 
 class SiblingGroup:
@@ -107,7 +111,10 @@ def assign_sibling_groups(model: nn.Module, layer_cls, enabled: bool = True) -> 
     groups = 0
     for parent in model.modules():
         children = dict(parent.named_children())
+        cross = getattr(parent, "is_cross_attention", False) is True
         for names in SIBLING_NAME_SETS:
+            if cross and names == ("to_q", "to_k", "to_v"):
+                names = CROSS_ATTENTION_NAMES
             layers = [children[n] for n in names if isinstance(children.get(n), layer_cls)]
             for layer in layers:
                 layer._sibling_group = None
