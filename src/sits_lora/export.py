@@ -79,3 +79,43 @@ def export_peft_lora(model: PeftModel, path: str | os.PathLike, adapter_name: st
               os.path.join(path, ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
     plain.save_pretrained(str(path))
     return str(path)
+
+
+# the pipeline whose LoRA file each diffusers model's adapter is saved as, and the keyword it takes the layers by
+# (keys in PEFT's naming, lora_A / lora_B, which diffusers' loaders read for every model; its older lora.down / up
+# naming, which convert_state_dict_to_diffusers writes, is left out: diffusers reads a file mixing the two, as that
+# conversion makes of a U-Net with Conv2d targets, by its first key and drops the rest)
+_DIFFUSERS_PIPELINES = {
+    "UNet2DConditionModel": ("StableDiffusionPipeline", "unet"),
+    "SD3Transformer2DModel": ("StableDiffusion3Pipeline", "transformer"),
+    "FluxTransformer2DModel": ("FluxPipeline", "transformer"),
+}
+
+
+def export_diffusers_lora(model, path: str | os.PathLike, adapter_name: str = "default") -> str:
+    """Write ``adapter_name`` of a diffusers model (a ``UNet2DConditionModel``, ``SD3Transformer2DModel`` or
+    ``FluxTransformer2DModel`` given a SitsLoraConfig through ``add_adapter``) in the diffusers LoRA format: the
+    file that ``pipe.load_lora_weights(path)`` reads, with a plain LoraConfig as its metadata (rank and alpha
+    survive the trip). Returns the path. The model is not changed.
+    """
+    kind = type(model).__name__
+    if kind not in _DIFFUSERS_PIPELINES:
+        raise TypeError(f"export_diffusers_lora: a {kind} is not a model this export knows; it takes "
+                        f"{', '.join(sorted(_DIFFUSERS_PIPELINES))} (a PEFT model: export_peft_lora)")
+    configs = getattr(model, "peft_config", {})
+    if adapter_name not in configs:
+        raise ValueError(f"export_diffusers_lora: adapter_name={adapter_name!r} does not exist; the model has "
+                         f"{sorted(configs)} (add one with model.add_adapter(SitsLoraConfig(...)))")
+    config = configs[adapter_name]
+    if getattr(config, "use_dynamic_rank", False):
+        raise ValueError(f"export_diffusers_lora: adapter {adapter_name!r} has a dynamic rank; the diffusers "
+                         f"format holds one rank")
+    import diffusers
+
+    pipeline_name, component = _DIFFUSERS_PIPELINES[kind]
+    layers = get_peft_model_state_dict(model, adapter_name=adapter_name)
+    plain = to_plain_lora_config(config) if isinstance(config, SitsLoraConfig) else config
+    getattr(diffusers, pipeline_name).save_lora_weights(
+        str(path), **{f"{component}_lora_layers": layers, f"{component}_lora_adapter_metadata": plain.to_dict()})
+    return str(path)
+

@@ -137,3 +137,57 @@ def test_siblings_group_what_reads_one_tensor():
     assert joint and all(a.add_k_proj._sibling_group.layers == [a.add_q_proj, a.add_k_proj, a.add_v_proj]
                          for a in joint if a.add_q_proj is not None and hasattr(a.add_q_proj, "lora_A"))
 
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_diffusers_format_export_loads_with_diffusers_and_gives_the_same_outputs(name, tmp_path):
+    """export_diffusers_lora writes the pipeline's LoRA file; diffusers' own loader (no sits_lora layers) on the
+    same base model gives the adapted model's outputs, alpha included."""
+    from sits_lora import export_diffusers_lora
+
+    build, call, targets = MODELS[name]
+    torch.manual_seed(0)
+    ours = build()
+    plain = copy.deepcopy(ours)
+    ours.add_adapter(SitsLoraConfig(r=4, lora_alpha=12, target_modules=targets, init_lora_weights=False))
+    export_diffusers_lora(ours, tmp_path)
+    pipeline = {"unet": diffusers.StableDiffusionPipeline, "sd3": diffusers.StableDiffusion3Pipeline,
+                "flux": diffusers.FluxPipeline}[name]
+    loaded = pipeline.lora_state_dict(str(tmp_path), return_lora_metadata=True)   # (state, [alphas,] metadata)
+    state, metadata = loaded[0], loaded[-1]
+    plain.load_lora_adapter(state, prefix="unet" if name == "unet" else "transformer", metadata=metadata)
+    assert not any(isinstance(m, SitsLoraLinear) for m in plain.modules())
+    with torch.no_grad():
+        ref, out = call(plain, torch.Generator().manual_seed(3)), call(ours, torch.Generator().manual_seed(3))
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_diffusers_export_names_what_it_cannot_write(tmp_path):
+    from sits_lora import export_diffusers_lora
+
+    with pytest.raises(TypeError, match="a Linear is not a model this export knows"):
+        export_diffusers_lora(torch.nn.Linear(2, 2), tmp_path)
+    with pytest.raises(ValueError, match=r"adapter_name='default' does not exist; the model has \[\]"):
+        export_diffusers_lora(tiny_unet(), tmp_path)
+
+
+def test_a_pipeline_loads_the_export_with_load_lora_weights(tmp_path):
+    """The U-Net's export through StableDiffusionPipeline.load_lora_weights, as a user of diffusers loads a LoRA."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from sits_lora import export_diffusers_lora
+
+    torch.manual_seed(0)
+    ours = tiny_unet()
+    vae = diffusers.AutoencoderKL(block_out_channels=(8,), down_block_types=("DownEncoderBlock2D",),
+                                  up_block_types=("UpDecoderBlock2D",), latent_channels=4, norm_num_groups=8)
+    text_encoder = CLIPTextModel(CLIPTextConfig(hidden_size=24, intermediate_size=32, num_attention_heads=2,
+                                                num_hidden_layers=1, vocab_size=64, max_position_embeddings=16))
+    pipe = diffusers.StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=None, unet=copy.deepcopy(ours),
+                                             scheduler=diffusers.DDIMScheduler(clip_sample=False), safety_checker=None,
+                                             feature_extractor=None, requires_safety_checker=False)
+    ours.add_adapter(SitsLoraConfig(r=4, lora_alpha=12, target_modules=ATTENTION, init_lora_weights=False))
+    pipe.load_lora_weights(export_diffusers_lora(ours, tmp_path))
+    with torch.no_grad():
+        ref, out = unet_call(pipe.unet, torch.Generator().manual_seed(3)), unet_call(ours, torch.Generator().manual_seed(3))
+    assert rel_err(out, ref) < 1e-5
