@@ -110,7 +110,10 @@ def export_diffusers_lora(model, path: str | os.PathLike, adapter_name: str = "d
     if getattr(config, "use_dynamic_rank", False):
         raise ValueError(f"export_diffusers_lora: adapter {adapter_name!r} has a dynamic rank; the diffusers "
                          f"format holds one rank")
-    import diffusers
+    try:
+        import diffusers
+    except ImportError as error:
+        raise ImportError("export_diffusers_lora needs diffusers: pip install 'sits-lora[diffusion]'") from error
 
     pipeline_name, component = _DIFFUSERS_PIPELINES[kind]
     layers = get_peft_model_state_dict(model, adapter_name=adapter_name)

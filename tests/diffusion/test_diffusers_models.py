@@ -171,6 +171,16 @@ def test_diffusers_export_names_what_it_cannot_write(tmp_path):
         export_diffusers_lora(tiny_unet(), tmp_path)
 
 
+def test_diffusers_export_without_diffusers_says_what_to_install(tmp_path, monkeypatch):
+    from sits_lora import export_diffusers_lora
+
+    unet = tiny_unet()
+    unet.add_adapter(SitsLoraConfig(r=4, target_modules=["to_k"]))
+    monkeypatch.setitem(sys.modules, "diffusers", None)   # as if it were not installed
+    with pytest.raises(ImportError, match=r"needs diffusers: pip install 'sits-lora\[diffusion\]'"):
+        export_diffusers_lora(unet, tmp_path)
+
+
 def test_a_pipeline_loads_the_export_with_load_lora_weights(tmp_path):
     """The U-Net's export through StableDiffusionPipeline.load_lora_weights, as a user of diffusers loads a LoRA."""
     from transformers import CLIPTextConfig, CLIPTextModel
