@@ -181,23 +181,54 @@ def test_diffusers_export_without_diffusers_says_what_to_install(tmp_path, monke
         export_diffusers_lora(unet, tmp_path)
 
 
-def test_a_pipeline_loads_the_export_with_load_lora_weights(tmp_path):
-    """The U-Net's export through StableDiffusionPipeline.load_lora_weights, as a user of diffusers loads a LoRA."""
+def tiny_pipeline(unet):
+    """A StableDiffusionPipeline around ``unet`` (no tokenizer: prompts go in as embeddings)."""
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from sits_lora import export_diffusers_lora
-
-    torch.manual_seed(0)
-    ours = tiny_unet()
     vae = diffusers.AutoencoderKL(block_out_channels=(8,), down_block_types=("DownEncoderBlock2D",),
                                   up_block_types=("UpDecoderBlock2D",), latent_channels=4, norm_num_groups=8)
     text_encoder = CLIPTextModel(CLIPTextConfig(hidden_size=24, intermediate_size=32, num_attention_heads=2,
                                                 num_hidden_layers=1, vocab_size=64, max_position_embeddings=16))
-    pipe = diffusers.StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=None, unet=copy.deepcopy(ours),
+    return diffusers.StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=None, unet=unet,
                                              scheduler=diffusers.DDIMScheduler(clip_sample=False), safety_checker=None,
                                              feature_extractor=None, requires_safety_checker=False)
+
+
+def test_a_pipeline_loads_the_export_with_load_lora_weights(tmp_path):
+    """The U-Net's export through StableDiffusionPipeline.load_lora_weights, as a user of diffusers loads a LoRA."""
+    from sits_lora import export_diffusers_lora
+
+    torch.manual_seed(0)
+    ours = tiny_unet()
+    pipe = tiny_pipeline(copy.deepcopy(ours))
     ours.add_adapter(SitsLoraConfig(r=4, lora_alpha=12, target_modules=ATTENTION, init_lora_weights=False))
     pipe.load_lora_weights(export_diffusers_lora(ours, tmp_path))
     with torch.no_grad():
         ref, out = unet_call(pipe.unet, torch.Generator().manual_seed(3)), unet_call(ours, torch.Generator().manual_seed(3))
     assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("watch_modules", [False, True])
+def test_latent_guard_names_the_step_and_the_module(watch_modules):
+    from sits_lora.diffusion import LatentGuard, NonFiniteLatentsError
+
+    torch.manual_seed(0)
+    unet = tiny_unet()
+    unet.add_adapter(SitsLoraConfig(r=4, target_modules=ATTENTION, init_lora_weights=False))
+    pipe = tiny_pipeline(unet)
+    text = torch.randn(1, 7, 24, generator=torch.Generator().manual_seed(4))
+    run = dict(prompt_embeds=text, negative_prompt_embeds=torch.zeros_like(text), num_inference_steps=3, height=8,
+               width=8, output_type="latent")
+    guard = LatentGuard(pipe, watch_modules=watch_modules)
+    assert torch.isfinite(pipe(**run, callback_on_step_end=guard).images).all()   # a healthy run passes
+    with torch.no_grad():
+        unet.up_blocks[1].attentions[0].transformer_blocks[0].attn2.to_v.lora_B["default"].weight[0, 0] = float("inf")
+    with pytest.raises(NonFiniteLatentsError, match=r"denoising step 0 \(timestep \d+\): the latents hold NaN or Inf") as error:
+        pipe(**run, callback_on_step_end=guard)
+    if watch_modules:
+        assert "first module whose output was not finite: up_blocks.1.attentions.0.transformer_blocks.0.attn2.to_v" \
+            in str(error.value)
+    else:
+        assert "LatentGuard(pipe, watch_modules=True) names the first module" in str(error.value)
+    guard.detach()
+
