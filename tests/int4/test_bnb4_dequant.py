@@ -82,3 +82,14 @@ def test_kernel_matches_bitsandbytes_on_a_gpu_at_llama_shapes(monkeypatch, quant
         # float32 products rounded to dtype: equal but where the scale's last bit (FMA or not) moves a rounding
         assert (ours.float() - expected.float()).abs().max() <= expected.float().abs().max() * 2**-7
         assert (ours != expected).float().mean() < 1e-3
+
+
+def test_a_plain_number_offset_reads_as_the_tensor_would():
+    packed, state = quantized((8, 64), "nf4", True)
+    expected = bnb4_dequantize_reference(packed, layout_of(state), 512)
+    state.offset = float(state.offset)
+    layout = layout_of(state)
+    assert isinstance(layout.offset, torch.Tensor)
+    assert torch.equal(bnb4_dequantize_reference(packed, layout, 512), expected)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert torch.equal(bnb4_dequantize(packed, layout, torch.empty(512)), expected)

@@ -38,8 +38,11 @@ def dequantizer() -> str:
 def layout_of(state) -> Bnb4Layout:
     """The tensors of a bitsandbytes ``QuantState`` that ``ops.bnb4_dequant`` reads."""
     if state.nested:
+        offset = state.offset   # a one-value tensor; a plain number in a QuantState built by hand
+        if not isinstance(offset, torch.Tensor):
+            offset = torch.tensor(float(offset), device=state.absmax.device)
         return Bnb4Layout(state.absmax, state.code, state.blocksize, state.state2.absmax, state.state2.code,
-                          state.offset, state.state2.blocksize)
+                          offset, state.state2.blocksize)
     return Bnb4Layout(state.absmax, state.code, state.blocksize, None, None, None)
 
 
