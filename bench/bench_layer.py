@@ -3,7 +3,7 @@
     python bench/bench_layer.py                   # on the GPU: the four shapes x r in {16, 64}, T = 8192, bf16
     python bench/bench_layer.py --smoke           # seconds on a CPU: tiny shapes, checks the script runs
     python bench/bench_layer.py --arms frozen sits:cublas sits:fp8 --ranks 16   # the fp8 base (issue 6)
-    python bench/bench_layer.py --arms frozen sits:cublas sits:int4 sits:nf4 peft:nf4 --ranks 16   # the 4-bit bases
+    python bench/bench_layer.py --arms frozen sits:cublas sits:int4 sits:nf4 sits:nf4:bitsandbytes peft:nf4 --ranks 16   # 4-bit
 
 "frozen" is the floor: the base nn.Linear with a frozen weight and an input that requires grad
 (forward GEMM + dX GEMM). Every LoRA layer does at least this work. Each arm is timed in the same
@@ -47,10 +47,13 @@ def build(arm: str, d_in: int, d_out: int, r: int, dtype, device):
         return base
     if arm == "peft":
         model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=["proj"]))
-    elif arm in ("peft:nf4", "sits:nf4"):
+    elif arm in ("peft:nf4", "sits:nf4", "sits:nf4:triton", "sits:nf4:bitsandbytes"):
         # PEFT's QLoRA layer, or sits_lora's fused one: a bitsandbytes Linear4bit base (nf4, double
-        # quantization, bf16 compute)
+        # quantization, bf16 compute); a third field picks the kernel that forms W (SITS_LORA_BNB4_DEQUANT,
+        # read per call, so it holds for the timing that follows this build)
         import bitsandbytes as bnb
+
+        os.environ["SITS_LORA_BNB4_DEQUANT"] = arm.split(":")[2] if arm.count(":") == 2 else "triton"
 
         quantized = bnb.nn.Linear4bit(d_in, d_out, bias=False, compute_dtype=dtype, quant_type="nf4",
                                       compress_statistics=True)

@@ -55,8 +55,8 @@ OPTIONAL_ARMS = ["peft+liger", "sits+liger", "sits+gc", "peft+gc", "sits+fp8", "
                  # 4-bit frozen bases: "+nf4" the projections as bitsandbytes NF4 layers (QLoRA; PEFT's layer or
                  # sits_lora's fused one), "+int4" sits_lora's own INT4 base
                  "peft+nf4", "sits+nf4", "sits+int4", "peft+nf4+liger", "sits+nf4+liger", "sits+int4+liger",
-                 # "+tritondq": the NF4 weights dequantized by sits_lora's kernel, not bitsandbytes'
-                 "sits+nf4+tritondq", "sits+nf4+tritondq+liger"]
+                 # "+bnbdq": the NF4 weights dequantized by bitsandbytes' dequantize_4bit, not sits_lora's kernel
+                 "sits+nf4+bnbdq", "sits+nf4+bnbdq+liger"]
 
 
 @contextlib.contextmanager
@@ -121,8 +121,8 @@ def build(model_name: str, arm: str, device: str, dtype, layers: int = 0):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if "nf4" in arm.split("+"):  # QLoRA: the projections as bitsandbytes 4-bit layers, as a 4-bit load gives them
         to_bitsandbytes_nf4(model, dtype)
-    if "tritondq" in arm.split("+"):  # read per call by sits_lora.bases.bnb4 (the worker is this arm's own process)
-        os.environ["SITS_LORA_BNB4_DEQUANT"] = "triton"
+    if "bnbdq" in arm.split("+"):  # read per call by sits_lora.bases.bnb4 (the worker is this arm's own process)
+        os.environ["SITS_LORA_BNB4_DEQUANT"] = "bitsandbytes"
     if arm.startswith("frozen"):
         model.requires_grad_(False)
         model.enable_input_require_grads()

@@ -59,9 +59,9 @@ def test_kernel_reads_bytes_stored_in_another_dtype_and_refuses_a_short_buffer()
 
 def test_the_dequantizer_is_chosen_by_its_environment_variable(monkeypatch):
     monkeypatch.delenv("SITS_LORA_BNB4_DEQUANT", raising=False)
-    assert dequantizer() == "bitsandbytes"
-    monkeypatch.setenv("SITS_LORA_BNB4_DEQUANT", "triton")
     assert dequantizer() == "triton"
+    monkeypatch.setenv("SITS_LORA_BNB4_DEQUANT", "bitsandbytes")
+    assert dequantizer() == "bitsandbytes"
     monkeypatch.setenv("SITS_LORA_BNB4_DEQUANT", "fast")
     with pytest.raises(ValueError, match=r"SITS_LORA_BNB4_DEQUANT='fast' is invalid: allowed values are "
                                          r"'bitsandbytes', 'triton'"):

@@ -11,8 +11,9 @@ import bitsandbytes):
 
 w = code[nibble] * scale, computed in float32 and written in ``out``'s dtype, as bitsandbytes' own kernel does. The
 Triton kernel reads the packed bytes once and each scale from cache; it exists because bitsandbytes' ``dequantize_4bit``
-reached 43-51 % of the H200's copy bandwidth on the 8B shapes (bench/bench_int4.py), against 74-81 % for the INT4
-base's kernel, and costs host time on every call. ``sits_lora.bases.bnb4`` picks it by ``SITS_LORA_BNB4_DEQUANT``.
+reaches 44-51 % of the H200's copy bandwidth on the 8B shapes and this one 68-70 % (bench/bench_int4.py), and
+bitsandbytes' costs more host time per call. ``sits_lora.bases.bnb4`` uses it unless ``SITS_LORA_BNB4_DEQUANT``
+says "bitsandbytes".
 """
 
 from __future__ import annotations
