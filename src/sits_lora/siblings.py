@@ -10,6 +10,14 @@ parent calls its siblings on one tensor; when a sibling is called with another t
 attention, say), the group notices and the layers run one by one from then on. A diffusers cross-attention
 module (``is_cross_attention``) groups only to_k / to_v, which read the text encoder's states.
 
+Cross-attention K / V across denoising steps: every step of a diffusers pipeline hands to_k / to_v the same
+``encoder_hidden_states`` tensor, so their outputs (base and LoRA) are the same every step. Without autograd
+(``torch.no_grad``, as pipelines call the denoiser) a cross-attention group keeps its outputs and gives them back
+while x is the same tensor, unchanged (its version counter), and the weights, LoRA scalings and active adapter are
+the ones they were computed with: the first step pays, the others do not. ``reuse_across_calls=False`` turns it
+off (``sits_lora.diffusion.reuse_cross_attention_kv``). Under ``torch.inference_mode`` nothing is kept: inference
+tensors have no version counter to prove x unchanged.
+
 Eager mode only: under torch.compile each layer is one custom op and Inductor schedules them.
 """
 
@@ -35,16 +43,44 @@ SIBLING_NAME_SETS = (
 CROSS_ATTENTION_NAMES = ("to_k", "to_v")
 
 
+def _version(t: Optional[torch.Tensor]) -> Optional[int]:
+    """t's version counter; None for an inference tensor (torch.inference_mode), which has none."""
+    return None if t is None or t.is_inference() else t._version
+
+
 class SiblingGroup:
     """Layers of one parent module that read the same input."""
 
-    def __init__(self, layers: list) -> None:
+    def __init__(self, layers: list, reuse_across_calls: bool = False) -> None:
         self.layers = layers
         self.out_features = sum(layer.out_features for layer in layers)  # the fused op's output width
         self.enabled = True
+        self.reuse_across_calls = reuse_across_calls
         self._pending_x: Optional[torch.Tensor] = None
-        self._pending_version = -1
+        self._pending_version: Optional[int] = -1
         self._pending: dict[int, torch.Tensor] = {}
+        # (x, x's version, the weights' state, {id(layer): output}, the outputs' versions): see the module doc
+        self._kept: Optional[tuple] = None
+
+    def release(self) -> None:
+        """Drop what the group keeps across calls (it holds x and the outputs until x changes)."""
+        self._kept = None
+
+    def _weights_state(self, plan) -> tuple:
+        weights, biases, As, Bs, scalings = plan
+        tensors = [*weights, *biases, *As, *Bs]
+        return tuple((id(t), _version(t)) for t in tensors) + tuple(float(s) for s in scalings)
+
+    def _kept_output(self, layer, x: torch.Tensor, plan) -> Optional[torch.Tensor]:
+        kept = self._kept
+        if kept is None:
+            return None
+        kept_x, x_version, state, outputs, versions = kept
+        if (x is not kept_x or _version(x) != x_version or self._weights_state(plan) != state
+                or any(_version(y) != v for y, v in zip(outputs.values(), versions))):
+            self._kept = None
+            return None
+        return outputs.get(id(layer))
 
     def _clear(self) -> None:
         self._pending_x, self._pending = None, {}
@@ -60,7 +96,7 @@ class SiblingGroup:
             return None
         key = id(layer)
         if self._pending:
-            if x is self._pending_x and x._version == self._pending_version and key in self._pending:
+            if x is self._pending_x and _version(x) == self._pending_version and key in self._pending:
                 out = self._pending.pop(key)
                 if not self._pending:
                     self._clear()
@@ -72,13 +108,24 @@ class SiblingGroup:
                 return None
         plan = self._plan(x)
         if plan is None:
+            self._kept = None
             return None
+        keep = self.reuse_across_calls and not torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        if keep:
+            out = self._kept_output(layer, x, plan)
+            if out is not None:
+                return out
         weights, biases, As, Bs, scalings = plan
         casts = [autocast_inputs(x, w, b) for w, b in zip(weights, biases)]
         x_in, autocast_off = casts[0][0], casts[0][3]
         with autocast_off:
             outputs = ops.lora_siblings_triton(x_in, [c[1] for c in casts], [c[2] for c in casts], As, Bs, scalings)
-        self._pending_x, self._pending_version = x, x._version
+        if keep:
+            by_layer = {id(other): y for other, y in zip(self.layers, outputs)}
+            self._kept = (x, _version(x), self._weights_state(plan), by_layer,
+                          tuple(_version(y) for y in by_layer.values()))
+            return outputs[self.layers.index(layer)]   # the others find their outputs kept
+        self._pending_x, self._pending_version = x, _version(x)
         self._pending = {id(other): y for other, y in zip(self.layers, outputs) if other is not layer}
         return outputs[self.layers.index(layer)]
 
@@ -120,7 +167,7 @@ def assign_sibling_groups(model: nn.Module, layer_cls, enabled: bool = True) -> 
                 layer._sibling_group = None
             if not enabled or len(layers) < 2 or len({layer.in_features for layer in layers}) != 1:
                 continue
-            group = SiblingGroup(layers)
+            group = SiblingGroup(layers, reuse_across_calls=cross and names == CROSS_ATTENTION_NAMES)
             for layer in layers:
                 layer._sibling_group = group
             groups += 1

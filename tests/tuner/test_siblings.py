@@ -118,3 +118,18 @@ def test_siblings_backward_with_an_output_that_got_no_gradient():
         dx_ref += xr.grad
         assert rel_err(dAs[i], Ar.grad) < 1e-5 and rel_err(dBs[i], Br.grad) < 1e-5, i
     assert rel_err(dx, dx_ref) < 1e-5
+
+
+def test_inference_mode_runs_the_fused_siblings(monkeypatch):
+    """Inference tensors have no version counter: the group must not read one (it raised before)."""
+    calls = []
+    real = ops.lora_siblings_triton
+    monkeypatch.setattr(ops, "lora_siblings_triton", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
+    model = _model(True).eval()
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    with torch.inference_mode():
+        got = model(input_ids=ids).logits
+    assert sorted(calls) == [2, 2, 2, 2, 3, 3, 3, 3]
+    assert torch.equal(got, expected)

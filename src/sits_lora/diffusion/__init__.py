@@ -2,10 +2,13 @@
 
 ``LatentGuard``: a ``callback_on_step_end`` that stops a generation whose latents stop being finite, naming the
 step and (``watch_modules=True``) the first module of the denoiser whose output was not finite.
+``reuse_cross_attention_kv``: whether the cross-attention to_k / to_v layers give back their outputs while the
+text encoder's states are the same tensor (on by default: every denoising step after the first skips them).
 The adapter itself needs nothing from here: ``unet.add_adapter(SitsLoraConfig(...))`` and
 ``sits_lora.export_diffusers_lora`` (see docs/usage.md).
 """
 
 from .guards import LatentGuard, NonFiniteLatentsError
+from .reuse import reuse_cross_attention_kv
 
-__all__ = ["LatentGuard", "NonFiniteLatentsError"]
+__all__ = ["LatentGuard", "NonFiniteLatentsError", "reuse_cross_attention_kv"]

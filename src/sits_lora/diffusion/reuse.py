@@ -1,0 +1,27 @@
+"""Turning the cross-attention K / V reuse of sits_lora.siblings on or off for a whole denoiser."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..siblings import CROSS_ATTENTION_NAMES
+
+
+def reuse_cross_attention_kv(model: nn.Module, enabled: bool = True) -> int:
+    """Whether the sits_lora to_k / to_v layers of ``model``'s cross-attention modules keep their outputs across
+    calls with the same ``encoder_hidden_states`` (on by default; see sits_lora.siblings). Returns how many
+    cross-attention groups it set; 0 means none exists (the adapter does not target both to_k and to_v, or sibling
+    fusion is off). Turning it off also drops what the groups hold."""
+    groups = {}
+    for parent in model.modules():
+        if getattr(parent, "is_cross_attention", False) is not True:
+            continue
+        for name in CROSS_ATTENTION_NAMES:
+            group = getattr(getattr(parent, name, None), "_sibling_group", None)
+            if group is not None:
+                groups[id(group)] = group
+    for group in groups.values():
+        group.reuse_across_calls = enabled
+        if not enabled:
+            group.release()
+    return len(groups)

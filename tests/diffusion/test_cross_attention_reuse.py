@@ -1,0 +1,115 @@
+"""Cross-attention K / V kept across denoising steps (sits_lora.siblings): a pipeline's to_k / to_v read the same
+text states every step, so their fused op runs once per generation and gives the same images; anything that changes
+the result (the text states, a LoRA weight, a scale) makes it run again; nothing is kept with autograd on or under
+inference_mode."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_diffusers_models import ATTENTION, tiny_pipeline, tiny_unet, unet_call  # noqa: E402
+
+from sits_lora import SitsLoraConfig, ops  # noqa: E402
+from sits_lora.diffusion import reuse_cross_attention_kv  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                reason="sibling fusion runs the Triton kernels: a GPU or TRITON_INTERPRET=1")
+STEPS = 4
+
+
+@pytest.fixture
+def sibling_calls(monkeypatch):
+    calls = []
+    real = ops.lora_siblings_triton
+    monkeypatch.setattr(ops, "lora_siblings_triton", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
+    return calls
+
+
+def adapted_pipeline():
+    torch.manual_seed(0)
+    unet = tiny_unet()
+    unet.add_adapter(SitsLoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, init_lora_weights=False,
+                                    kernel="triton"))
+    return tiny_pipeline(unet)
+
+
+def generate(pipe, text):
+    return pipe(prompt_embeds=text, negative_prompt_embeds=torch.zeros_like(text), num_inference_steps=STEPS,
+                height=8, width=8, output_type="latent", generator=torch.Generator().manual_seed(5)).images
+
+
+def cross_groups(unet):
+    return {id(m.to_k._sibling_group): m.to_k._sibling_group for m in unet.modules()
+            if getattr(m, "is_cross_attention", False) is True}
+
+
+def test_a_generation_runs_cross_attention_kv_once_with_the_same_latents(sibling_calls):
+    pipe = adapted_pipeline()
+    groups = len(cross_groups(pipe.unet))
+    assert groups == 4 and reuse_cross_attention_kv(pipe.unet, True) == groups   # down, mid, 2 up
+    text = torch.randn(1, 7, 24, generator=torch.Generator().manual_seed(4))
+    kept = generate(pipe, text)
+    cross_calls = sibling_calls.count(2)
+    assert cross_calls == groups   # the first step only (to_q / to_k / to_v of self-attention: 3 each step)
+    assert sibling_calls.count(3) == groups * STEPS
+
+    assert reuse_cross_attention_kv(pipe.unet, False) == groups
+    sibling_calls.clear()
+    fresh = generate(pipe, text)
+    assert sibling_calls.count(2) == groups * STEPS
+    assert torch.equal(kept, fresh)
+
+
+def test_what_changes_the_result_runs_it_again():
+    pipe = adapted_pipeline()
+    unet = pipe.unet
+    reference = copy.deepcopy(unet)
+    reuse_cross_attention_kv(reference, False)
+    text = torch.randn(2, 7, 24, generator=torch.Generator().manual_seed(4))
+    gen = torch.Generator().manual_seed(3)
+    sample, t = torch.randn(2, 4, 8, 8, generator=gen), torch.tensor([10, 500])
+
+    def both():
+        with torch.no_grad():
+            return (unet(sample, t, encoder_hidden_states=text).sample,
+                    reference(sample, t, encoder_hidden_states=text).sample)
+
+    ours, ref = both()
+    assert torch.equal(ours, ref)
+    attn2 = [m for m in unet.modules() if getattr(m, "is_cross_attention", False) is True][0]
+    attn2_ref = [m for m in reference.modules() if getattr(m, "is_cross_attention", False) is True][0]
+    with torch.no_grad():   # a LoRA weight changed in place (training between generations, a loaded adapter)
+        for m in (attn2, attn2_ref):
+            m.to_v.lora_B["default"].weight.mul_(3)
+    ours, ref = both()
+    assert torch.equal(ours, ref)
+    for m in (attn2, attn2_ref):   # a scale (PEFT's scale_layer, diffusers' cross_attention_kwargs={"scale": ...})
+        m.to_k.scale_layer(0.5)
+    ours, ref = both()
+    assert torch.equal(ours, ref)
+    with torch.no_grad():   # the text states changed in place
+        text.mul_(2)
+    ours, ref = both()
+    assert torch.equal(ours, ref)
+
+
+def test_nothing_is_kept_with_autograd_or_under_inference_mode(sibling_calls):
+    pipe = adapted_pipeline()
+    unet, groups = pipe.unet, cross_groups(pipe.unet)
+    text = torch.randn(2, 7, 24, generator=torch.Generator().manual_seed(4))
+    for _ in range(2):
+        unet_call(unet, torch.Generator().manual_seed(3))
+    assert all(g._kept is None for g in groups.values())
+    with torch.inference_mode():
+        for _ in range(2):
+            unet(torch.randn(2, 4, 8, 8), torch.tensor([1, 2]), encoder_hidden_states=text)
+    assert all(g._kept is None for g in groups.values())
+    assert sibling_calls.count(2) == 2 * len(groups) * 2
