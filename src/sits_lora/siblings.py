@@ -59,25 +59,35 @@ class SiblingGroup:
         self._pending_x: Optional[torch.Tensor] = None
         self._pending_version: Optional[int] = -1
         self._pending: dict[int, torch.Tensor] = {}
-        # (x, x's version, the weights' state, {id(layer): output}, the outputs' versions): see the module doc
+        # what the outputs were computed from and the outputs, while they may be given back (the module doc):
+        # (x, x's version, (tensor, version) of every weight, (adapter, scaling) per layer, {id(layer): output},
+        # the outputs' versions)
         self._kept: Optional[tuple] = None
 
     def release(self) -> None:
         """Drop what the group keeps across calls (it holds x and the outputs until x changes)."""
         self._kept = None
 
-    def _weights_state(self, plan) -> tuple:
+    def _keep(self, x: torch.Tensor, plan, adapters: list, outputs) -> None:
         weights, biases, As, Bs, scalings = plan
-        tensors = [*weights, *biases, *As, *Bs]
-        return tuple((id(t), _version(t)) for t in tensors) + tuple(float(s) for s in scalings)
+        tensors = tuple(t for t in (*weights, *biases, *As, *Bs) if t is not None)
+        by_layer = {id(layer): y for layer, y in zip(self.layers, outputs)}
+        self._kept = (x, _version(x), tuple((t, t._version) for t in tensors),
+                      tuple((a, float(s)) for a, s in zip(adapters, scalings)), by_layer,
+                      tuple(_version(y) for y in outputs))
 
-    def _kept_output(self, layer, x: torch.Tensor, plan) -> Optional[torch.Tensor]:
+    def _kept_output(self, layer, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """layer's kept output when nothing it was computed from has changed since (cheap: a kept call is host
+        time only, and a generation makes dozens a step)."""
         kept = self._kept
-        if kept is None:
+        if kept is None or x is not kept[0]:
             return None
-        kept_x, x_version, state, outputs, versions = kept
-        if (x is not kept_x or _version(x) != x_version or self._weights_state(plan) != state
-                or any(_version(y) != v for y, v in zip(outputs.values(), versions))):
+        kept_x, x_version, tensors, adapters, outputs, versions = kept
+        valid = (_version(x) == x_version and all(t._version == v for t, v in tensors)
+                 and all(other.active_adapter in (a, [a]) and other.scaling.get(a) == s
+                         for other, (a, s) in zip(self.layers, adapters))
+                 and all(_version(y) == v for y, v in zip(outputs.values(), versions)))
+        if not valid:
             self._kept = None
             return None
         return outputs.get(id(layer))
@@ -106,31 +116,31 @@ class SiblingGroup:
                 self.enabled = False
                 self._clear()
                 return None
-        plan = self._plan(x)
+        keep = self.reuse_across_calls and not torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        if keep:
+            out = self._kept_output(layer, x)
+            if out is not None:
+                return out
+        adapters = []
+        plan = self._plan(x, adapters)
         if plan is None:
             self._kept = None
             return None
-        keep = self.reuse_across_calls and not torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
-        if keep:
-            out = self._kept_output(layer, x, plan)
-            if out is not None:
-                return out
         weights, biases, As, Bs, scalings = plan
         casts = [autocast_inputs(x, w, b) for w, b in zip(weights, biases)]
         x_in, autocast_off = casts[0][0], casts[0][3]
         with autocast_off:
             outputs = ops.lora_siblings_triton(x_in, [c[1] for c in casts], [c[2] for c in casts], As, Bs, scalings)
         if keep:
-            by_layer = {id(other): y for other, y in zip(self.layers, outputs)}
-            self._kept = (x, _version(x), self._weights_state(plan), by_layer,
-                          tuple(_version(y) for y in by_layer.values()))
+            self._keep(x, plan, adapters, outputs)
             return outputs[self.layers.index(layer)]   # the others find their outputs kept
         self._pending_x, self._pending_version = x, _version(x)
         self._pending = {id(other): y for other, y in zip(self.layers, outputs) if other is not layer}
         return outputs[self.layers.index(layer)]
 
-    def _plan(self, x: torch.Tensor):
-        """(weights, biases, As, Bs, scalings) when every sibling can take the fused path now."""
+    def _plan(self, x: torch.Tensor, adapters: Optional[list] = None):
+        """(weights, biases, As, Bs, scalings) when every sibling can take the fused path now; each layer's
+        adapter appended to ``adapters`` when it is given."""
         weights, biases, As, Bs, scalings = [], [], [], [], []
         for layer in self.layers:
             if not layer.frozen_base.fuses_siblings:
@@ -145,6 +155,8 @@ class SiblingGroup:
                 return None
             if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0:
                 return None  # each sibling would need its own dropout mask of x
+            if adapters is not None:
+                adapters.append(adapter)
             weights.append(base.weight)
             biases.append(base.bias)
             As.append(layer.lora_A[adapter].weight)
