@@ -1,0 +1,339 @@
+"""Per-image time of a diffusers pipeline with a LoRA on its U-Net, and one LoRA training step of the U-Net.
+
+    python bench/diffusion.py --out OUT                          # on a GPU: SD1.5 (512²) and SDXL (1024²) shapes
+    python bench/diffusion.py --out OUT --shapes sd15 --train    # + one training step, SD1.5 U-Net, bs 8
+    python bench/diffusion.py --smoke --out OUT                  # seconds on a CPU: tiny configs, checks the script
+
+Protocol of shared/ANCHORS.md ("Diffusion"): random weights in the real U-Net / VAE shapes (no hub), LoRA r16 on
+the cross-attention projections attn2.to_k / attn2.to_v, 30 denoising steps at batch 2 (classifier-free guidance)
+plus one VAE decode, bf16, eager; every arm's pipeline is built first, then one warm-up image each, then --repeats
+rounds of one image per arm in turn: the median of each arm's rounds. The text encoder does not
+run: the prompt goes in as random embeddings (it is the same for every arm, and a pipeline runs it once an image).
+
+Arms, each on a copy of the same U-Net with the same LoRA weights (B drawn non-zero, so the LoRA changes the image):
+  base           no adapter
+  peft           PEFT's LoRA layers, unmerged (the reference image of the fidelity columns)
+  peft+merged    PEFT's LoRA merged into the weights (merge_adapter)
+  sits           sits_lora's layers, unmerged: to_k / to_v fused as siblings, their output kept across the
+                 denoising steps while the text embeddings are the same tensor (sits_lora.siblings)
+  sits+noreuse   the same without keeping it (reuse_cross_attention_kv(unet, False)): every step computes K / V
+Fidelity: the decoded image of each arm against the peft arm's, same seed and latents: PSNR (images in [0, 1]) and
+the largest absolute difference.
+
+--train: one step of LoRA training on the SD1.5 U-Net shape (bs 8, 64² latents = 512² images, r16 on
+to_q / to_k / to_v / to_out.0 of every attention, MSE on the noise, fused AdamW), against the frozen U-Net (forward
++ backward to the input, no optimizer): arms train:frozen, train:peft, train:sits.
+
+Writes OUT/diffusion.json, .csv and diffusion.png (times and the images side by side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import png, print_table, write_results  # noqa: E402
+
+INFERENCE_ARMS = ["base", "peft", "peft+merged", "sits", "sits+noreuse"]
+TRAIN_ARMS = ["train:frozen", "train:peft", "train:sits"]
+INFERENCE_TARGETS = ["attn2.to_k", "attn2.to_v"]
+TRAIN_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+
+# U-Net / VAE configurations of the released checkpoints (their config.json), random weights
+SHAPES = {
+    "sd15": dict(
+        unet=dict(sample_size=64, in_channels=4, out_channels=4, layers_per_block=2,
+                  block_out_channels=(320, 640, 1280, 1280), cross_attention_dim=768, attention_head_dim=8,
+                  down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+                  up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3),
+        vae=dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=4, sample_size=512,
+                 down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4),
+        resolution=512, text_dim=768, pooled_dim=None),
+    "sdxl": dict(
+        unet=dict(sample_size=128, in_channels=4, out_channels=4, layers_per_block=2,
+                  block_out_channels=(320, 640, 1280), cross_attention_dim=2048, attention_head_dim=(5, 10, 20),
+                  transformer_layers_per_block=(1, 2, 10), use_linear_projection=True,
+                  down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+                  up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+                  addition_embed_type="text_time", addition_time_embed_dim=256,
+                  projection_class_embeddings_input_dim=2816),
+        vae=dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=4, sample_size=1024,
+                 scaling_factor=0.13025, down_block_types=("DownEncoderBlock2D",) * 4,
+                 up_block_types=("UpDecoderBlock2D",) * 4),
+        resolution=1024, text_dim=2048, pooled_dim=1280),
+}
+SMOKE_SHAPES = {
+    "tiny": dict(
+        unet=dict(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+                  cross_attention_dim=24, attention_head_dim=8, norm_num_groups=8,
+                  down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                  up_block_types=("UpBlock2D", "CrossAttnUpBlock2D")),
+        vae=dict(block_out_channels=(8, 16), layers_per_block=1, latent_channels=4, norm_num_groups=8,
+                 down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2),
+        resolution=16, text_dim=24, pooled_dim=None),
+}
+
+
+def build_base(shape: dict, device: str, dtype):
+    """(unet, vae) with random weights, made on the device."""
+    import diffusers
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        unet = diffusers.UNet2DConditionModel(**shape["unet"]).to(dtype).eval()
+        vae = diffusers.AutoencoderKL(**shape["vae"]).to(dtype).eval()
+    unet.requires_grad_(False)
+    vae.requires_grad_(False)
+    return unet, vae
+
+
+def adapt(unet, arm: str, targets: list[str]):
+    """A copy of ``unet`` with the arm's adapter, its LoRA B drawn the same way for every arm."""
+    from peft import LoraConfig
+
+    from sits_lora import SitsLoraConfig
+    from sits_lora.diffusion import reuse_cross_attention_kv
+
+    model = copy.deepcopy(unet)
+    kind = arm.split(":")[-1].split("+")[0]
+    if kind in ("base", "frozen"):
+        return model
+    config = LoraConfig if kind == "peft" else SitsLoraConfig
+    model.add_adapter(config(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=targets))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():   # A and B drawn here, so that every arm has the same (B = 0 would give the base model)
+        for name, p in model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                std = p.shape[1] ** -0.5 if "lora_A" in name else 0.02
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    if "merged" in arm.split("+"):
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        for module in model.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.merge()
+    if "noreuse" in arm.split("+"):
+        reuse_cross_attention_kv(model, False)
+    return model
+
+
+def pipeline(name: str, unet, vae):
+    import diffusers
+
+    scheduler = diffusers.DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                        clip_sample=False, set_alpha_to_one=False, steps_offset=1)
+    if SHAPES.get(name, {}).get("pooled_dim"):
+        return diffusers.StableDiffusionXLPipeline(vae=vae, text_encoder=None, text_encoder_2=None, tokenizer=None,
+                                                   tokenizer_2=None, unet=unet, scheduler=scheduler)
+    return diffusers.StableDiffusionPipeline(vae=vae, text_encoder=None, tokenizer=None, unet=unet, scheduler=scheduler,
+                                             safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+
+
+def prompt(shape: dict, device: str, dtype) -> dict:
+    gen = torch.Generator().manual_seed(2)
+    text = torch.randn(1, 77, shape["text_dim"], generator=gen).to(device, dtype)
+    kwargs = dict(prompt_embeds=text, negative_prompt_embeds=torch.zeros_like(text))
+    if shape["pooled_dim"]:
+        pooled = torch.randn(1, shape["pooled_dim"], generator=gen).to(device, dtype)
+        kwargs.update(pooled_prompt_embeds=pooled, negative_pooled_prompt_embeds=torch.zeros_like(pooled))
+    return kwargs
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_image(pipe, kwargs: dict, steps: int, resolution: int, device: str):
+    """(seconds, the image (C, H, W) in [0, 1], float32 on the CPU) of one generation, seeded alike for every arm."""
+    gen = torch.Generator(device).manual_seed(3)
+    sync(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = pipe(**kwargs, num_inference_steps=steps, guidance_scale=7.5, height=resolution, width=resolution,
+                   generator=gen, output_type="pt")
+    sync(device)
+    seconds = time.perf_counter() - start
+    return seconds, out.images[0].float().cpu()
+
+
+def fidelity(image: torch.Tensor, reference: torch.Tensor) -> dict:
+    if not (torch.isfinite(image).all() and torch.isfinite(reference).all()):
+        return {"psnr_db": None, "max_abs": None, "finite": False}
+    mse = (image - reference).square().mean().item()
+    return {"psnr_db": math.inf if mse == 0 else 10 * math.log10(1.0 / mse),
+            "max_abs": (image - reference).abs().max().item(), "finite": True}
+
+
+def train_step_seconds(unet, arm: str, batch: int, latent: int, text_dim: int, pooled_dim, device: str, dtype,
+                       steps: int) -> tuple[float, float | None]:
+    """(median seconds of one training step, peak GiB)."""
+    gen = torch.Generator().manual_seed(4)
+    sample = torch.randn(batch, 4, latent, latent, generator=gen).to(device, dtype)
+    noise = torch.randn(batch, 4, latent, latent, generator=gen).to(device, dtype)
+    text = torch.randn(batch, 77, text_dim, generator=gen).to(device, dtype)
+    t = torch.randint(0, 1000, (batch,), generator=gen).to(device)
+    added = None
+    if pooled_dim:
+        added = {"text_embeds": torch.randn(batch, pooled_dim, generator=gen).to(device, dtype),
+                 "time_ids": torch.tensor([[1024, 1024, 0, 0, 1024, 1024]] * batch, device=device, dtype=dtype)}
+    frozen = arm == "train:frozen"
+    params = [p for p in unet.parameters() if p.requires_grad]
+    optimizer = None if frozen else torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda")
+    unet.train()
+
+    def step():
+        x = sample.detach().requires_grad_(frozen)   # the frozen floor: backward to the input, as a LoRA step needs
+        pred = unet(x, t, encoder_hidden_states=text, added_cond_kwargs=added).sample
+        loss = torch.nn.functional.mse_loss(pred.float(), noise.float())
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        sync(device)
+        start = time.perf_counter()
+        step()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    return statistics.median(times), peak
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["sd15", "sdxl"])
+    parser.add_argument("--arms", nargs="+", choices=INFERENCE_ARMS + TRAIN_ARMS, default=INFERENCE_ARMS)
+    parser.add_argument("--train", action="store_true", help="add the training-step arms (SD1.5 shape)")
+    parser.add_argument("--steps", type=int, default=30, help="denoising steps per image")
+    parser.add_argument("--repeats", type=int, default=3, help="images timed per arm, after one warm-up image")
+    parser.add_argument("--train-batch", type=int, default=8)
+    parser.add_argument("--smoke", action="store_true", help="tiny configs on any device (checks the script)")
+    args = parser.parse_args(argv)
+    for flag in ("steps", "repeats", "train_batch"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if importlib.util.find_spec("diffusers") is None:
+        parser.error("needs diffusers: pip install 'sits-lora[diffusion]'")
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if device == "cpu" and not args.smoke:
+        parser.error("the SD1.5 / SDXL shapes need a CUDA GPU; --smoke runs tiny configs on a CPU")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    shapes = SMOKE_SHAPES if args.smoke else {name: SHAPES[name] for name in args.shapes}
+    steps, repeats = (2, 1) if args.smoke else (args.steps, args.repeats)
+    arms = [a for a in args.arms if a in INFERENCE_ARMS] + (TRAIN_ARMS if args.train else
+                                                             [a for a in args.arms if a in TRAIN_ARMS])
+    rows, images = [], {}
+    for name, shape in shapes.items():
+        unet, vae = build_base(shape, device, dtype)
+        kwargs = prompt(shape, device, dtype)
+        reference = None
+        # every arm's pipeline at once, timed in rounds (arm 1, arm 2, ..., arm 1, ...): the host's and the GPU's
+        # speed drift over a run (clocks, other tenants), and rounds spread that drift over every arm alike
+        inference = [a for a in arms if a in INFERENCE_ARMS]
+        pipes = {arm: pipeline(name, adapt(unet, arm, INFERENCE_TARGETS), vae) for arm in inference}
+        times = {arm: [] for arm in inference}
+        for round_ in range(repeats + 1):   # round 0 warms up (allocator, autotuning, the kept K / V)
+            for arm in inference:
+                seconds, image = time_image(pipes[arm], kwargs, steps, shape["resolution"], device)
+                if round_:
+                    times[arm].append(seconds)
+                images[(name, arm)] = image
+        for arm in inference:
+            seconds = statistics.median(times[arm])
+            reference = images[(name, arm)] if arm == "peft" else reference
+            rows.append({"shape": name, "arm": arm, "seconds_per_image": seconds, "times": times[arm],
+                         "steps": steps, "lora_targets": " ".join(INFERENCE_TARGETS)})
+            print(f"[{name} {arm}] {seconds:.3f} s per image ({' '.join(f'{t:.3f}' for t in times[arm])})",
+                  flush=True)
+        del pipes
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        base = next((r["seconds_per_image"] for r in rows if r["shape"] == name and r["arm"] == "base"), None)
+        for r in rows:
+            if r["shape"] == name and "seconds_per_image" in r:
+                r["vs_base"] = r["seconds_per_image"] / base if base else None
+                if reference is not None:
+                    r.update(fidelity(images[(name, r["arm"])], reference))
+        if name in ("sd15", "tiny"):
+            latent = shape["resolution"] // 8
+            batch = 2 if args.smoke else args.train_batch
+            for arm in [a for a in arms if a in TRAIN_ARMS]:
+                model = adapt(unet, arm, TRAIN_TARGETS)
+                seconds, peak = train_step_seconds(model, arm, batch, latent, shape["text_dim"], shape["pooled_dim"],
+                                                   device, dtype, steps=3 if args.smoke else 10)
+                rows.append({"shape": name, "arm": arm, "train_step_s": seconds, "peak_gib": peak, "batch": batch,
+                             "lora_targets": "" if arm == "train:frozen" else " ".join(TRAIN_TARGETS)})
+                print(f"[{name} {arm}] {seconds * 1000:.1f} ms per training step, bs {batch}", flush=True)
+                del model
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            floor = next((r["train_step_s"] for r in rows if r["shape"] == name and r["arm"] == "train:frozen"), None)
+            peft = next((r["train_step_s"] for r in rows if r["shape"] == name and r["arm"] == "train:peft"), None)
+            for r in rows:
+                if r["shape"] == name and "train_step_s" in r:
+                    r["vs_frozen"] = r["train_step_s"] / floor if floor else None
+                    r["peft_over_this"] = peft / r["train_step_s"] if peft else None
+        del unet, vae
+    command = "python bench/diffusion.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    paths = write_results("diffusion", rows, args.out, {"command": command})
+    print_table([r for r in rows if "seconds_per_image" in r],
+                ["shape", "arm", "seconds_per_image", "vs_base", "psnr_db", "max_abs"])
+    print_table([r for r in rows if "train_step_s" in r], ["shape", "arm", "train_step_s", "vs_frozen",
+                                                            "peft_over_this", "peak_gib"])
+    picture(rows, images, os.path.join(args.out, "diffusion.png"))
+    print("wrote", *paths)
+    return 0
+
+
+def picture(rows: list[dict], images: dict, path: str) -> None:
+    """Seconds per image by arm (bars) above each arm's image, one row per shape."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        with png(path):
+            return
+    shapes = sorted({name for name, _ in images})
+    arms = [a for a in INFERENCE_ARMS if any((s, a) in images for s in shapes)]
+    if not shapes or not arms:
+        return
+    fig = Figure(figsize=(2.4 * len(arms), 2.6 * len(shapes) + 2.4))
+    ax = fig.add_subplot(len(shapes) + 1, 1, 1)
+    for i, name in enumerate(shapes):
+        values = [next((r["seconds_per_image"] for r in rows if r["shape"] == name and r["arm"] == a), 0) for a in arms]
+        ax.bar([j + 0.4 * i for j in range(len(arms))], values, width=0.4, label=name)
+    ax.set_xticks([j + 0.2 for j in range(len(arms))], arms)
+    ax.set_ylabel("s per image")
+    ax.legend()
+    for i, name in enumerate(shapes):
+        for j, arm in enumerate(arms):
+            if (name, arm) not in images:
+                continue
+            sub = fig.add_subplot(len(shapes) + 1, len(arms), (i + 1) * len(arms) + j + 1)
+            sub.imshow(images[(name, arm)].clamp(0, 1).permute(1, 2, 0).numpy())
+            r = next(r for r in rows if r["shape"] == name and r["arm"] == arm)
+            psnr = r.get("psnr_db")
+            sub.set_title(f"{name} {arm}\n{'' if psnr is None else f'{psnr:.1f} dB'}", fontsize=7)
+            sub.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=60)   # the sample images are noise (random weights): they do not compress
+
+
+if __name__ == "__main__":
+    sys.exit(main())

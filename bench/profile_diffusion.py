@@ -1,0 +1,125 @@
+"""Where a diffusers U-Net step's time goes with a LoRA: GPU kernels (torch.profiler) and host time, per arm.
+
+    python bench/profile_diffusion.py --out OUT                 # on a GPU: the SD1.5 U-Net shape
+    python bench/profile_diffusion.py --out OUT --smoke         # tiny config on a CPU (checks the script)
+
+For each arm of bench/diffusion.py given in --arms: the training step (bs 8, 64² latents) and one no-grad U-Net call
+at batch 2 (a denoising step with guidance): wall time, the host's time to issue the call (until it returns, without
+waiting for the GPU), and the top kernels by GPU time. Writes OUT/profile_diffusion.txt and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import diffusion as bench  # noqa: E402
+
+
+def timed(fn, device: str, steps: int) -> tuple[float, float]:
+    """(median wall seconds, median host seconds to issue) of ``fn``."""
+    walls, hosts = [], []
+    for _ in range(steps):
+        bench.sync(device)
+        start = time.perf_counter()
+        fn()
+        hosts.append(time.perf_counter() - start)
+        bench.sync(device)
+        walls.append(time.perf_counter() - start)
+    return sorted(walls)[len(walls) // 2], sorted(hosts)[len(hosts) // 2]
+
+
+def top_kernels(fn, device: str, count: int = 12) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        bench.sync(device)
+    attr = "device_time_total" if device == "cuda" else "cpu_time_total"
+    events = [e for e in prof.key_averages() if device != "cuda" or getattr(e, attr, 0) > 0]
+    if device == "cuda":   # kernels only: the aten ops' device time counts their kernels again
+        events = [e for e in events if not e.key.startswith(("aten::", "autograd::", "cudaLaunch", "Optimizer"))]
+    events.sort(key=lambda e: getattr(e, attr), reverse=True)
+    return [{"name": e.key[:90], "ms": getattr(e, attr) / 1000, "calls": e.count} for e in events[:count]]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--arms", nargs="+", default=["base", "peft", "sits", "sits+noreuse"])
+    parser.add_argument("--cprofile", nargs="*", default=[], metavar="ARM",
+                        help="also cProfile 5 training steps of these arms (the host's Python, top 30 by own time)")
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    shape = bench.SMOKE_SHAPES["tiny"] if args.smoke else bench.SHAPES["sd15"]
+    unet, _ = bench.build_base(shape, device, dtype)
+    latent, batch = shape["resolution"] // 8, 2 if args.smoke else 8
+    gen = torch.Generator().manual_seed(4)
+    text2 = torch.randn(2, 77, shape["text_dim"], generator=gen).to(device, dtype)
+    sample2 = torch.randn(2, 4, latent, latent, generator=gen).to(device, dtype)
+    t2 = torch.tensor([500, 500], device=device)
+    report, lines = {}, []
+    for arm in args.arms:
+        model = bench.adapt(unet, arm, bench.TRAIN_TARGETS if arm != "base" else [])
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda") if params else None
+        x = torch.randn(batch, 4, latent, latent, generator=gen).to(device, dtype)
+        text = torch.randn(batch, 77, shape["text_dim"], generator=gen).to(device, dtype)
+        t = torch.randint(0, 1000, (batch,), generator=gen).to(device)
+
+        def train():
+            inp = x.detach().requires_grad_(optimizer is None)
+            loss = model(inp, t, encoder_hidden_states=text).sample.float().square().mean()
+            loss.backward()
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+        def denoise():
+            with torch.no_grad():
+                model(sample2, t2, encoder_hidden_states=text2)
+
+        row = {}
+        for name, fn in (("train", train), ("denoise", denoise)):
+            for _ in range(3):
+                fn()
+            wall, host = timed(fn, device, 3 if args.smoke else 10)
+            row[name] = {"wall_ms": wall * 1000, "host_ms": host * 1000, "top": top_kernels(fn, device)}
+            lines.append(f"== {arm} {name}: wall {wall * 1000:.1f} ms, host {host * 1000:.1f} ms")
+            lines += [f"   {k['ms']:8.2f} ms {k['calls']:5d}x  {k['name']}" for k in row[name]["top"]]
+        if arm in args.cprofile:
+            import cProfile
+            import io
+            import pstats
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(5):
+                train()
+            bench.sync(device)
+            profiler.disable()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+            lines.append(f"== {arm} train, cProfile of 5 steps\n" + text.getvalue())
+        report[arm] = row
+        print("\n".join(lines[-2 * 13:]), flush=True)
+        model = optimizer = None   # this arm's copy freed before the next one is made
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "profile_diffusion.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(args.out, "profile_diffusion.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

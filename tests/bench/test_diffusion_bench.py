@@ -1,0 +1,40 @@
+"""bench/diffusion.py on the CPU (--smoke: tiny U-Net and VAE): every arm's row, the fidelity columns, the training
+arms, the files, and the errors it gives before building anything."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from conftest import bench_module
+
+pytest.importorskip("diffusers")
+diffusion = bench_module("diffusion")
+
+
+def test_smoke_run_writes_every_arm_with_fidelity_and_the_training_step(tmp_path):
+    assert diffusion.main(["--smoke", "--out", str(tmp_path), "--arms", "base", "peft", "sits", "sits+noreuse",
+                           "--train"]) == 0
+    rows = json.load(open(tmp_path / "diffusion.json"))["rows"]
+    inference = {r["arm"]: r for r in rows if "seconds_per_image" in r}
+    assert sorted(inference) == ["base", "peft", "sits", "sits+noreuse"]
+    assert inference["peft"]["psnr_db"] == float("inf") and inference["base"]["finite"]
+    # the kept K / V gives the image computing them every step gives
+    assert inference["sits"]["max_abs"] == inference["sits+noreuse"]["max_abs"]
+    assert inference["sits"]["psnr_db"] > 60   # the same LoRA as PEFT's, fp32 on the CPU
+    train = {r["arm"]: r for r in rows if "train_step_s" in r}
+    assert sorted(train) == ["train:frozen", "train:peft", "train:sits"]
+    assert train["train:frozen"]["vs_frozen"] == 1.0 and train["train:sits"]["train_step_s"] > 0
+    for name in ("diffusion.csv", "diffusion.png"):
+        assert os.path.getsize(tmp_path / name) > 0
+
+
+def test_bad_options_stop_before_any_model_is_built(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        diffusion.main(["--smoke", "--out", str(tmp_path), "--repeats", "0"])
+    assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        diffusion.main(["--out", str(tmp_path), "--shapes", "sd21"])
+    assert "invalid choice: 'sd21'" in capsys.readouterr().err
