@@ -25,6 +25,7 @@ DEFERRED_IMPORTS = {
     **{f"sits_lora.cli{sub}": "the command line answers --help and bad arguments before torch loads"
        for sub in ("", ".bench", ".check", ".compile", ".profile")},
     "sits_lora.recipe.train": "the recipe's option checks answer before torch loads",
+    "sits_lora.recipe.diffusion": "the diffusion recipe's option checks answer before torch and diffusers load",
     "sits_lora.registry": "registration runs when peft is imported, by whoever imports it",
     "sits_lora.model": "a feature (fp8, INT4: Triton; dynamic rank) loads when an adapter asks for it",
     "sits_lora.ops.linear": "Triton is optional: the PyTorch reference runs without it",

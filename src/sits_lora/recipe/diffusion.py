@@ -1,0 +1,858 @@
+"""The diffusion recipe (``recipes/train_diffusion.py`` runs :func:`main`): a DreamBooth-style LoRA fine-tune of a
+diffusers U-Net with a sits_lora adapter, fully offline. What it does and writes: that script's docstring and
+docs/usage.md, "Diffusion training recipe". torch and diffusers load inside the functions, after the options are
+checked, so that a bad option answers at once."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .train import KERNELS   # SitsLoraConfig.kernel's choices, without importing torch
+
+MODELS = ("tiny", "sd15", "sdxl")
+ADAPTERS = ("sits", "peft")
+ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
+# (the VAE's downsampling, the U-Net's: 2 ** (down blocks - 1)): --resolution is a multiple of their product
+DOWNSAMPLING = {"tiny": (8, 2), "sd15": (8, 8), "sdxl": (8, 4)}
+NATIVE_RESOLUTION = {"tiny": 32, "sd15": 512, "sdxl": 1024}
+TEXT_TOKENS = {"tiny": 16, "sd15": 77, "sdxl": 77}
+DEFAULT_LR = {"tiny": 1e-2, "sd15": 1e-4, "sdxl": 1e-4}
+SHAPES = ("circle", "square", "triangle")
+COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 200, 30)}
+BACKGROUNDS = ((245, 245, 245), (128, 128, 128), (20, 20, 20))
+INSTANCE_PROMPT = "a photo of sks"
+EXIT_INTERRUPTED = 130
+
+
+@dataclass
+class DiffusionRecipe:
+    model: str = field(default="tiny", metadata={
+        "help": "tiny | sd15 | sdxl, all with random weights. tiny: CPU and CI. sd15 / sdxl: the real U-Net shapes "
+                "(860 M / 2.6 B parameters), a CUDA GPU only (a step takes minutes on a CPU)"})
+    adapter: str = field(default="sits", metadata={
+        "help": "sits: SitsLoraConfig (sits_lora's layers); peft: PEFT's LoraConfig, for comparison"})
+    kernel: str = field(default="auto", metadata={
+        "help": "auto | triton | torch (SitsLoraConfig.kernel; auto: the Triton kernels on a CUDA GPU)"})
+    steps: int = field(default=100, metadata={"help": "optimizer steps (in all, a resumed run included)"})
+    batch_size: int = field(default=2, metadata={"help": "images per step"})
+    resolution: int = field(default=0, metadata={
+        "help": "image side in pixels; 0 = the model's own (tiny 32, sd15 512, sdxl 1024); a multiple of the VAE's "
+                "and the U-Net's downsampling (tiny 16, sd15 64, sdxl 32)"})
+    num_images: int = field(default=8, metadata={"help": "images drawn for the training set"})
+    lr: float = field(default=0.0, metadata={
+        "help": "AdamW learning rate (constant); 0 = the model's: tiny 1e-2 (a random model learns visibly in 20 "
+                "steps), sd15 / sdxl 1e-4 (DreamBooth LoRA's usual rate)"})
+    rank: int = field(default=4, metadata={"help": "LoRA rank"})
+    lora_alpha: float = field(default=0.0, metadata={"help": "LoRA alpha (scaling = alpha / rank); 0 = the rank"})
+    seed: int = field(default=0, metadata={"help": "seed of the images, the random weights and every step's noise"})
+    output_dir: str = field(default="out/sits-diffusion", metadata={
+        "help": "where metrics.jsonl, summary.json, loss.png, lora/ and checkpoints go"})
+    save_every: int = field(default=0, metadata={"help": "a checkpoint every N steps; 0 = three per run"})
+    resume: bool = field(default=False, metadata={
+        "help": "continue from the latest checkpoint-N in output_dir (an interrupted run leaves one there)"})
+    overwrite: bool = field(default=False, metadata={
+        "help": "replace another run in output_dir; without it (or resume) such a folder is refused"})
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "num_images", "rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{_flag(name)} {value!r} is invalid: it must be a positive integer, e.g. "
+                                 f"{_flag(name)} {DiffusionRecipe.__dataclass_fields__[name].default}")
+        for name, choices in (("model", MODELS), ("adapter", ADAPTERS), ("kernel", KERNELS)):
+            value = getattr(self, name)
+            if value not in choices:
+                raise ValueError(f"{_flag(name)} {value!r} is invalid: choose one of {', '.join(choices)}")
+        if self.kernel != "auto" and self.adapter != "sits":
+            raise ValueError(f"--kernel {self.kernel} applies to --adapter sits only (PEFT's LoRA has one "
+                             f"implementation); drop --kernel or use --adapter sits")
+        if isinstance(self.save_every, bool) or not isinstance(self.save_every, int) or self.save_every < 0:
+            raise ValueError(f"--save-every {self.save_every!r} is invalid: it must be 0 (three checkpoints per run) "
+                             f"or a positive integer")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not (
+                self.lr >= 0 and math.isfinite(self.lr)):
+            raise ValueError(f"--lr {self.lr!r} is invalid: it must be a positive number (e.g. --lr 1e-4), or 0 for "
+                             f"the model's default")
+        if not (isinstance(self.lora_alpha, (int, float)) and self.lora_alpha >= 0):
+            raise ValueError(f"--lora-alpha {self.lora_alpha!r} is invalid: it must be positive, or 0 for the rank")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume true and --overwrite true contradict each other: resume continues the run in "
+                             "--output-dir, overwrite replaces it; choose one")
+        vae, unet = DOWNSAMPLING[self.model]
+        step = vae * unet
+        if isinstance(self.resolution, bool) or not isinstance(self.resolution, int) or self.resolution < 0 or \
+                self.resolution % step:
+            below = self.resolution // step * step if isinstance(self.resolution, int) else 0
+            fits = f"{below} or {below + step}" if below > 0 else f"{step}"
+            raise ValueError(f"--resolution {self.resolution!r} is invalid for --model {self.model}: it must be a "
+                             f"multiple of {step} (the VAE downsamples by {vae}, the U-Net by {unet}); use "
+                             f"--resolution {fits}, or 0 for the model's {NATIVE_RESOLUTION[self.model]}")
+
+    @property
+    def size(self) -> int:
+        """The image side in pixels."""
+        return self.resolution or NATIVE_RESOLUTION[self.model]
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr or DEFAULT_LR[self.model]
+
+    @property
+    def alpha(self) -> float:
+        return self.lora_alpha or self.rank
+
+    def checkpoint_steps(self) -> int:
+        """save_every, or three checkpoints per run when it is 0."""
+        return self.save_every or max(1, -(-self.steps // 3))
+
+    def check_output_dir(self) -> None:
+        """output_dir can be written to, and holds no other run unless --resume or --overwrite says what to do."""
+        try:
+            os.makedirs(self.output_dir, exist_ok=True)
+            probe = os.path.join(self.output_dir, f".write-test-{os.getpid()}")
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.remove(probe)
+        except OSError as error:
+            raise ValueError(f"--output-dir {self.output_dir} is not writable ({error.strerror or error}); choose a "
+                             f"folder you can write to") from None
+        if self.resume:
+            if latest_checkpoint(self.output_dir) is None:
+                raise ValueError(f"--resume true: {self.output_dir} holds no checkpoint-N folder to continue from; "
+                                 f"run without --resume")
+            return
+        previous = run_files(self.output_dir)
+        if previous and not self.overwrite:
+            raise ValueError(f"--output-dir {self.output_dir} holds another run ({', '.join(previous[:4])}); pass "
+                             f"--resume true to continue it, --overwrite true to replace it, or another --output-dir")
+
+    def check_machine(self) -> None:
+        """What this machine cannot run, refused before any model is built."""
+        import torch
+
+        if self.model != "tiny" and not torch.cuda.is_available():
+            raise ValueError(f"--model {self.model} needs a CUDA GPU (its U-Net has "
+                             f"{'860 M' if self.model == 'sd15' else '2.6 B'} parameters: a step takes minutes on a "
+                             f"CPU); use --model tiny on this machine")
+        if self.kernel == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("--kernel triton needs a CUDA GPU (or TRITON_INTERPRET=1, the kernels on the CPU, slowly, "
+                             "for tests); use --kernel auto on this machine")
+
+    def check_resume(self, saved: dict) -> None:
+        """The options a checkpoint fixes (the base weights, the data, the adapter's shape) match this run's."""
+        fixed = ("model", "adapter", "rank", "lora_alpha", "resolution", "num_images", "seed")
+        for name in fixed:
+            if saved.get(name) != getattr(self, name):
+                raise ResumeError(f"--resume true: the checkpoint was trained with {_flag(name)} {saved.get(name)!r}, "
+                                  f"this run asks for {getattr(self, name)!r}; resume with the same {_flag(name)} "
+                                  f"(or start another run in another --output-dir)")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+class NonFiniteTrainingError(FloatingPointError):
+    """A step's loss or a trainable gradient holds NaN or Inf."""
+
+
+class ResumeError(ValueError):
+    """The checkpoint --resume would continue from does not fit this run's options."""
+
+
+# ---------------------------------------------------------------------------------------------------- run files
+
+# what a run writes into its output_dir: a folder holding any of these is another run's
+RUN_FILES = ("metrics.jsonl", "summary.json", "loss.png", "lora", "base")
+STATE_FILE = "training_state.pt"
+KEEP_CHECKPOINTS = 2
+
+
+def run_files(output_dir: str) -> list[str]:
+    if not os.path.isdir(output_dir):
+        return []
+    return sorted(n for n in os.listdir(output_dir) if n in RUN_FILES or n.startswith("checkpoint-"))
+
+
+def checkpoint_dirs(output_dir: str) -> list[tuple[int, str]]:
+    """(step, folder) of every checkpoint-N in output_dir, oldest first."""
+    found = [(int(n.split("-", 1)[1]), os.path.join(output_dir, n)) for n in run_files(output_dir)
+             if n.startswith("checkpoint-") and n.split("-", 1)[1].isdigit()
+             and os.path.isfile(os.path.join(output_dir, n, STATE_FILE))]
+    return sorted(found)
+
+
+def latest_checkpoint(output_dir: str) -> Optional[str]:
+    found = checkpoint_dirs(output_dir)
+    return found[-1][1] if found else None
+
+
+def _replace_folder(tmp: str, final: str) -> None:
+    if os.path.isdir(final):
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+def _write_json(path: str, payload: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2)
+    os.replace(tmp, path)
+
+
+def read_metrics(output_dir: str) -> list[dict]:
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ---------------------------------------------------------------------------------------------------- data
+
+def draw_shapes(num_images: int, size: int, seed: int):
+    """``num_images`` pictures of one shape each, (N, 3, size, size) float32 in [-1, 1], and their captions.
+
+    Every (color, shape) pair comes once before any comes twice, in an order drawn from ``seed``; the background,
+    the position and the size of the shape too."""
+    import numpy as np
+    import torch
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(seed)
+    pairs = [(c, s) for c in COLORS for s in SHAPES]
+    rng.shuffle(pairs)
+    images, captions = [], []
+    for i in range(num_images):
+        color, shape = pairs[i % len(pairs)]
+        image = Image.new("RGB", (size, size), rng.choice(BACKGROUNDS))
+        side = rng.uniform(0.45, 0.8) * size
+        x0, y0 = rng.uniform(0, size - side), rng.uniform(0, size - side)
+        box = (x0, y0, x0 + side, y0 + side)
+        draw = ImageDraw.Draw(image)
+        if shape == "circle":
+            draw.ellipse(box, fill=COLORS[color])
+        elif shape == "square":
+            draw.rectangle(box, fill=COLORS[color])
+        else:
+            draw.polygon([(x0 + side / 2, y0), (x0, y0 + side), (x0 + side, y0 + side)], fill=COLORS[color])
+        images.append(np.asarray(image, dtype=np.float32))
+        captions.append(f"{INSTANCE_PROMPT} {color} {shape}")
+    pixels = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2)         # (N, 3, H, W), 0..255
+    return pixels / 127.5 - 1.0, captions
+
+
+def caption_tokenizer(max_length: int):
+    """A CLIPTokenizer built here, offline: the CLIP BPE over a vocabulary of the captions' words (each one token,
+    "a</w>", "photo</w>", ...), every lowercase letter and digit (any other word is spelled out letter by letter)
+    and CLIP's two special tokens."""
+    import string
+
+    from transformers import CLIPTokenizer
+
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    merges: list[tuple[str, str]] = []
+    for c in string.ascii_lowercase + string.digits:
+        vocab.setdefault(c, len(vocab))
+        vocab.setdefault(c + "</w>", len(vocab))
+    for word in " ".join([INSTANCE_PROMPT, *COLORS, *SHAPES]).split():
+        left = word[0]
+        for i in range(1, len(word)):
+            right = word[i] + ("</w>" if i == len(word) - 1 else "")
+            if (left, right) not in merges:
+                merges.append((left, right))
+            left += right
+            vocab.setdefault(left, len(vocab))
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
+
+
+# ---------------------------------------------------------------------------------------------------- models
+
+def unet_config(model: str, size: int) -> dict:
+    """UNet2DConditionModel arguments: the real SD1.5 / SDXL U-Nets (859,520,964 / 2,567,463,684 parameters), or
+    a tiny one (2 blocks, 32 / 64 channels)."""
+    if model == "tiny":
+        return dict(sample_size=size // 8, block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
+                    attention_head_dim=8, norm_num_groups=8,
+                    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
+    if model == "sd15":
+        return dict(sample_size=64, block_out_channels=(320, 640, 1280, 1280), layers_per_block=2,
+                    cross_attention_dim=768, attention_head_dim=8,
+                    down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+                    up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3)
+    return dict(sample_size=128, block_out_channels=(320, 640, 1280), layers_per_block=2, cross_attention_dim=2048,
+                transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20), use_linear_projection=True,
+                addition_embed_type="text_time", projection_class_embeddings_input_dim=2816,
+                addition_time_embed_dim=256,
+                down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+                up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"))
+
+
+def vae_config(model: str, size: int) -> dict:
+    if model == "tiny":
+        return dict(sample_size=size, block_out_channels=(8, 8, 16, 16), layers_per_block=1, latent_channels=4,
+                    norm_num_groups=4, down_block_types=("DownEncoderBlock2D",) * 4,
+                    up_block_types=("UpDecoderBlock2D",) * 4)
+    # the SD VAE (83.7 M parameters), which SDXL keeps with another latent scale
+    return dict(sample_size=size, block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=4,
+                down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                scaling_factor=0.13025 if model == "sdxl" else 0.18215)
+
+
+def text_configs(model: str, vocab_size: int) -> list[dict]:
+    """CLIPTextConfig arguments of the text encoder(s): the real widths (SD1.5: 768; SDXL: 768 and 1280, whose
+    penultimate states concatenate to 2048 and whose projection gives the pooled (B, 1280)), 2 layers each: only
+    the shapes the U-Net reads matter. Token ids are caption_tokenizer's (the pooled output is read at the first
+    <|endoftext|>, id 1)."""
+    tokens = TEXT_TOKENS[model]
+    ids = dict(vocab_size=vocab_size, max_position_embeddings=tokens, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    if model == "tiny":
+        return [dict(hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2, **ids)]
+    clip_l = dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=2, **ids)
+    if model == "sd15":
+        return [clip_l]
+    return [clip_l, dict(hidden_size=1280, intermediate_size=5120, num_attention_heads=20, num_hidden_layers=2,
+                         projection_dim=1280, **ids)]
+
+
+@dataclass
+class Components:
+    unet: object
+    vae: object
+    tokenizer: object
+    text_encoders: list
+
+
+def build_models(model: str, size: int, seed: int, device="cpu") -> Components:
+    """The random-weight models of ``model`` in fp32, initialized on ``device``: the same weights for the same seed
+    and device (the tiny model is built on the CPU everywhere; SDXL's 2.6 B parameters are drawn on the GPU)."""
+    import diffusers
+    import torch
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    torch.manual_seed(seed)
+    tokenizer = caption_tokenizer(TEXT_TOKENS[model])
+    with torch.device(device):
+        unet = diffusers.UNet2DConditionModel(**unet_config(model, size))
+        vae = diffusers.AutoencoderKL(**vae_config(model, size))
+        encoders = []
+        for i, kwargs in enumerate(text_configs(model, len(tokenizer))):
+            kind = CLIPTextModelWithProjection if i == 1 else CLIPTextModel
+            encoders.append(kind(CLIPTextConfig(**kwargs)))
+    return Components(unet=unet, vae=vae, tokenizer=tokenizer, text_encoders=encoders)
+
+
+def encode_captions(parts: Components, captions: list[str]):
+    """(encoder_hidden_states (N, L, D), pooled (N, 1280) for SDXL else None), in fp32 on the encoders' device.
+
+    SD1.5 reads the last layer's states; SDXL the penultimate states of both encoders side by side (768 + 1280 =
+    2048) and the second encoder's projected pooled output, as its pipeline does."""
+    import torch
+
+    ids = parts.tokenizer(captions, padding="max_length", max_length=parts.tokenizer.model_max_length,
+                          truncation=True, return_tensors="pt").input_ids
+    with torch.no_grad():
+        if len(parts.text_encoders) == 1:
+            encoder = parts.text_encoders[0]
+            return encoder(ids.to(encoder.device)).last_hidden_state.float(), None
+        states, pooled = [], None
+        for encoder in parts.text_encoders:
+            out = encoder(ids.to(encoder.device), output_hidden_states=True)
+            states.append(out.hidden_states[-2])
+            pooled = getattr(out, "text_embeds", None)
+    return torch.cat(states, dim=-1).float(), pooled.float()
+
+
+def predict_noise(unet, noisy, timesteps, text, pooled, size: int):
+    """The U-Net's noise prediction (B, 4, h, w); SDXL's added conditions: the pooled text (B, 1280) and the
+    time ids (B, 6) = (original height, width, crop top, left, target height, width), here the uncropped size."""
+    import torch
+
+    added = None
+    if pooled is not None:
+        time_ids = torch.tensor([size, size, 0, 0, size, size], dtype=text.dtype, device=text.device)
+        added = {"text_embeds": pooled, "time_ids": time_ids.expand(noisy.shape[0], 6)}
+    return unet(noisy, timesteps, encoder_hidden_states=text, added_cond_kwargs=added).sample
+
+
+def add_lora(unet, recipe: DiffusionRecipe) -> list:
+    """Freeze the U-Net, add the adapter (sits_lora's or PEFT's) on the attention projections; return the
+    trainable parameters, in fp32 (the base may be bf16)."""
+    import torch
+    from peft import LoraConfig
+
+    from sits_lora import SitsLoraConfig
+
+    unet.requires_grad_(False)
+    common = dict(r=recipe.rank, lora_alpha=recipe.alpha, target_modules=list(ATTENTION))
+    config = SitsLoraConfig(kernel=recipe.kernel, **common) if recipe.adapter == "sits" else LoraConfig(**common)
+    unet.add_adapter(config)
+    params = [p for p in unet.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.to(torch.float32)
+    return params
+
+
+def tiny_pipeline(parts: Components, unet):
+    """A StableDiffusionPipeline of the tiny model around ``unet``."""
+    import diffusers
+
+    scheduler = diffusers.DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                        clip_sample=False, set_alpha_to_one=False, steps_offset=1)
+    return diffusers.StableDiffusionPipeline(vae=parts.vae, text_encoder=parts.text_encoders[0],
+                                             tokenizer=parts.tokenizer, unet=unet, scheduler=scheduler,
+                                             safety_checker=None, feature_extractor=None,
+                                             requires_safety_checker=False)
+
+
+# ---------------------------------------------------------------------------------------------------- training
+
+@dataclass
+class Cache:
+    """What the frozen models give once: the images' latent mean and std (N, 4, h, w) and text states."""
+
+    mean: object
+    std: object
+    text: object           # (N, L, D)
+    pooled: object         # (N, 1280) or None
+    scaling: float
+
+
+def encode_dataset(parts: Components, pixels, captions: list[str], device) -> Cache:
+    """Run the frozen VAE and text encoder(s) once on ``device``; they go back to the CPU after."""
+    import torch
+
+    parts.vae.to(device)
+    for encoder in parts.text_encoders:
+        encoder.to(device)
+    means, stds = [], []
+    with torch.no_grad():
+        for image in pixels.split(1):           # one at a time: the VAE's activations at 1024 px are GBs
+            dist = parts.vae.encode(image.to(device)).latent_dist
+            means.append(dist.mean.float())
+            stds.append(dist.std.float())
+    text, pooled = encode_captions(parts, captions)
+    parts.vae.to("cpu")
+    for encoder in parts.text_encoders:
+        encoder.to("cpu")
+    return Cache(torch.cat(means), torch.cat(stds), text, pooled, float(parts.vae.config.scaling_factor))
+
+
+def step_generator(seed: int, step: int):
+    """The generator of one step's draws: a resumed run draws what an uninterrupted one would have."""
+    import torch
+
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+def sample_batch(cache: Cache, step: int, recipe: DiffusionRecipe, num_train_timesteps: int):
+    """(image indices (B,), latent draw (B, 4, h, w), noise (B, 4, h, w), timesteps (B,)) of ``step``, on the CPU."""
+    import torch
+
+    gen = step_generator(recipe.seed, step)
+    n = cache.mean.shape[0]
+    shape = (recipe.batch_size, *cache.mean.shape[1:])
+    index = torch.randint(n, (recipe.batch_size,), generator=gen)
+    return (index, torch.randn(shape, generator=gen), torch.randn(shape, generator=gen),
+            torch.randint(num_train_timesteps, (recipe.batch_size,), generator=gen))
+
+
+def diffusion_loss(unet, scheduler, cache: Cache, index, draw, noise, timesteps, size: int, autocast):
+    """MSE between the noise and the U-Net's prediction of it from the noised latents."""
+    import torch
+
+    device = cache.mean.device
+    index, timesteps = index.to(device), timesteps.to(device)
+    latents = (cache.mean[index] + cache.std[index] * draw.to(device)) * cache.scaling      # (B, 4, h, w)
+    noise = noise.to(device)
+    noisy = scheduler.add_noise(latents, noise, timesteps)
+    pooled = cache.pooled[index] if cache.pooled is not None else None
+    with autocast():
+        pred = predict_noise(unet, noisy, timesteps, cache.text[index], pooled, size)
+    return torch.nn.functional.mse_loss(pred.float(), noise)
+
+
+def fixed_noise_loss(unet, scheduler, cache: Cache, recipe: DiffusionRecipe, autocast) -> float:
+    """The loss over every image at 4 fixed timesteps (100, 350, 600, 850) with fixed noise: the same draws before
+    and after training, so the two numbers compare (a step's loss swings with its random timesteps)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(recipe.seed + 12345)
+    n = cache.mean.shape[0]
+    total, count = 0.0, 0
+    was_training = unet.training
+    unet.eval()
+    with torch.no_grad():
+        for t in (100, 350, 600, 850):
+            for start in range(0, n, recipe.batch_size):
+                index = torch.arange(start, min(n, start + recipe.batch_size))
+                shape = (len(index), *cache.mean.shape[1:])
+                draw, noise = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+                timesteps = torch.full((len(index),), t)
+                loss = diffusion_loss(unet, scheduler, cache, index, draw, noise, timesteps, recipe.size, autocast)
+                total += loss.item() * len(index)
+                count += len(index)
+    unet.train(was_training)
+    return total / count
+
+
+class _StopRequest:
+    """The first Ctrl-C asks the loop to stop after its step (the checkpoint is then whole); a second one
+    raises KeyboardInterrupt at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        try:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        except ValueError:                     # not the main thread: Ctrl-C stays a plain KeyboardInterrupt
+            self._previous = None
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+
+
+def save_checkpoint(output_dir: str, step: int, params: dict, optimizer, recipe: DiffusionRecipe,
+                    extra: dict) -> str:
+    """checkpoint-<step>/training_state.pt: the adapter's weights, the optimizer, the step; keeps the last two."""
+    import torch
+
+    final = os.path.join(output_dir, f"checkpoint-{step}")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    torch.save({"step": step, "adapter": {n: p.detach().cpu() for n, p in params.items()},
+                "optimizer": optimizer.state_dict(), "recipe": dataclasses.asdict(recipe), **extra},
+               os.path.join(tmp, STATE_FILE))
+    _replace_folder(tmp, final)
+    for _, old in checkpoint_dirs(output_dir)[:-KEEP_CHECKPOINTS]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def export_lora(unet, output_dir: str) -> str:
+    """lora/pytorch_lora_weights.safetensors, written whole or not at all."""
+    from sits_lora import export_diffusers_lora
+
+    final = os.path.join(output_dir, "lora")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    export_diffusers_lora(unet, tmp)
+    _replace_folder(tmp, final)
+    return final
+
+
+def check_export(parts: Components, base_unet, trained_unet, lora_dir: str, cache: Cache, recipe: DiffusionRecipe,
+                 base_dir: str) -> dict:
+    """Save the tiny base pipeline to base_dir, load lora_dir into it with load_lora_weights (stock diffusers,
+    no sits_lora layer) and compare its U-Net's output with the trained one's on the first batch."""
+    import diffusers
+    import torch
+
+    trained_unet.to("cpu")                     # the tiny model's weights stay fp32 on CUDA too
+    cache = Cache(*(t.cpu() if t is not None else None for t in (cache.mean, cache.std, cache.text, cache.pooled)),
+                  cache.scaling)
+    pipe = tiny_pipeline(parts, base_unet)
+    tmp = base_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    pipe.save_pretrained(tmp)
+    _replace_folder(tmp, base_dir)
+    verbosity = diffusers.utils.logging.get_verbosity()
+    diffusers.utils.logging.set_verbosity_error()    # not "No LoRA keys ... for CLIPTextModel": only the U-Net has one
+    try:
+        pipe.load_lora_weights(lora_dir)
+    finally:
+        diffusers.utils.logging.set_verbosity(verbosity)
+    scheduler = diffusers.DDPMScheduler.from_config(pipe.scheduler.config)
+    index, draw, noise, timesteps = sample_batch(cache, 0, recipe, scheduler.config.num_train_timesteps)
+    latents = (cache.mean[index] + cache.std[index] * draw) * cache.scaling
+    noisy = scheduler.add_noise(latents, noise, timesteps)
+    with torch.no_grad():
+        ref = predict_noise(trained_unet, noisy, timesteps, cache.text[index], None, recipe.size)
+        out = predict_noise(pipe.unet, noisy, timesteps, cache.text[index], None, recipe.size)
+    rel_err = ((out - ref).norm() / ref.norm()).item()
+    return {"loads_with_load_lora_weights": True, "rel_err_vs_trained_unet": rel_err, "ok": rel_err < 1e-4,
+            "base_pipeline": os.path.abspath(base_dir)}
+
+
+def plot_losses(metrics: list[dict], path: str, title: str) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    steps = [m["step"] for m in metrics]
+    losses = [m["loss"] for m in metrics]
+    window = max(1, len(losses) // 10)
+    smooth = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
+              for i in range(len(losses))]
+    fig = Figure(figsize=(6, 3.5), tight_layout=True)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot(steps, losses, lw=0.8, alpha=0.5, label="step loss")
+    ax.plot(steps, smooth, lw=1.6, label=f"mean of {window}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("noise-prediction MSE")
+    ax.set_title(title, fontsize=10)
+    ax.legend()
+    fig.savefig(path, dpi=100)
+
+
+@dataclass
+class LoopOutcome:
+    done: int                       # the last step whose update was applied
+    status: str                     # "finished", "interrupted" or "nonfinite"
+    error: Optional[Exception] = None
+    mid_update: bool = False        # interrupted inside optimizer.step: the weights are half updated
+    seconds: float = 0.0
+
+
+def train_steps(unet, params, optimizer, scheduler, cache: Cache, recipe: DiffusionRecipe, start: int,
+                checkpoint, autocast, log) -> LoopOutcome:
+    """Steps start + 1 .. recipe.steps: a line of ``log`` per step, ``checkpoint(step)`` every
+    recipe.checkpoint_steps(); stops at the first non-finite loss or gradient (not applied) and at Ctrl-C."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from sits_lora.training.guards import GradientGuard
+
+    guard = GradientGuard(policy="skip")       # "skip": a bad step's gradients are dropped; the error names it
+    guard.bind(unet)
+    every = recipe.checkpoint_steps()
+    outcome = LoopOutcome(done=start, status="finished")
+    t_start = time.perf_counter()
+    bar = tqdm(total=recipe.steps, initial=start, desc="training", unit="step", dynamic_ncols=True)
+    try:
+        with _StopRequest() as stop:
+            for step in range(start + 1, recipe.steps + 1):
+                t0 = time.perf_counter()
+                batch = sample_batch(cache, step, recipe, scheduler.config.num_train_timesteps)
+                loss = diffusion_loss(unet, scheduler, cache, *batch, recipe.size, autocast)
+                value = loss.item()
+                if not math.isfinite(value):
+                    raise NonFiniteTrainingError(f"step {step}: the loss is {value}")
+                loss.backward()
+                checked = guard.check(step)
+                if checked.nonfinite:
+                    others = len(checked.bad_parameters) - 1
+                    raise NonFiniteTrainingError(
+                        f"step {step}: the gradient of {checked.bad_parameters[0]} holds NaN or Inf"
+                        + (f" (and {others} other parameter(s))" if others > 0 else ""))
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                outcome.mid_update = True
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                outcome.mid_update = False
+                outcome.done = step
+                log.write(json.dumps({"step": step, "loss": value, "seconds": time.perf_counter() - t0}) + "\n")
+                log.flush()
+                bar.update(1)
+                bar.set_postfix(loss=f"{value:.4f}")
+                if step % every == 0 and step < recipe.steps:
+                    checkpoint(step)
+                if stop.requested:
+                    outcome.status = "interrupted"
+                    break
+    except KeyboardInterrupt:
+        outcome.status = "interrupted"
+    except NonFiniteTrainingError as error:
+        outcome.status, outcome.error = "nonfinite", error
+    finally:
+        bar.close()
+    outcome.seconds = time.perf_counter() - t_start
+    return outcome
+
+
+def run(recipe: DiffusionRecipe) -> tuple[int, dict]:
+    """Train; return (exit status, summary): 0 finished, 1 a non-finite loss or gradient, 130 interrupted."""
+    import copy
+
+    import diffusers
+    import torch
+
+    from sits_lora.utils.env import environment
+
+    out = recipe.output_dir
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    resume_from = latest_checkpoint(out) if recipe.resume else None
+    state = torch.load(os.path.join(resume_from, STATE_FILE), map_location="cpu") if resume_from else None
+    if state is not None:
+        recipe.check_resume(state["recipe"])
+        if recipe.steps <= state["step"]:
+            raise ResumeError(f"--steps {recipe.steps}: the checkpoint {resume_from} is at step {state['step']} "
+                              f"already; pass a larger --steps to train on")
+    t_start = time.perf_counter()
+    pixels, captions = draw_shapes(recipe.num_images, recipe.size, recipe.seed)
+    parts = build_models(recipe.model, recipe.size, recipe.seed, "cpu" if recipe.model == "tiny" else device)
+    base_unet = copy.deepcopy(parts.unet) if recipe.model == "tiny" else None    # for the load check
+    cache = encode_dataset(parts, pixels, captions, device)
+    unet = parts.unet.to(device)
+    if cuda and recipe.model != "tiny":
+        unet.to(torch.bfloat16)      # the frozen base in bf16, the adapter in fp32, under bf16 autocast
+    params = add_lora(unet, recipe)
+    named = {n: p for n, p in unet.named_parameters() if p.requires_grad}
+    unet.train()
+    scheduler = diffusers.DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                        num_train_timesteps=1000, clip_sample=False)
+
+    def autocast():
+        return torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+
+    optimizer = torch.optim.AdamW(params, lr=recipe.learning_rate, weight_decay=1e-2)
+    if recipe.overwrite:     # only now: a run that fails while building leaves the old one whole
+        for name in run_files(out):
+            path = os.path.join(out, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    start, eval_before = 0, None
+    metrics_path = os.path.join(out, "metrics.jsonl")
+    if state is not None:
+        with torch.no_grad():
+            for n, p in named.items():
+                p.copy_(state["adapter"][n])
+        optimizer.load_state_dict(state["optimizer"])
+        for group in optimizer.param_groups:
+            group["lr"] = recipe.learning_rate     # a resumed run may change it (after a NaN: lower it)
+        start, eval_before = state["step"], state.get("eval_loss_before")
+        kept = [m for m in read_metrics(out) if m["step"] <= start]   # steps after the checkpoint are done again
+        with open(metrics_path + ".tmp", "w") as f:
+            f.writelines(json.dumps(m) + "\n" for m in kept)
+        os.replace(metrics_path + ".tmp", metrics_path)
+        print(f"[sits_lora] resuming from {resume_from} (step {start})")
+    if eval_before is None:
+        eval_before = fixed_noise_loss(unet, scheduler, cache, recipe, autocast)
+
+    trainable = sum(p.numel() for p in params)
+    print(f"[sits_lora] {recipe.model} U-Net, {sum(p.numel() for p in unet.parameters()) / 1e6:.1f} M parameters "
+          f"(random weights), {recipe.adapter} LoRA rank {recipe.rank} on {', '.join(ATTENTION)}: {trainable:,} "
+          f"trainable; {recipe.num_images} images at {recipe.size} px; {device.type}, "
+          f"{'bf16 autocast' if cuda else 'fp32'}")
+
+    def checkpoint(step):
+        return save_checkpoint(out, step, named, optimizer, recipe, {"eval_loss_before": eval_before})
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    with open(metrics_path, "a") as log:
+        loop = train_steps(unet, params, optimizer, scheduler, cache, recipe, start, checkpoint, autocast, log)
+    if loop.status == "interrupted" and loop.mid_update:
+        print(f"[sits_lora] interrupted inside the update of step {loop.done + 1}: nothing saved over the last "
+              f"checkpoint ({latest_checkpoint(out) or 'none'})", file=sys.stderr)
+        return EXIT_INTERRUPTED, {}
+
+    saved = checkpoint(loop.done) if loop.done > start else latest_checkpoint(out)
+    lora_dir = export_lora(unet, out)
+    eval_after = fixed_noise_loss(unet, scheduler, cache, recipe, autocast) if loop.status != "nonfinite" else None
+    export_check = None
+    if recipe.model == "tiny" and loop.status == "finished":
+        export_check = check_export(parts, base_unet, unet, lora_dir, cache, recipe, os.path.join(out, "base"))
+    metrics = read_metrics(out)
+    if metrics:
+        plot_losses(metrics, os.path.join(out, "loss.png"), f"{recipe.model} U-Net (random weights), {recipe.adapter} "
+                    f"LoRA rank {recipe.rank}, {recipe.num_images} images at {recipe.size} px")
+    last = [m["loss"] for m in metrics[-10:]]
+    trained = loop.done - start
+    summary = {
+        "status": loop.status,
+        "error": str(loop.error) if loop.error else None,
+        "steps_done": loop.done,
+        "resumed_from_step": start if state is not None else None,
+        "final_loss": metrics[-1]["loss"] if metrics else None,
+        "mean_loss_last_10": sum(last) / len(last) if last else None,
+        "fixed_noise_loss_before": eval_before,
+        "fixed_noise_loss_after": eval_after,
+        "steps_per_second": trained / loop.seconds if trained else None,
+        "train_seconds": loop.seconds,
+        "wall_seconds": time.perf_counter() - t_start,
+        "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "trainable_parameters": trainable,
+        "lora_dir": os.path.abspath(lora_dir),
+        "checkpoint": os.path.abspath(saved) if saved else None,
+        "export_check": export_check,
+        "config": dataclasses.asdict(recipe),
+        "environment": {**environment(), "diffusers": diffusers.__version__},
+    }
+    _write_json(os.path.join(out, "summary.json"), summary)
+    if loop.status == "nonfinite":
+        then = (f"continue with --resume true from {saved}" if saved else
+                "run again with --overwrite true (no step was applied, no checkpoint was saved)")
+        print(f"error: {loop.error}; nothing was applied at that step. Fix: lower --lr (now "
+              f"{recipe.learning_rate:g}) and {then}", file=sys.stderr)
+        return 1, summary
+    print(f"[sits_lora] fixed-noise loss {eval_before:.4f} -> {eval_after:.4f}; {trained} steps in "
+          f"{loop.seconds:.1f} s ({summary['steps_per_second'] or 0:.2f} steps/s)"
+          + (f", peak {summary['peak_memory_bytes'] / 2**30:.2f} GiB" if cuda else ""))
+    print(f"[sits_lora] LoRA saved to {summary['lora_dir']} (pipe.load_lora_weights reads it)")
+    if loop.status == "interrupted":
+        print(f"[sits_lora] interrupted after step {loop.done}: checkpoint {saved}; --resume true continues",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED, summary
+    if export_check is not None:
+        print(f"[sits_lora] load_lora_weights on the base pipeline ({export_check['base_pipeline']}): relative "
+              f"difference {export_check['rel_err_vs_trained_unet']:.1e} from the trained U-Net")
+        if not export_check["ok"]:
+            print("error: the exported LoRA, loaded with load_lora_weights, does not give the trained U-Net's "
+                  "outputs", file=sys.stderr)
+            return 1, summary
+    return 0, summary
+
+
+# ---------------------------------------------------------------------------------------------------- command line
+
+def _true_or_false(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(DiffusionRecipe):
+        kind = {bool: _true_or_false, int: int, float: float}.get(type(f.default), str)
+        extra = dict(nargs="?", const=True) if kind is _true_or_false else {}   # `--resume` = `--resume true`
+        parser.add_argument(_flag(f.name), dest=f.name, type=kind, default=None,
+                            help=f"{f.metadata['help']} (default {f.default})", **extra)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        recipe = DiffusionRecipe(**{k: v for k, v in vars(args).items() if v is not None})
+        if importlib.util.find_spec("diffusers") is None:
+            raise ValueError("the diffusion recipe needs diffusers: pip install 'sits-lora[diffusion]'")
+        recipe.check_machine()
+        recipe.check_output_dir()
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        status, _ = run(recipe)
+    except ResumeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return status
+
