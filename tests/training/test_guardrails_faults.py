@@ -209,8 +209,8 @@ FAULT_CASES = [
     Case("clamp-nan", "nan", "clamp"),
     Case("clamp-inf", "inf", "clamp"),
     Case("clamp-inf-no-clipping", "inf", "clamp", max_grad_norm=0.0),
-    # A plain Trainer computes the gradient norm before any callback (even with max_grad_norm=0): one NaN or Inf
-    # becomes NaN everywhere, so "clamp" is refused and "raise" names the first parameter, not the one that went bad.
+    # A plain Trainer computes the gradient norm before any callback (even with max_grad_norm=0), which can make one
+    # NaN or Inf NaN everywhere: "clamp" is refused, and "raise" may name the first parameter, not the one that went bad.
     Case("clamp-plain-trainer-refused", "nan", "clamp", trainer="plain", max_grad_norm=0.0,
          expect="raises:ValueError"),
     Case("raise-nan", "nan", "raise", steps=(3,), expect="raises:NonFiniteGradientError"),
@@ -339,8 +339,11 @@ def test_fault_case(case, tmp_path, caplog):
         assert "needs sits_lora.NativeLoraTrainer" in str(error) and trainer.state.global_step == 0
     if case.nan_policy == "raise" and case.fault != "activation":
         assert f"optimizer step {case.steps[0]}" in str(error) and trainer.state.global_step == case.steps[0] - 1
-        if case.trainer == "plain":  # the gradient norm spread the fault to every gradient first
-            assert row["named_parameter"] == next(n for n, p in trainer.model.named_parameters() if p.requires_grad)
+        if case.trainer == "plain":
+            # the Trainer's gradient norm spreads the fault to every gradient first with some transformers /
+            # accelerate versions (the first trainable parameter is named), not with others (the one that went bad)
+            first = next(n for n, p in trainer.model.named_parameters() if p.requires_grad)
+            assert row["named_parameter"] in (first, TARGET)
             assert "not necessarily the one that went bad" in str(error)
         else:
             assert row["named_parameter"] == TARGET

@@ -508,8 +508,9 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
                 raise
             raise NonFiniteGradientError(
                 f"{error} With a plain transformers.Trainer the gradient norm is computed before any callback, which "
-                f"spreads one NaN or Inf to every gradient: the parameter named is the first trainable one, not "
-                f"necessarily the one that went bad. sits_lora.NativeLoraTrainer checks before that and names it."
+                f"can spread one NaN or Inf to every gradient (it does with some transformers / accelerate versions): "
+                f"the parameter named is then the first trainable one, not necessarily the one that went bad. "
+                f"sits_lora.NativeLoraTrainer checks before that and names it."
             ) from None
 
 
