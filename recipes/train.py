@@ -18,13 +18,7 @@ import sys
 
 import yaml
 
-
-def _true_or_false(text: str) -> bool:
-    if text.lower() in ("true", "1", "yes"):
-        return True
-    if text.lower() in ("false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+from sits_lora.recipe.train import true_or_false   # torch loads later, after the options are checked
 
 
 def _parser(fields) -> argparse.ArgumentParser:
@@ -32,7 +26,7 @@ def _parser(fields) -> argparse.ArgumentParser:
     parser.add_argument("--config", help="YAML file with any of the options below (recipes/configs/*.yaml)")
     for f in fields:
         flag = "--" + f.name.replace("_", "-")
-        kind = {bool: _true_or_false, int: int, float: float}.get(type(f.default), str)
+        kind = {bool: true_or_false, int: int, float: float}.get(type(f.default), str)
         parser.add_argument(flag, dest=f.name, type=kind, default=None, help=f.metadata.get("help"))
     return parser
 

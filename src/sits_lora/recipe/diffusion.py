@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .train import KERNELS   # SitsLoraConfig.kernel's choices, without importing torch
+from .train import KERNELS, true_or_false, write_json_atomically   # none of them imports torch
 
 MODELS = ("tiny", "sd15", "sdxl")
 ADAPTERS = ("sits", "peft")
@@ -203,13 +203,6 @@ def _replace_folder(tmp: str, final: str) -> None:
     if os.path.isdir(final):
         shutil.rmtree(final)
     os.replace(tmp, final)
-
-
-def _write_json(path: str, payload: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2)
-    os.replace(tmp, path)
 
 
 def read_metrics(output_dir: str) -> list[dict]:
@@ -793,7 +786,7 @@ def run(recipe: DiffusionRecipe) -> tuple[int, dict]:
         "config": dataclasses.asdict(recipe),
         "environment": {**environment(), "diffusers": diffusers.__version__},
     }
-    _write_json(os.path.join(out, "summary.json"), summary)
+    write_json_atomically(os.path.join(out, "summary.json"), summary)
     if loop.status == "nonfinite":
         then = (f"continue with --resume true from {saved}" if saved else
                 "run again with --overwrite true (no step was applied, no checkpoint was saved)")
@@ -820,19 +813,11 @@ def run(recipe: DiffusionRecipe) -> tuple[int, dict]:
 
 # ---------------------------------------------------------------------------------------------------- command line
 
-def _true_or_false(text: str) -> bool:
-    if text.lower() in ("true", "1", "yes"):
-        return True
-    if text.lower() in ("false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(DiffusionRecipe):
-        kind = {bool: _true_or_false, int: int, float: float}.get(type(f.default), str)
-        extra = dict(nargs="?", const=True) if kind is _true_or_false else {}   # `--resume` = `--resume true`
+        kind = {bool: true_or_false, int: int, float: float}.get(type(f.default), str)
+        extra = dict(nargs="?", const=True) if kind is true_or_false else {}   # `--resume` = `--resume true`
         parser.add_argument(_flag(f.name), dest=f.name, type=kind, default=None,
                             help=f"{f.metadata['help']} (default {f.default})", **extra)
     return parser

@@ -192,6 +192,17 @@ class TrainRecipe:
 # the recipe's field checks import no torch (a bad input answers in a fraction of a second); these are
 # ops.KERNELS and the torch dtypes by name (tests/recipe/test_recipe.py keeps them equal)
 KERNELS = ("auto", "triton", "torch")
+
+
+def true_or_false(text: str) -> bool:
+    """A boolean command-line value: true / 1 / yes or false / 0 / no (the recipes' argparse type)."""
+    import argparse
+
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
 BASE_QUANTS = ("off", "int4", "nf4")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -280,7 +291,8 @@ def _clear_run(output_dir: str) -> None:
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
-def _write_json_atomically(path: str, payload: dict) -> None:
+def write_json_atomically(path: str, payload: dict) -> None:
+    """JSON written to a temporary file, then renamed over ``path``: an interruption leaves the old file whole."""
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(payload, f, indent=2)
@@ -469,7 +481,7 @@ def run(recipe: TrainRecipe) -> dict:
         "recipe": dataclasses.asdict(recipe),
         "versions": _versions(),
     }
-    _write_json_atomically(os.path.join(recipe.output_dir, "metrics.json"), metrics)
+    write_json_atomically(os.path.join(recipe.output_dir, "metrics.json"), metrics)
     print(f"[sits_lora] held-out perplexity: {ppl_before:.3f} -> {ppl_after:.3f} "
           f"({100 * (ppl_after / ppl_before - 1):+.1f} %), {train_seconds:.0f} s training, "
           f"{metrics['wall_seconds']:.0f} s in all")
