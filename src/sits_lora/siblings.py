@@ -60,8 +60,8 @@ class SiblingGroup:
         self._pending_version: Optional[int] = -1
         self._pending: dict[int, torch.Tensor] = {}
         # what the outputs were computed from and the outputs, while they may be given back (the module doc):
-        # (x, x's version, (tensor, version) of every weight, (adapter, scaling) per layer, {id(layer): output},
-        # the outputs' versions)
+        # (x, x's version, (tensor, version) of every weight, (adapter, scaling, training mode) per layer,
+        # {id(layer): output}, the outputs' versions); a changed mode can turn dropout on, which the fused op refuses
         self._kept: Optional[tuple] = None
 
     def release(self) -> None:
@@ -72,9 +72,9 @@ class SiblingGroup:
         weights, biases, As, Bs, scalings = plan
         tensors = tuple(t for t in (*weights, *biases, *As, *Bs) if t is not None)
         by_layer = {id(layer): y for layer, y in zip(self.layers, outputs)}
-        self._kept = (x, _version(x), tuple((t, t._version) for t in tensors),
-                      tuple((a, float(s)) for a, s in zip(adapters, scalings)), by_layer,
-                      tuple(_version(y) for y in outputs))
+        self._kept = (x, _version(x), tuple((t, _version(t)) for t in tensors),
+                      tuple((a, float(s), layer.training) for layer, a, s in zip(self.layers, adapters, scalings)),
+                      by_layer, tuple(_version(y) for y in outputs))
 
     def _kept_output(self, layer, x: torch.Tensor) -> Optional[torch.Tensor]:
         """layer's kept output when nothing it was computed from has changed since (cheap: a kept call is host
@@ -83,9 +83,9 @@ class SiblingGroup:
         if kept is None or x is not kept[0]:
             return None
         kept_x, x_version, tensors, adapters, outputs, versions = kept
-        valid = (_version(x) == x_version and all(t._version == v for t, v in tensors)
-                 and all(other.active_adapter in (a, [a]) and other.scaling.get(a) == s
-                         for other, (a, s) in zip(self.layers, adapters))
+        valid = (_version(x) == x_version and all(_version(t) == v for t, v in tensors)
+                 and all(other.active_adapter in (a, [a]) and other.scaling.get(a) == s and other.training == mode
+                         for other, (a, s, mode) in zip(self.layers, adapters))
                  and all(_version(y) == v for y, v in zip(outputs.values(), versions)))
         if not valid:
             self._kept = None

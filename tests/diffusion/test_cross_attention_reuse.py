@@ -113,3 +113,20 @@ def test_nothing_is_kept_with_autograd_or_under_inference_mode(sibling_calls):
             unet(torch.randn(2, 4, 8, 8), torch.tensor([1, 2]), encoder_hidden_states=text)
     assert all(g._kept is None for g in groups.values())
     assert sibling_calls.count(2) == 2 * len(groups) * 2
+
+
+def test_a_mode_change_turning_dropout_on_is_not_answered_from_the_kept_outputs(sibling_calls):
+    torch.manual_seed(0)
+    unet = tiny_unet()
+    unet.add_adapter(SitsLoraConfig(r=4, lora_alpha=8, lora_dropout=0.5, target_modules=ATTENTION,
+                                    init_lora_weights=False, kernel="triton"))
+    unet.eval()
+    text = torch.randn(2, 7, 24, generator=torch.Generator().manual_seed(4))
+    sample, t = torch.randn(2, 4, 8, 8), torch.tensor([10, 500])
+    with torch.no_grad():
+        unet(sample, t, encoder_hidden_states=text)
+        kept_calls = sibling_calls.count(2)
+        unet.train()   # dropout on: the layers must run PEFT's way, not hand back the eval-mode outputs
+        unet(sample, t, encoder_hidden_states=text)
+    assert kept_calls == len(cross_groups(unet)) and sibling_calls.count(2) == kept_calls
+    assert all(g._kept is None for g in cross_groups(unet).values())
