@@ -174,9 +174,9 @@ def fidelity(image: torch.Tensor, reference: torch.Tensor) -> dict:
             "max_abs": (image - reference).abs().max().item(), "finite": True}
 
 
-def train_step_seconds(unet, arm: str, batch: int, latent: int, text_dim: int, pooled_dim, device: str, dtype,
-                       steps: int) -> tuple[float, float | None]:
-    """(median seconds of one training step, peak GiB)."""
+def train_step(unet, frozen: bool, batch: int, latent: int, text_dim: int, pooled_dim, device: str, dtype):
+    """One training step of ``unet`` on fixed random inputs, as a function: MSE on the noise and fused AdamW over
+    the trainable parameters, or (``frozen``) forward + backward to the input, the floor a LoRA step must pay."""
     gen = torch.Generator().manual_seed(4)
     sample = torch.randn(batch, 4, latent, latent, generator=gen).to(device, dtype)
     noise = torch.randn(batch, 4, latent, latent, generator=gen).to(device, dtype)
@@ -186,13 +186,12 @@ def train_step_seconds(unet, arm: str, batch: int, latent: int, text_dim: int, p
     if pooled_dim:
         added = {"text_embeds": torch.randn(batch, pooled_dim, generator=gen).to(device, dtype),
                  "time_ids": torch.tensor([[1024, 1024, 0, 0, 1024, 1024]] * batch, device=device, dtype=dtype)}
-    frozen = arm == "train:frozen"
     params = [p for p in unet.parameters() if p.requires_grad]
     optimizer = None if frozen else torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda")
     unet.train()
 
     def step():
-        x = sample.detach().requires_grad_(frozen)   # the frozen floor: backward to the input, as a LoRA step needs
+        x = sample.detach().requires_grad_(frozen)
         pred = unet(x, t, encoder_hidden_states=text, added_cond_kwargs=added).sample
         loss = torch.nn.functional.mse_loss(pred.float(), noise.float())
         loss.backward()
@@ -200,6 +199,13 @@ def train_step_seconds(unet, arm: str, batch: int, latent: int, text_dim: int, p
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
+    return step
+
+
+def train_step_seconds(unet, arm: str, batch: int, latent: int, text_dim: int, pooled_dim, device: str, dtype,
+                       steps: int) -> tuple[float, float | None]:
+    """(median seconds of one training step, peak GiB)."""
+    step = train_step(unet, arm == "train:frozen", batch, latent, text_dim, pooled_dim, device, dtype)
     for _ in range(2):
         step()
     if device == "cuda":

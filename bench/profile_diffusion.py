@@ -70,25 +70,13 @@ def main(argv=None) -> int:
     report, lines = {}, []
     for arm in args.arms:
         model = bench.adapt(unet, arm, bench.TRAIN_TARGETS if arm != "base" else [])
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda") if params else None
-        x = torch.randn(batch, 4, latent, latent, generator=gen).to(device, dtype)
-        text = torch.randn(batch, 77, shape["text_dim"], generator=gen).to(device, dtype)
-        t = torch.randint(0, 1000, (batch,), generator=gen).to(device)
-
-        def train():
-            inp = x.detach().requires_grad_(optimizer is None)
-            loss = model(inp, t, encoder_hidden_states=text).sample.float().square().mean()
-            loss.backward()
-            if optimizer is not None:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+        train = bench.train_step(model, arm == "base", batch, latent, shape["text_dim"], None, device, dtype)
 
         def denoise():
             with torch.no_grad():
                 model(sample2, t2, encoder_hidden_states=text2)
 
-        row = {}
+        row, first_line = {}, len(lines)
         for name, fn in (("train", train), ("denoise", denoise)):
             for _ in range(3):
                 fn()
@@ -111,8 +99,8 @@ def main(argv=None) -> int:
             pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
             lines.append(f"== {arm} train, cProfile of 5 steps\n" + text.getvalue())
         report[arm] = row
-        print("\n".join(lines[-2 * 13:]), flush=True)
-        model = optimizer = None   # this arm's copy freed before the next one is made
+        print("\n".join(lines[first_line:]), flush=True)
+        model = train = None   # this arm's copy freed before the next one is made
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "profile_diffusion.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
