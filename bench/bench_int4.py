@@ -72,6 +72,23 @@ def main(argv=None) -> int:
                          "copy_gb_per_s": copy_gb_per_s,
                          "vs_copy": (nf4_read + written) / ours_ms / 1e6 / copy_gb_per_s,
                          "max_abs_diff_vs_bnb": float((out.float() - expected.float()).abs().max())})
+            # NF4 storage, fp8 compute: the same bytes formed in e4m3 (W · scale), as forward and as backward read it
+            from sits_lora.bases.bnb4 import fp8_weight_scales
+            from sits_lora.ops.bnb4_dequant import bnb4_dequantize_scaled
+
+            from bitsandbytes.nn import Params4bit
+
+            weight = Params4bit(codes, requires_grad=False, quant_state=state, bnb_quantized=True)
+            w_scale, _ = fp8_weight_scales(weight, "tensor")
+            for transpose in (False, True):
+                out8 = torch.empty((K, N) if transpose else (N, K), device=device, dtype=torch.float8_e4m3fn)
+                fp8_ms = median_ms(lambda: bnb4_dequantize_scaled(codes, layout_of(state), (N, K), w_scale, out8,
+                                                                  transpose))
+                moved = nf4_read + out8.numel()
+                rows.append({"kind": "dequantize", "N": N, "K": K, "tokens": None, "ms": fp8_ms,
+                             "format": "nf4 into e4m3" + (", transposed" if transpose else ""),
+                             "gb_per_s": moved / fp8_ms / 1e6, "copy_gb_per_s": copy_gb_per_s,
+                             "vs_copy": moved / fp8_ms / 1e6 / copy_gb_per_s})
         for T in tokens:
             x = torch.randn(T, K, device=device, dtype=dtype)
             fused = median_ms(lambda: Q.int4_matmul(x, packed, scales, mins, K))

@@ -56,7 +56,9 @@ OPTIONAL_ARMS = ["peft+liger", "sits+liger", "sits+gc", "peft+gc", "sits+fp8", "
                  # sits_lora's fused one), "+int4" sits_lora's own INT4 base
                  "peft+nf4", "sits+nf4", "sits+int4", "peft+nf4+liger", "sits+nf4+liger", "sits+int4+liger",
                  # "+bnbdq": the NF4 weights dequantized by bitsandbytes' dequantize_4bit, not sits_lora's kernel
-                 "sits+nf4+bnbdq", "sits+nf4+bnbdq+liger"]
+                 "sits+nf4+bnbdq", "sits+nf4+bnbdq+liger",
+                 # "+nf4+fp8": NF4 storage, fp8 compute (fp8="hybrid" over the 4-bit layers: W formed in e4m3 per GEMM)
+                 "sits+nf4+fp8", "sits+nf4+fp8+liger"]
 
 
 @contextlib.contextmanager
@@ -217,6 +219,8 @@ def worker(args) -> None:
             times.append(time.perf_counter() - t)
     times.sort()
     step_s = times[len(times) // 2]
+    if args.cprofile:
+        _write_host_profile(step, device, os.path.join(args.cprofile, f"{args.model}_{args.arm}.txt"))
     row = {
         "model": args.model, "arm": args.arm, "layers": args.layers or MODELS[args.model]["num_hidden_layers"],
         "batch": batch, "seq": seq,
@@ -256,14 +260,43 @@ def worker(args) -> None:
     print("RESULT " + json.dumps(row), flush=True)
 
 
+def _write_host_profile(step, device: str, path: str, steps: int = 3) -> None:
+    """cProfile over ``steps`` more steps (after the timed ones, so their numbers are untouched): where the host time
+    of a step goes, top functions by own time and by cumulative time, per step."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    # on a GPU, backward runs on autograd's device thread, which cProfile does not see: run it on this one
+    with torch.autograd.set_multithreading_enabled(False):
+        profiler.enable()
+        for _ in range(steps):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    text.write(f"cProfile of {steps} steps (divide by {steps} for one)\n")
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumulative").print_stats(30)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text.getvalue())
+
+
 def run_arm(model: str, arm: str, *, batch: int = 4, seq: int = 2048, warmup: int = 3, steps: int = 10,
-            smoke: bool = False, layers: int = 0, timeout_s: float | None = None) -> dict:
-    """One arm in its own process: its result row, or {"model", "arm", "error"} when it failed."""
+            smoke: bool = False, layers: int = 0, timeout_s: float | None = None, cprofile: str = "") -> dict:
+    """One arm in its own process: its result row, or {"model", "arm", "error"} when it failed. ``cprofile``: a
+    folder for the arm's host profile (see --cprofile)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--arm", arm, "--model", model,
            "--batch", str(batch), "--seq", str(seq), "--warmup", str(warmup), "--steps", str(steps),
            "--layers", str(layers)]
     if smoke:
         cmd.append("--smoke")
+    if cprofile:
+        cmd += ["--cprofile", cprofile]
     t = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
@@ -304,6 +337,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--layers", type=int, default=0, help="decoder layers (0: the shape's own count)")
+    parser.add_argument("--cprofile", default="", metavar="DIR",
+                        help="after the timed steps, profile 3 more with cProfile into DIR/MODEL_ARM.txt (host time)")
     parser.add_argument("--arm", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -313,7 +348,7 @@ def main(argv=None) -> int:
     rows = []
     for arm in args.arms:
         rows.append(run_arm(args.model, arm, batch=args.batch, seq=args.seq, warmup=args.warmup, steps=args.steps,
-                            smoke=args.smoke, layers=args.layers))
+                            smoke=args.smoke, layers=args.layers, cprofile=args.cprofile))
         _finish(rows, args, argv, final=False)  # a run cut short still leaves its finished arms on disk
     _finish(rows, args, argv, final=True)
     return 0

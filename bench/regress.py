@@ -49,15 +49,16 @@ SMOKE_SHAPES = {"tiny": dict(model="tiny", layers=2)}
 # frozen+liger+compile is left out: Liger-Kernel 0.8.5 under torch.compile (torch 2.11) stopped with "an illegal
 # memory access was encountered" on the H200 (docs/performance.md); pass it in --arms to try again
 # the 4-bit frozen bases: PEFT's QLoRA layer (bitsandbytes NF4), sits_lora's fused one on NF4 (W formed by
-# sits_lora's kernel, or "+bnbdq" by bitsandbytes' dequantize_4bit), its own INT4
-FOUR_BIT_ARMS = ["peft+nf4", "sits+nf4", "sits+nf4+liger", "sits+nf4+bnbdq+liger", "sits+int4", "sits+int4+liger"]
+# sits_lora's kernel, or "+bnbdq" by bitsandbytes' dequantize_4bit; "+fp8": formed in e4m3 for fp8 GEMMs), its own INT4
+FOUR_BIT_ARMS = ["peft+nf4", "sits+nf4", "sits+nf4+liger", "sits+nf4+bnbdq+liger", "sits+nf4+fp8+liger", "sits+int4",
+                 "sits+int4+liger"]
 ARMS = ["frozen", "frozen+compile", "frozen+liger", "peft", "peft+compile",
         "sits", "sits+compile", "sits+liger", "sits+fp8", "sits+fp8+liger"] + FOUR_BIT_ARMS
 # on a CPU: no Liger (GPU kernels), fp8 emulated
 SMOKE_ARMS = ["frozen", "frozen+compile", "peft", "sits", "sits+compile", "sits+fp8"]
 BF16_SITS = ("sits", "sits+compile", "sits+liger", "sits+liger+compile")
 FP8_SITS = ("sits+fp8", "sits+fp8+liger")
-NF4_SITS = ("sits+nf4", "sits+nf4+liger", "sits+nf4+bnbdq+liger")
+NF4_SITS = ("sits+nf4", "sits+nf4+liger", "sits+nf4+bnbdq+liger", "sits+nf4+fp8", "sits+nf4+fp8+liger")
 INT4_SITS = ("sits+int4", "sits+int4+liger")
 # the configurations of bench/graph_breaks.py that must compile without a break (the dynamic-rank ones are
 # reported, not gated: their routing state does not trace yet)

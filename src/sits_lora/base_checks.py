@@ -44,12 +44,14 @@ def check_linear_targets(setting: str, adapter_name: str, targets: list, own_typ
             f"them to exclude_modules), or set {field}='off'.")
 
 
-def injected_layers(tuner, adapter_name: str, layer_cls: type, setting: str, base: str) -> list[tuple[str, nn.Module]]:
+def injected_layers(tuner, adapter_name: str, layer_cls, setting: str, base: str) -> list[tuple[str, nn.Module]]:
     """(name, layer) of every layer that holds ``adapter_name`` after injection; raise when one is not ``layer_cls``
+    (a class, or a tuple of them)
     (a PEFT layer sits_lora does not run: the quantized ``base`` cannot go under it). ``setting`` is the field as
     the user wrote it (``fp8='hybrid'``)."""
     layers = [(key, m) for key, m in tuner.model.named_modules() if hasattr(m, "lora_A") and adapter_name in m.lora_A]
-    not_ours = [f"{key} ({type(m).__name__})" for key, m in layers if type(m) is not layer_cls]
+    classes = layer_cls if isinstance(layer_cls, tuple) else (layer_cls,)
+    not_ours = [f"{key} ({type(m).__name__})" for key, m in layers if type(m) not in classes]
     if not_ours:
         raise ValueError(
             f"SitsLoraConfig.{setting}: adapter {adapter_name!r} put PEFT layers that sits_lora does not run on "

@@ -4,7 +4,9 @@ A model loaded with ``BitsAndBytesConfig(load_in_4bit=True)`` keeps each adapted
 ``Linear4bit``. :class:`Bnb4bitBase` runs such a layer's base products through a dense W that bitsandbytes'
 own ``dequantize_4bit`` writes into the shared buffer of ``sits_lora.ops.dequant_linear`` (once in forward,
 once in backward: the model holds only the packed bytes), then cuBLAS, with the LoRA branch on the fused
-kernels. Importing this module imports bitsandbytes.
+kernels. Under ``SitsLoraConfig(fp8=...)`` a layer's base runs :class:`Bnb4Fp8Base` instead: the 4-bit bytes
+stay the storage, W is formed in e4m3 for fp8 GEMMs (``sits_lora.fp8`` decides which layers and owns the
+scales). Importing this module imports bitsandbytes.
 """
 
 from __future__ import annotations
@@ -15,9 +17,14 @@ import bitsandbytes as bnb
 import torch
 from torch import nn
 
+from dataclasses import dataclass
+from typing import Any
+
 from .. import ops
-from ..ops.bnb4_dequant import Bnb4Layout, bnb4_dequantize
+from ..ops import fp8 as fp8_ops
+from ..ops.bnb4_dequant import Bnb4Layout, bnb4_dequantize, bnb4_dequantize_scaled
 from ..ops.dequant_linear import DenseProducts, dequant_lora_linear, dequant_lora_linear_reference, shared_buffer
+from .fp8 import check_fp8_device
 from .int4 import compute_inputs
 
 
@@ -99,3 +106,67 @@ class Bnb4bitBase:
 
 
 BNB4_BASE = Bnb4bitBase()
+
+
+class Bnb4Fp8Weight:
+    """W of one bitsandbytes 4-bit weight, formed in e4m3 for each fp8 GEMM (the ``source`` of
+    ``sits_lora.ops.fp8.fp8_dequant_lora_linear``): W8 = e4m3(W · w_scale), into the shared buffer on a GPU (one
+    pass over the packed bytes, transposed for dX), a tensor of its own elsewhere (emulation)."""
+
+    def __init__(self, weight, w_scale: torch.Tensor):
+        self.weight, self.w_scale = weight, w_scale
+
+    def fp8_weight(self, transposed: bool) -> torch.Tensor:
+        state = self.weight.quant_state
+        rows, cols = state.shape
+        if self.weight.device.type == "cpu":
+            w = dequantized_copy(self.weight).float() * self.w_scale.view(-1, 1)
+            w8 = w.clamp(-fp8_ops.FP8_MAX[fp8_ops.E4M3], fp8_ops.FP8_MAX[fp8_ops.E4M3]).to(fp8_ops.E4M3)
+            return w8.t().contiguous() if transposed else w8
+        out = shared_buffer(self.weight.device, fp8_ops.E4M3, (cols, rows) if transposed else (rows, cols))
+        return bnb4_dequantize_scaled(self.weight.data, layout_of(state), (rows, cols), self.w_scale, out, transposed)
+
+
+def fp8_weight_scales(weight, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_scale, w_inv) of a bitsandbytes 4-bit weight for its fp8 GEMMs: from the exact amax of the values its
+    codes stand for (per tensor, or per output row), once: the weight is frozen."""
+    scale = fp8_ops.weight_scale(dequantized_copy(weight), granularity)
+    return scale, scale.reciprocal()
+
+
+@dataclass(eq=False)
+class Bnb4Fp8Base:
+    """The fused path of a SitsLoraLinear4bit under fp8: NF4 / FP4 storage, fp8 compute.
+
+    Both base GEMMs run in fp8 (``torch._scaled_mm``) with the layer's row ``index`` of the model's
+    ``Fp8ScalingState`` for x and dy, as :class:`sits_lora.bases.fp8.Fp8Base` does; W8 comes from the 4-bit bytes
+    per GEMM with the fixed scale ``w_scale`` (``w_inv`` = 1 / w_scale), so the model keeps the 4-bit memory. Computes
+    in the input's dtype (the fp8 GEMM writes it; bitsandbytes' compute_dtype only names the dense path's)."""
+
+    state: Any
+    index: int
+    w_scale: torch.Tensor
+    w_inv: torch.Tensor
+
+    module_type = bnb.nn.Linear4bit
+    fuses_siblings = False
+
+    def fused_forward(self, layer, adapter: str, x: torch.Tensor) -> torch.Tensor:
+        base = layer.base_layer
+        check_fp8_device(x, self.state.emulate)
+        if not self.state.emulate and self.w_inv.numel() > 1 and x.dtype != torch.bfloat16:
+            raise ValueError(f"SitsLoraConfig.fp8_weight_scale='row' runs the row-wise torch._scaled_mm, which writes "
+                             f"bf16 only; the input is {x.dtype}. Load the model in bf16 (bnb_4bit_compute_dtype="
+                             f"torch.bfloat16) or use fp8_weight_scale='tensor'.")
+        if self.w_scale.device != base.weight.device:  # the model moved: the scales follow its weight
+            self.w_scale, self.w_inv = self.w_scale.to(base.weight.device), self.w_inv.to(base.weight.device)
+        dropout = layer.lora_dropout[adapter]
+        x_lora = dropout(x) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else None
+        scales = self.state.scales_for(self.index, layer.training)
+        bias = base.bias if base.bias is None or base.bias.dtype == x.dtype else base.bias.to(x.dtype)
+        return fp8_ops.fp8_dequant_lora_linear(x, x_lora, layer.lora_A[adapter].weight, layer.lora_B[adapter].weight,
+                                               Bnb4Fp8Weight(base.weight, self.w_scale), self.w_inv, bias,
+                                               layer.scaling[adapter], scales)
+
+    def __repr__(self) -> str:
+        return f"Bnb4Fp8Base(index={self.index})"

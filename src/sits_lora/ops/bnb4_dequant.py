@@ -77,3 +77,54 @@ def bnb4_dequantize(packed: Tensor, layout: Bnb4Layout, out: Tensor) -> Tensor:
                BLOCKSIZE=layout.blocksize, BLOCKSIZE2=layout.blocksize2 if nested else 1, NESTED=nested,
                BLOCK_BYTES=block_bytes)
     return out
+
+
+def bnb4_dequantize_scaled_reference(packed: Tensor, layout: Bnb4Layout, shape: tuple[int, int], w_scale: Tensor,
+                                     dtype: torch.dtype, transpose: bool = False) -> Tensor:
+    """The plain PyTorch :func:`bnb4_dequantize_scaled`: W (rows, cols) times ``w_scale`` ((1,) or one per row), in
+    ``dtype`` (an fp8 dtype saturates at its largest value), transposed if asked."""
+    rows, cols = shape
+    w = bnb4_dequantize_reference(packed, layout, rows * cols).view(rows, cols)
+    w = w * (w_scale.float().view(-1, 1) if w_scale.numel() > 1 else w_scale.float())
+    if dtype in _FP8_MAX:
+        w = w.clamp(-_FP8_MAX[dtype], _FP8_MAX[dtype])
+    w = w.to(dtype)
+    return w.t().contiguous() if transpose else w
+
+
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def bnb4_dequantize_scaled(packed: Tensor, layout: Bnb4Layout, shape: tuple[int, int], w_scale: Tensor, out: Tensor,
+                           transpose: bool = False) -> Tensor:
+    """W (rows, cols) times ``w_scale`` (fp32, (1,) or (rows,)) written into ``out`` by the Triton kernel: (rows,
+    cols), or (cols, rows) with ``transpose``. ``out`` may be an fp8 tensor (values saturate at its largest value,
+    rounded to nearest-even): this is how an fp8 GEMM gets W from the 4-bit bytes in one pass, in either of the two
+    layouts ``torch._scaled_mm`` needs (forward and backward). cols must be even."""
+    rows, cols = shape
+    if cols % 2:
+        raise ValueError(f"bnb4_dequantize_scaled: {cols} columns: a row must start on a whole byte (an even count)")
+    if layout.blocksize % 2:
+        raise ValueError(f"bnb4_dequantize_scaled: blocksize {layout.blocksize} is odd")
+    if not out.is_contiguous() or tuple(out.shape) != ((cols, rows) if transpose else (rows, cols)):
+        raise ValueError(f"bnb4_dequantize_scaled: out must be contiguous of shape "
+                         f"{(cols, rows) if transpose else (rows, cols)}, got {tuple(out.shape)}")
+    if w_scale.numel() not in (1, rows) or w_scale.dtype != torch.float32:
+        raise ValueError(f"bnb4_dequantize_scaled: w_scale must be float32 of 1 or {rows} values")
+    packed = packed.reshape(-1).view(torch.uint8)
+    if packed.numel() * 2 < rows * cols:
+        raise ValueError(f"bnb4_dequantize_scaled: {packed.numel()} packed bytes hold fewer than {rows} x {cols} values")
+    nested = layout.absmax2 is not None
+    on_interpreter = packed.device.type == "cpu"
+    block_n, block_kb = (16, 16) if on_interpreter else (64, 64)
+    from .bnb4_kernels import DEQUANTIZE_SCALED  # Triton loads on first use
+
+    DEQUANTIZE_SCALED(((rows + block_n - 1) // block_n, (cols // 2 + block_kb - 1) // block_kb),
+                      packed, layout.absmax, layout.code,
+                      layout.absmax2 if nested else layout.absmax, layout.code2 if nested else layout.code,
+                      layout.offset if nested else layout.code, w_scale, out, rows, cols,
+                      BLOCKSIZE=layout.blocksize, BLOCKSIZE2=layout.blocksize2 if nested else 1, NESTED=nested,
+                      ROW_SCALE=w_scale.numel() > 1 and rows > 1, TRANSPOSE=transpose,
+                      CLAMP=_FP8_MAX.get(out.dtype, 0.0), TO_FP8=out.dtype in _FP8_MAX,
+                      BLOCK_N=block_n, BLOCK_KB=block_kb, num_warps=4)
+    return out

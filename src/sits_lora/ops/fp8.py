@@ -48,12 +48,14 @@ __all__ = [
     "fp8_amax",
     "fp8_cast",
     "fp8_cast_reference",
+    "fp8_dequant_lora_linear",
     "fp8_lora_linear",
     "lora_expand_add_",
     "quantize_weight",
     "scale_from_amax",
     "transpose_fp8",
     "triton_fp8_matmul",
+    "weight_scale",
 ]
 
 E4M3 = torch.float8_e4m3fn
@@ -240,6 +242,14 @@ def quantize_weight(weight: torch.Tensor, granularity: str) -> tuple[torch.Tenso
     The weight is frozen, so its scale comes from its own exact amax, once (no margin, no history).
     """
     w = weight.detach().float()
+    scale = weight_scale(w, granularity)
+    w8 = (w * scale.reshape(-1, 1)).clamp(-FP8_MAX[E4M3], FP8_MAX[E4M3]).to(E4M3)
+    return w8, scale.reciprocal()
+
+
+def weight_scale(weight: torch.Tensor, granularity: str) -> torch.Tensor:
+    """fp32 scale that maps W onto e4m3's range: (1,) for "tensor", (N,) for "row"; W8 = e4m3(W · scale)."""
+    w = weight.detach().float()
     if granularity == "tensor":
         amax = w.abs().amax().reshape(1)
     elif granularity == "row":
@@ -249,9 +259,7 @@ def quantize_weight(weight: torch.Tensor, granularity: str) -> tuple[torch.Tenso
     if not torch.isfinite(amax).all():
         raise ValueError("the base weight holds NaN or Inf values; it cannot be quantized to fp8. Check the "
                          "checkpoint, or set fp8='off'.")
-    scale = scale_from_amax(amax, FP8_MAX[E4M3], 0, torch.ones_like(amax))
-    w8 = (w * scale.reshape(-1, 1)).clamp(-FP8_MAX[E4M3], FP8_MAX[E4M3]).to(E4M3)
-    return w8, scale.reciprocal()
+    return scale_from_amax(amax, FP8_MAX[E4M3], 0, torch.ones_like(amax))
 
 
 def dequantize_weight(w8: torch.Tensor, w_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -335,9 +343,12 @@ def _cublas_scale(scale: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_linear_backward(dy, x, x_lora, w8, w_inv, lora_A, lora_B, h, scaling: float,
-                        dy_scale, dy_inv, dy_amax, grad_dtype: torch.dtype, emulate: bool, need_dx: bool):
+                        dy_scale, dy_inv, dy_amax, grad_dtype: torch.dtype, emulate: bool, need_dx: bool,
+                        w8t: Optional[torch.Tensor] = None):
     """(dx, dx_lora, dA, dB) for 2-D tensors; dx_lora only with x_lora, dx only if needed, dA / dB
     only with a LoRA branch. dy_amax: fp32 (1,) that max|dy·w_inv| is recorded into, or None.
+    ``w8t``: W8 already transposed, (K, N) contiguous (a weight formed in that layout): the transpose is skipped
+    and ``w8`` may be None (not when emulating, which reads w8).
     """
     row = _is_row(w_inv)
     colscale = w_inv if row else None
@@ -362,7 +373,8 @@ def fp8_linear_backward(dy, x, x_lora, w8, w_inv, lora_A, lora_B, h, scaling: fl
         return dX, dx_lora, dA, dB
     if need_dx:
         dy8 = fp8_cast(dy, dy_scale, dy_amax, grad_dtype, colscale)
-        w8t = transpose_fp8(w8)                                                # (K, N): see the module docstring
+        if w8t is None:
+            w8t = transpose_fp8(w8)                                            # (K, N): see the module docstring
         dX = torch._scaled_mm(dy8, w8t.t(), scale_a=_cublas_scale(dy_inv[:1]),
                               scale_b=_one(dy.device) if row else _cublas_scale(w_inv[:1]),
                               out_dtype=dy.dtype)
@@ -393,10 +405,7 @@ class Fp8LoraLinearFunction(torch.autograd.Function):
         K = x.shape[-1]
         x2 = x.reshape(-1, K)
         xl2 = None if x_lora is None else x_lora.reshape(-1, K)
-        if scales["delayed"]:
-            x_scale, x_inv = scales["scale"][0:1], scales["scale_inv"][0:1]
-        else:
-            x_scale, x_inv = current_scale(x2, E4M3, scales["margin"], scales["emulate"])
+        x_scale, x_inv = _input_scales(x2, scales)
         amax = scales["amax"]
         y, h = fp8_linear_forward(x2, xl2, w8, w_inv, bias, lora_A, lora_B, scaling, x_scale, x_inv,
                                   None if amax is None else amax[0:1], scales["emulate"])
@@ -413,29 +422,91 @@ class Fp8LoraLinearFunction(torch.autograd.Function):
         lead = grad_y.shape[:-1]
         dy = grad_y.reshape(-1, N)
         need_dx = ctx.needs_input_grad[0]
-        grad_dtype = scales["grad_dtype"]
-        if scales["delayed"]:
-            dy_scale, dy_inv = scales["scale"][1:2], scales["scale_inv"][1:2]
-        elif need_dx:
-            colscale = w_inv if _is_row(w_inv) else None
-            dy_scale, dy_inv = current_scale(dy, grad_dtype, scales["margin"], scales["emulate"], colscale)
-        else:
-            dy_scale = dy_inv = None
+        dy_scale, dy_inv = _gradient_scales(dy, w_inv, scales, need_dx)
         amax = scales["amax"]
         dx, dx_lora, dA, dB = fp8_linear_backward(
             dy, None if x is None else x.reshape(-1, K), None if x_lora is None else x_lora.reshape(-1, K),
             w8, w_inv, lora_A, lora_B, h, ctx.scaling, dy_scale, dy_inv,
-            None if amax is None else amax[1:2], grad_dtype, scales["emulate"], need_dx,
+            None if amax is None else amax[1:2], scales["grad_dtype"], scales["emulate"], need_dx,
         )
-        return (
-            dx.view(*lead, K) if need_dx else None,
-            dx_lora.view(*lead, K) if dx_lora is not None else None,
-            dA.to(lora_A.dtype) if dA is not None and ctx.needs_input_grad[2] else None,
-            dB.to(lora_B.dtype) if dB is not None and ctx.needs_input_grad[3] else None,
-            None, None,
-            dy.float().sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[6] else None,
-            None, None,
+        return _gradients(ctx, dy, lead, K, dx, dx_lora, dA, dB, lora_A, lora_B)
+
+
+def _input_scales(x2: torch.Tensor, scales: dict) -> tuple:
+    """(scale, 1/scale) that cast x: the state's delayed ones, or x's own amax."""
+    if scales["delayed"]:
+        return scales["scale"][0:1], scales["scale_inv"][0:1]
+    return current_scale(x2, E4M3, scales["margin"], scales["emulate"])
+
+
+def _gradient_scales(dy: torch.Tensor, w_inv: torch.Tensor, scales: dict, need_dx: bool) -> tuple:
+    """(scale, 1/scale) that cast dy for dX (None, None when dX is not needed and the scaling is current)."""
+    if scales["delayed"]:
+        return scales["scale"][1:2], scales["scale_inv"][1:2]
+    if not need_dx:
+        return None, None
+    colscale = w_inv if _is_row(w_inv) else None
+    return current_scale(dy, scales["grad_dtype"], scales["margin"], scales["emulate"], colscale)
+
+
+def _gradients(ctx, dy, lead, K, dx, dx_lora, dA, dB, lora_A, lora_B) -> tuple:
+    """The backward's return tuple of both fp8 autograd Functions (their first seven inputs agree)."""
+    return (
+        dx.view(*lead, K) if ctx.needs_input_grad[0] else None,
+        dx_lora.view(*lead, K) if dx_lora is not None else None,
+        dA.to(lora_A.dtype) if dA is not None and ctx.needs_input_grad[2] else None,
+        dB.to(lora_B.dtype) if dB is not None and ctx.needs_input_grad[3] else None,
+        None, None,
+        dy.float().sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[6] else None,
+        None, None,
+    )
+
+
+class Fp8DequantLoraLinearFunction(torch.autograd.Function):
+    """The fp8 op over a frozen weight held in another format (bitsandbytes' 4-bit bytes): W8 is formed for each
+    GEMM, not kept. ``source.fp8_weight(transposed)`` returns W8 (N, K) in e4m3, or on the GPU with transposed=True
+    W8ᵀ (K, N) contiguous (the layout dX's GEMM reads, formed in one pass instead of forming W8 and transposing it);
+    its values are W · (1 / w_inv). Backward forms W8ᵀ again from the source, which holds the module's packed tensors:
+    nothing dense is saved. Same inputs as :class:`Fp8LoraLinearFunction` with ``source`` in place of ``w8``."""
+
+    @staticmethod
+    def forward(ctx, x, x_lora, lora_A, lora_B, source, w_inv, bias, scaling, scales):
+        K = x.shape[-1]
+        x2 = x.reshape(-1, K)
+        xl2 = None if x_lora is None else x_lora.reshape(-1, K)
+        x_scale, x_inv = _input_scales(x2, scales)
+        amax = scales["amax"]
+        w8 = source.fp8_weight(False)
+        N = w8.shape[0]
+        y, h = fp8_linear_forward(x2, xl2, w8, w_inv, bias, lora_A, lora_B, scaling, x_scale, x_inv,
+                                  None if amax is None else amax[0:1], scales["emulate"])
+        ctx.save_for_backward(x if x_lora is None else None, x_lora, lora_A, lora_B, w_inv, h)
+        ctx.source, ctx.scaling, ctx.scales, ctx.in_features, ctx.out_features = source, scaling, scales, K, N
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.view(*x.shape[:-1], N)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, x_lora, lora_A, lora_B, w_inv, h = ctx.saved_tensors
+        scales, K, N = ctx.scales, ctx.in_features, ctx.out_features
+        lead = grad_y.shape[:-1]
+        dy = grad_y.reshape(-1, N)
+        need_dx = ctx.needs_input_grad[0]
+        emulate = scales["emulate"]
+        w8 = w8t = None
+        if need_dx:  # the emulation reads W8 as it is; the GPU's dX GEMM reads it transposed
+            if emulate:
+                w8 = ctx.source.fp8_weight(False)
+            else:
+                w8t = ctx.source.fp8_weight(True)
+        dy_scale, dy_inv = _gradient_scales(dy, w_inv, scales, need_dx)
+        amax = scales["amax"]
+        dx, dx_lora, dA, dB = fp8_linear_backward(
+            dy, None if x is None else x.reshape(-1, K), None if x_lora is None else x_lora.reshape(-1, K),
+            w8, w_inv, lora_A, lora_B, h, ctx.scaling, dy_scale, dy_inv,
+            None if amax is None else amax[1:2], scales["grad_dtype"], emulate, need_dx, w8t=w8t,
         )
+        return _gradients(ctx, dy, lead, K, dx, dx_lora, dA, dB, lora_A, lora_B)
 
 
 # ----------------------------------------------------------------------------- custom ops (torch.compile)
@@ -565,3 +636,9 @@ def fp8_lora_linear(x, x_lora, lora_A, lora_B, w8, w_inv, bias, scaling: float, 
         amax[0:1].copy_(torch.maximum(amax[0:1], seen.detach()))
         return y
     return Fp8LoraLinearFunction.apply(x, x_lora, lora_A, lora_B, w8, w_inv, bias, float(scaling), scales)
+
+
+@torch.compiler.disable  # an eager autograd Function over a weight formed per call into a shared buffer: not traced
+def fp8_dequant_lora_linear(x, x_lora, lora_A, lora_B, source, w_inv, bias, scaling: float, scales: dict) -> torch.Tensor:
+    """:func:`fp8_lora_linear` with W8 formed per GEMM by ``source`` (see :class:`Fp8DequantLoraLinearFunction`)."""
+    return Fp8DequantLoraLinearFunction.apply(x, x_lora, lora_A, lora_B, source, w_inv, bias, float(scaling), scales)
