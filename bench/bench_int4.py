@@ -22,6 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import median_ms, print_table, write_results  # noqa: E402
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]   # (out_features, in_features)
+# --fp8-tiles: the tiles of the NF4-into-e4m3 kernel measured beside its default (rows, bytes of a row, warps)
+FP8_TILES = [(16, 128, 4), (32, 128, 4), (8, 256, 4), (32, 256, 8), (64, 64, 4), (32, 64, 4), (64, 128, 8),
+             (128, 64, 8)]
 
 
 def main(argv=None) -> int:
@@ -29,6 +32,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 32, 64, 128, 256, 1024, 8192])
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--fp8-tiles", action="store_true", help="also time the NF4-into-e4m3 kernel at FP8_TILES")
     args = parser.parse_args(argv)
     from sits_lora.ops import int4_linear as Q
 
@@ -82,13 +86,16 @@ def main(argv=None) -> int:
             w_scale, _ = fp8_weight_scales(weight, "tensor")
             for transpose in (False, True):
                 out8 = torch.empty((K, N) if transpose else (N, K), device=device, dtype=torch.float8_e4m3fn)
-                fp8_ms = median_ms(lambda: bnb4_dequantize_scaled(codes, layout_of(state), (N, K), w_scale, out8,
-                                                                  transpose))
-                moved = nf4_read + out8.numel()
-                rows.append({"kind": "dequantize", "N": N, "K": K, "tokens": None, "ms": fp8_ms,
-                             "format": "nf4 into e4m3" + (", transposed" if transpose else ""),
-                             "gb_per_s": moved / fp8_ms / 1e6, "copy_gb_per_s": copy_gb_per_s,
-                             "vs_copy": moved / fp8_ms / 1e6 / copy_gb_per_s})
+                # the default tile, then (--fp8-tiles) others: rows, bytes of a row, warps per program
+                for tile in [None] + (FP8_TILES if args.fp8_tiles else []):
+                    fp8_ms = median_ms(lambda: bnb4_dequantize_scaled(codes, layout_of(state), (N, K), w_scale, out8,
+                                                                      transpose, tile))
+                    moved = nf4_read + out8.numel()
+                    rows.append({"kind": "dequantize", "N": N, "K": K, "tokens": None, "ms": fp8_ms,
+                                 "format": "nf4 into e4m3" + (", transposed" if transpose else "")
+                                 + (f", tile {tile}" if tile else ""),
+                                 "gb_per_s": moved / fp8_ms / 1e6, "copy_gb_per_s": copy_gb_per_s,
+                                 "vs_copy": moved / fp8_ms / 1e6 / copy_gb_per_s})
         for T in tokens:
             x = torch.randn(T, K, device=device, dtype=dtype)
             fused = median_ms(lambda: Q.int4_matmul(x, packed, scales, mins, K))

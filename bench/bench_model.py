@@ -220,7 +220,7 @@ def worker(args) -> None:
     times.sort()
     step_s = times[len(times) // 2]
     if args.cprofile:
-        _write_host_profile(step, device, os.path.join(args.cprofile, f"{args.model}_{args.arm}.txt"))
+        _write_host_profile(step, device, os.path.join(args.cprofile, f"{args.model}_{args.arm.replace('+', '_')}.txt"))
     row = {
         "model": args.model, "arm": args.arm, "layers": args.layers or MODELS[args.model]["num_hidden_layers"],
         "batch": batch, "seq": seq,

@@ -96,11 +96,12 @@ _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
 def bnb4_dequantize_scaled(packed: Tensor, layout: Bnb4Layout, shape: tuple[int, int], w_scale: Tensor, out: Tensor,
-                           transpose: bool = False) -> Tensor:
+                           transpose: bool = False, tile: Optional[tuple[int, int, int]] = None) -> Tensor:
     """W (rows, cols) times ``w_scale`` (fp32, (1,) or (rows,)) written into ``out`` by the Triton kernel: (rows,
     cols), or (cols, rows) with ``transpose``. ``out`` may be an fp8 tensor (values saturate at its largest value,
     rounded to nearest-even): this is how an fp8 GEMM gets W from the 4-bit bytes in one pass, in either of the two
-    layouts ``torch._scaled_mm`` needs (forward and backward). cols must be even."""
+    layouts ``torch._scaled_mm`` needs (forward and backward). cols must be even. ``tile``: (rows, bytes of a row,
+    warps) per program, for measuring others than the defaults."""
     rows, cols = shape
     if cols % 2:
         raise ValueError(f"bnb4_dequantize_scaled: {cols} columns: a row must start on a whole byte (an even count)")
@@ -116,7 +117,12 @@ def bnb4_dequantize_scaled(packed: Tensor, layout: Bnb4Layout, shape: tuple[int,
         raise ValueError(f"bnb4_dequantize_scaled: {packed.numel()} packed bytes hold fewer than {rows} x {cols} values")
     nested = layout.absmax2 is not None
     on_interpreter = packed.device.type == "cpu"
-    block_n, block_kb = (16, 16) if on_interpreter else (64, 64)
+    if tile is not None:
+        block_n, block_kb, warps = tile
+    elif on_interpreter:
+        block_n, block_kb, warps = 16, 16, 4
+    else:
+        block_n, block_kb, warps = (64, 64, 4) if transpose else (16, 256, 4)
     from .bnb4_kernels import DEQUANTIZE_SCALED  # Triton loads on first use
 
     DEQUANTIZE_SCALED(((rows + block_n - 1) // block_n, (cols // 2 + block_kb - 1) // block_kb),
@@ -126,5 +132,5 @@ def bnb4_dequantize_scaled(packed: Tensor, layout: Bnb4Layout, shape: tuple[int,
                       BLOCKSIZE=layout.blocksize, BLOCKSIZE2=layout.blocksize2 if nested else 1, NESTED=nested,
                       ROW_SCALE=w_scale.numel() > 1 and rows > 1, TRANSPOSE=transpose,
                       CLAMP=_FP8_MAX.get(out.dtype, 0.0), TO_FP8=out.dtype in _FP8_MAX,
-                      BLOCK_N=block_n, BLOCK_KB=block_kb, num_warps=4)
+                      INDEX_64=rows * cols >= 2**31, BLOCK_N=block_n, BLOCK_KB=block_kb, num_warps=warps)
     return out

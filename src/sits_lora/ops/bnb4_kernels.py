@@ -39,14 +39,16 @@ DEQUANTIZE = TritonLauncher(bnb4_dequantize_kernel)
 def bnb4_dequantize_scaled_kernel(
     packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, wscale_ptr, out_ptr, N, K,
     BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, ROW_SCALE: tl.constexpr,
-    TRANSPOSE: tl.constexpr, CLAMP: tl.constexpr, TO_FP8: tl.constexpr,
+    TRANSPOSE: tl.constexpr, CLAMP: tl.constexpr, TO_FP8: tl.constexpr, INDEX_64: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr,
 ):
     """W (N, K) times wscale (one value, or one per row with ROW_SCALE) into out: (N, K), or (K, N) with TRANSPOSE.
 
     Each program forms a tile of BLOCK_N rows x 2·BLOCK_KB columns from BLOCK_KB bytes of each row (K even: a row
     starts on a byte). CLAMP: values clipped to +-CLAMP before the cast (fp8 saturates instead of overflowing);
-    TO_FP8 rounds to nearest-even, as the fp8 casts of ``sits_lora.ops.fp8`` do.
+    TO_FP8 rounds to nearest-even, as the fp8 casts of ``sits_lora.ops.fp8`` do. INDEX_64: W has 2**31 values or
+    more (64-bit offsets; below that, 32-bit ones: the block index is a division per value, 64-bit division is slow).
+    The products run in the reference's order (code · block scale, then · wscale): fp32 rounds alike.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -54,9 +56,12 @@ def bnb4_dequantize_scaled_kernel(
     kb = pid_k * BLOCK_KB + tl.arange(0, BLOCK_KB)                        # byte column within the row
     row_ok = rows < N
     ok = row_ok[:, None] & (kb[None, :] < K // 2)
-    byte_index = rows[:, None].to(tl.int64) * (K // 2) + kb[None, :]
+    if INDEX_64:
+        byte_index = rows[:, None].to(tl.int64) * (K // 2) + kb[None, :]
+    else:
+        byte_index = rows[:, None] * (K // 2) + kb[None, :]
     byte = tl.load(packed_ptr + byte_index, mask=ok, other=0).to(tl.int32)
-    block = (byte_index * 2) // BLOCKSIZE                                 # both codes of a byte share it
+    block = byte_index // (BLOCKSIZE // 2)                                # both codes of a byte share it
     if NESTED:
         q = tl.load(absmax_ptr + block, mask=ok, other=0).to(tl.int32)
         scale = (tl.load(code2_ptr + q, mask=ok, other=0.0) * tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=ok,
@@ -64,13 +69,13 @@ def bnb4_dequantize_scaled_kernel(
                  + tl.load(offset_ptr))
     else:
         scale = tl.load(absmax_ptr + block, mask=ok, other=0.0).to(tl.float32)
-    if ROW_SCALE:
-        scale = scale * tl.load(wscale_ptr + rows, mask=row_ok, other=0.0)[:, None]
-    else:
-        scale = scale * tl.load(wscale_ptr)
     high = tl.load(code_ptr + (byte >> 4), mask=ok, other=0.0) * scale
     low = tl.load(code_ptr + (byte & 0xF), mask=ok, other=0.0) * scale
     values = tl.interleave(high, low)                                     # (BLOCK_N, 2·BLOCK_KB)
+    if ROW_SCALE:
+        values = values * tl.load(wscale_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    else:
+        values = values * tl.load(wscale_ptr)
     if CLAMP > 0:
         values = tl.minimum(tl.maximum(values, -CLAMP), CLAMP)
     if TO_FP8:
@@ -79,10 +84,13 @@ def bnb4_dequantize_scaled_kernel(
         values = values.to(out_ptr.dtype.element_ty)
     cols = pid_k * 2 * BLOCK_KB + tl.arange(0, 2 * BLOCK_KB)
     out_ok = row_ok[:, None] & (cols[None, :] < K)
+    if INDEX_64:
+        rows = rows.to(tl.int64)
+        cols = cols.to(tl.int64)
     if TRANSPOSE:
-        tl.store(out_ptr + cols[:, None].to(tl.int64) * N + rows[None, :], tl.trans(values), mask=tl.trans(out_ok))
+        tl.store(out_ptr + cols[:, None] * N + rows[None, :], tl.trans(values), mask=tl.trans(out_ok))
     else:
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], values, mask=out_ok)
+        tl.store(out_ptr + rows[:, None] * K + cols[None, :], values, mask=out_ok)
 
 
 DEQUANTIZE_SCALED = TritonLauncher(bnb4_dequantize_scaled_kernel)
