@@ -122,7 +122,8 @@ def bnb4_dequantize_scaled(packed: Tensor, layout: Bnb4Layout, shape: tuple[int,
     elif on_interpreter:
         block_n, block_kb, warps = 16, 16, 4
     else:
-        block_n, block_kb, warps = (64, 64, 4) if transpose else (16, 256, 4)
+        # the fastest of nine tiles in both layouts on the H200 (bench/bench_int4.py --fp8-tiles)
+        block_n, block_kb, warps = 64, 64, 4
     from .bnb4_kernels import DEQUANTIZE_SCALED  # Triton loads on first use
 
     DEQUANTIZE_SCALED(((rows + block_n - 1) // block_n, (cols // 2 + block_kb - 1) // block_kb),
