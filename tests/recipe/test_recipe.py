@@ -46,8 +46,9 @@ def test_recipe_end_to_end_tiny_model(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None,
-                    reason="QLoRA needs a CUDA GPU and bitsandbytes")
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None
+                    or importlib.util.find_spec("datasets") is None,
+                    reason="QLoRA needs a CUDA GPU and bitsandbytes; the recipe's data, datasets")
 @pytest.mark.parametrize("fp8", [False, True])
 def test_recipe_trains_a_qlora_model_on_a_gpu(tiny_model_dir, tmp_path, fp8):
     """--base-quant nf4: the model loaded in 4-bit by bitsandbytes, its layers on the fused path; with --fp8 the
@@ -55,8 +56,7 @@ def test_recipe_trains_a_qlora_model_on_a_gpu(tiny_model_dir, tmp_path, fp8):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"def f{i}(x): return x * {i} + {i % 7}\n" * 8}) + "\n" for i in range(40)))
     out = tmp_path / "run"
-    extra = (["--fp8", "hybrid", "--fp8-layers", "all", "--target-modules", "q_proj", "o_proj", "gate_proj", "up_proj",
-              "down_proj"] if fp8 else [])
+    extra = ["--fp8", "hybrid", "--fp8-layers", "all", "--target-modules", "q_proj,o_proj,gate_proj,up_proj,down_proj"] if fp8 else []
     proc = _train("--model", str(tiny_model_dir), "--dataset", str(corpus), "--output-dir", str(out),
                   "--base-quant", "nf4", "--max-steps", "12", "--batch-size", "4", "--seq-len", "32",
                   "--eval-blocks", "4", "--learning-rate", "0.01", "--r", "4", "--logging-steps", "4", *extra,
