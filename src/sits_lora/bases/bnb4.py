@@ -12,13 +12,12 @@ scales). Importing this module imports bitsandbytes.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import bitsandbytes as bnb
 import torch
 from torch import nn
-
-from dataclasses import dataclass
-from typing import Any
 
 from .. import ops
 from ..ops import fp8 as fp8_ops

@@ -30,6 +30,8 @@ from .scaling import Fp8ScalingState
 logger = logging.getLogger(__name__)
 
 STATE_ATTRIBUTE = "sits_fp8"   # the state's name on SitsLoraModel: model.base_model.sits_fp8
+
+
 def _is_bnb4(module: nn.Module) -> bool:
     """A bitsandbytes 4-bit linear layer (a model that holds one has imported bitsandbytes)."""
     bnb = sys.modules.get("bitsandbytes")
@@ -41,6 +43,7 @@ def _bnb4_layer_class():
     if "bitsandbytes" not in sys.modules:
         return None
     from ..layer_bnb import SitsLoraLinear4bit
+
     return SitsLoraLinear4bit
 
 
@@ -104,6 +107,7 @@ def quantize_base_layers(tuner, adapter_name: str, layer_cls) -> int:
             layer._fp8_choice = ("fp8_emulate: every layer" if config.fp8_emulate else "fp8_layers='all'")
         if bnb4:
             from ..bases.bnb4 import Bnb4Fp8Base, fp8_weight_scales
+
             layer.frozen_base = Bnb4Fp8Base(None, -1, *fp8_weight_scales(base.weight, config.fp8_weight_scale))
         else:
             layer.base_layer = Fp8BaseLinear.from_linear(
