@@ -239,7 +239,8 @@ class SitsLoraConfig(LoraConfig):
                 "delayed scaling, and both base GEMMs run in fp8 (torch._scaled_mm); the LoRA branch stays in "
                 "bf16. 'e4m3': the same with e4m3 gradients. Needs a GPU of compute capability 8.9 or newer, "
                 "or fp8_emulate=True. Adapted layers must be torch.nn.Linear with in and out features "
-                "multiples of 16. 'off': the bf16 path."
+                "multiples of 16, or bitsandbytes 4-bit layers (QLoRA), which keep their 4-bit storage and run "
+                "their GEMMs in fp8 (docs/quantization.md). 'off': the bf16 path."
             )
         },
     )
