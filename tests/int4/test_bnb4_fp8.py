@@ -183,6 +183,20 @@ def test_merge_leaves_the_fp8_path_and_merges_as_the_4bit_layer_does(model_dir):
     assert torch.equal(logits["hybrid"], logits["off"])
 
 
+def test_the_memory_plan_counts_an_e4m3_buffer_for_the_fp8_layers(model_dir):
+    """Layers on fp8 compute form W in a buffer of one byte a value, not in the 4-bit weight's own dtype."""
+    from sits_lora.training.memory import plan_memory
+    from sits_lora.utils.model_structure import stored_bytes
+
+    model = get_peft_model(load_4bit(model_dir), fp8_config(fp8_emulate=True))
+    inner = model.base_model.model   # the fp8 scaling state beside it is not a weight
+    frozen = sum(stored_bytes(t) for t in list(inner.parameters()) + list(inner.buffers()) if not t.requires_grad)
+    layers = [m for m in model.modules() if type(m).__name__ == "SitsLoraLinear4bit"]
+    assert len(layers) == 14 and all(type(m.frozen_base).__name__ == "Bnb4Fp8Base" for m in layers)
+    largest_w8 = max(m.in_features * m.out_features for m in layers)
+    assert plan_memory(model, batch_size=2, seq_len=16).frozen_weights == frozen + largest_w8
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
                     reason="needs a GPU of compute capability >= 8.9")

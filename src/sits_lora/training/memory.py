@@ -418,10 +418,13 @@ def plan_memory(
     # largest such layer's W, for the GEMM of a training batch (sits_lora.ops.int4_linear)
     dequant_buffer = max((m.in_features * m.out_features * m.weight_scales.element_size()
                           for m in inner.modules() if isinstance(m, Int4BaseLinear)), default=0)
-    # the same for the bitsandbytes 4-bit bases of SitsLoraLinear4bit layers (W in the dtype it was quantized from)
+    # the same for the bitsandbytes 4-bit bases of SitsLoraLinear4bit layers (W in the dtype it was quantized from),
+    # and a buffer of its own, one byte a value, for those that form W in e4m3 for fp8 GEMMs (a buffer per dtype)
+    bnb4 = [m for m in inner.modules() if type(m).__name__ == "SitsLoraLinear4bit"]
     dequant_buffer = max([dequant_buffer] + [
         m.in_features * m.out_features * m.get_base_layer().weight.quant_state.dtype.itemsize
-        for m in inner.modules() if type(m).__name__ == "SitsLoraLinear4bit"])
+        for m in bnb4 if not hasattr(m.frozen_base, "w_inv")])
+    dequant_buffer += max([0] + [m.in_features * m.out_features for m in bnb4 if hasattr(m.frozen_base, "w_inv")])
     frozen += dequant_buffer
     devices = {p.device for p in inner.parameters() if p.device.type != "meta"}
     if len(devices) > 1:
