@@ -28,11 +28,13 @@ RECIPE = os.path.join(os.path.dirname(HERE), "recipes", "train.py")
 
 
 def arm_flags(arm: str) -> list[str]:
-    """--base-quant (and --int4-group-size) of an arm: "off", "nf4" (QLoRA: bitsandbytes, a CUDA GPU), "int4" (the
-    recipe's group size) or "int4:G"."""
+    """--base-quant (and --int4-group-size) of an arm: "off", "nf4" (QLoRA: bitsandbytes, a CUDA GPU), "nf4+fp8" (the
+    4-bit storage with fp8 compute on every adapted layer), "int4" (the recipe's group size) or "int4:G"."""
+    if arm == "nf4+fp8":
+        return ["--base-quant", "nf4", "--fp8", "hybrid", "--fp8-layers", "all"]
     quant, _, group = arm.partition(":")
     if quant not in ("off", "int4", "nf4") or (group and not group.isdigit()) or (group and quant != "int4"):
-        raise ValueError(f"--arms {arm}: give off, nf4, int4 or int4:G (G a group size, e.g. int4:64)")
+        raise ValueError(f"--arms {arm}: give off, nf4, nf4+fp8, int4 or int4:G (G a group size, e.g. int4:64)")
     return ["--base-quant", quant] + (["--int4-group-size", group] if group else [])
 
 
@@ -51,7 +53,7 @@ def main(argv=None) -> int:
     rows = []
     for arm in args.arms:
         for seed in args.seeds:
-            folder = os.path.join(args.out, f"{arm.replace(':', 'g')}_s{seed}")
+            folder = os.path.join(args.out, f"{arm.replace(':', 'g').replace('+', '')}_s{seed}")
             metrics_path = os.path.join(folder, "metrics.json")
             if not os.path.exists(metrics_path) and not args.summarize_only:
                 cmd = [sys.executable, RECIPE, "--seed", str(seed), *flags[arm], "--output-dir", folder,
