@@ -92,7 +92,7 @@ def bnb4_dequantize_scaled_reference(packed: Tensor, layout: Bnb4Layout, shape: 
     return w.t().contiguous() if transpose else w
 
 
-_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}   # ops.fp8.FP8_MAX (that module loads Triton)
 
 
 def bnb4_dequantize_scaled(packed: Tensor, layout: Bnb4Layout, shape: tuple[int, int], w_scale: Tensor, out: Tensor,

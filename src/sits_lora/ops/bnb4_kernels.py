@@ -8,6 +8,20 @@ from .launch import TritonLauncher
 
 
 @triton.jit
+def _block_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, block, mask, BLOCKSIZE2: tl.constexpr,
+                 NESTED: tl.constexpr):
+    """The fp32 scale of each block: absmax, or with double quantization code2[byte] · absmax2 + offset."""
+    if NESTED:
+        q = tl.load(absmax_ptr + block, mask=mask, other=0).to(tl.int32)
+        scale = (tl.load(code2_ptr + q, mask=mask, other=0.0)
+                 * tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=mask, other=0.0)
+                 + tl.load(offset_ptr))
+    else:
+        scale = tl.load(absmax_ptr + block, mask=mask, other=0.0).to(tl.float32)
+    return scale
+
+
+@triton.jit
 def bnb4_dequantize_kernel(
     packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr, n_bytes, numel,
     BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, BLOCK_BYTES: tl.constexpr,
@@ -18,13 +32,7 @@ def bnb4_dequantize_kernel(
     mask = offs < n_bytes
     byte = tl.load(packed_ptr + offs, mask=mask, other=0).to(tl.int32)
     block = (offs * 2) // BLOCKSIZE                    # both codes of a byte share it: BLOCKSIZE is even
-    if NESTED:
-        q = tl.load(absmax_ptr + block, mask=mask, other=0).to(tl.int32)
-        scale = (tl.load(code2_ptr + q, mask=mask, other=0.0)
-                 * tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=mask, other=0.0)
-                 + tl.load(offset_ptr))
-    else:
-        scale = tl.load(absmax_ptr + block, mask=mask, other=0.0).to(tl.float32)
+    scale = _block_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, block, mask, BLOCKSIZE2, NESTED)
     high = tl.load(code_ptr + (byte >> 4), mask=mask, other=0.0) * scale
     low = tl.load(code_ptr + (byte & 0xF), mask=mask, other=0.0) * scale
     values = tl.interleave(high, low)                  # (2 * BLOCK_BYTES,): even element, odd element
@@ -62,13 +70,7 @@ def bnb4_dequantize_scaled_kernel(
         byte_index = rows[:, None] * (K // 2) + kb[None, :]
     byte = tl.load(packed_ptr + byte_index, mask=ok, other=0).to(tl.int32)
     block = byte_index // (BLOCKSIZE // 2)                                # both codes of a byte share it
-    if NESTED:
-        q = tl.load(absmax_ptr + block, mask=ok, other=0).to(tl.int32)
-        scale = (tl.load(code2_ptr + q, mask=ok, other=0.0) * tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=ok,
-                                                                        other=0.0)
-                 + tl.load(offset_ptr))
-    else:
-        scale = tl.load(absmax_ptr + block, mask=ok, other=0.0).to(tl.float32)
+    scale = _block_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, block, ok, BLOCKSIZE2, NESTED)
     high = tl.load(code_ptr + (byte >> 4), mask=ok, other=0.0) * scale
     low = tl.load(code_ptr + (byte & 0xF), mask=ok, other=0.0) * scale
     values = tl.interleave(high, low)                                     # (BLOCK_N, 2·BLOCK_KB)
