@@ -151,13 +151,18 @@ def test_the_4bit_layer_on_fp8_equals_the_fp8_base_over_the_same_values(model_di
         torch.testing.assert_close(grads[key], grads_dense[key], rtol=1e-4, atol=1e-6)
 
 
+def adapted_4bit(model_dir, fp8: str):
+    """The tiny 4-bit model with the same adapter (seeded) on fp8 compute (emulated) or on the 4-bit path's own."""
+    torch.manual_seed(1)
+    options = dict(fp8_emulate=True) if fp8 == "hybrid" else dict(fp8="off", fp8_layers="auto")
+    return get_peft_model(load_4bit(model_dir), fp8_config(**options))
+
+
 def test_fp8_compute_stays_near_the_4bit_layers_own_path(model_dir):
     ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(2))
     losses = {}
     for fp8 in ("off", "hybrid"):
-        torch.manual_seed(1)
-        options = dict(fp8_emulate=True) if fp8 == "hybrid" else dict(fp8="off", fp8_layers="auto")
-        model = get_peft_model(load_4bit(model_dir), fp8_config(**options))
+        model = adapted_4bit(model_dir, fp8)
         model.train()
         losses[fp8] = model(input_ids=ids, labels=ids).loss.item()
     assert losses["hybrid"] == pytest.approx(losses["off"], rel=1e-3)
@@ -167,9 +172,7 @@ def test_merge_leaves_the_fp8_path_and_merges_as_the_4bit_layer_does(model_dir):
     ids = torch.randint(0, 97, (1, 8), generator=torch.Generator().manual_seed(3))
     logits = {}
     for fp8 in ("off", "hybrid"):
-        torch.manual_seed(1)
-        options = dict(fp8_emulate=True) if fp8 == "hybrid" else dict(fp8="off", fp8_layers="auto")
-        model = get_peft_model(load_4bit(model_dir), fp8_config(**options))
+        model = adapted_4bit(model_dir, fp8)
         model.eval()
         model.base_model.merge_adapter()
         layer = model.base_model.model.model.layers[1].self_attn.q_proj
