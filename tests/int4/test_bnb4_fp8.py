@@ -186,6 +186,25 @@ def test_merge_leaves_the_fp8_path_and_merges_as_the_4bit_layer_does(model_dir):
     assert torch.equal(logits["hybrid"], logits["off"])
 
 
+@pytest.mark.parametrize("granularity,limit,message", [
+    ("tensor", 64, r"2\*\*31 elements.*tile_mlp"),
+    ("row", 2**31, r"fp8_weight_scale='row' runs the row-wise torch._scaled_mm.*bnb_4bit_compute_dtype"),
+])
+def test_a_call_the_fp8_kernels_cannot_run_is_refused_before_any_kernel(model_dir, monkeypatch, granularity, limit,
+                                                                        message):
+    """As on a GPU (emulation off, the device check passed): past 32-bit offsets (the limit lowered here), or an
+    fp32 input under row-wise weight scales, is an error that names the way out."""
+    from sits_lora.ops import choice
+
+    monkeypatch.setattr(choice, "INT32_ELEMENTS", limit)
+    model = get_peft_model(load_4bit(model_dir), fp8_config(fp8_emulate=True, fp8_weight_scale=granularity))
+    layer = model.base_model.model.model.layers[0].mlp.up_proj
+    layer.frozen_base.state.emulate = False
+    monkeypatch.setattr("sits_lora.bases.fp8.check_fp8_device", lambda x, emulate: None)
+    with pytest.raises(ValueError, match=message):
+        layer.frozen_base.fused_forward(layer, "default", torch.randn(2, 8, 64))
+
+
 def test_the_memory_plan_counts_an_e4m3_buffer_for_the_fp8_layers(model_dir):
     """Layers on fp8 compute form W in a buffer of one byte a value, not in the 4-bit weight's own dtype."""
     from sits_lora.training.memory import plan_memory

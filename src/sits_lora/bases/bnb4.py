@@ -23,7 +23,7 @@ from .. import ops
 from ..ops import fp8 as fp8_ops
 from ..ops.bnb4_dequant import Bnb4Layout, bnb4_dequantize, bnb4_dequantize_scaled
 from ..ops.dequant_linear import DenseProducts, dequant_lora_linear, dequant_lora_linear_reference, shared_buffer
-from .fp8 import check_fp8_device
+from .fp8 import check_fp8_call
 from .int4 import compute_inputs
 
 
@@ -152,11 +152,7 @@ class Bnb4Fp8Base:
 
     def fused_forward(self, layer, adapter: str, x: torch.Tensor) -> torch.Tensor:
         base = layer.base_layer
-        check_fp8_device(x, self.state.emulate)
-        if not self.state.emulate and self.w_inv.numel() > 1 and x.dtype != torch.bfloat16:
-            raise ValueError(f"SitsLoraConfig.fp8_weight_scale='row' runs the row-wise torch._scaled_mm, which writes "
-                             f"bf16 only; the input is {x.dtype}. Load the model in bf16 (bnb_4bit_compute_dtype="
-                             f"torch.bfloat16) or use fp8_weight_scale='tensor'.")
+        check_fp8_call(x, layer.out_features, self.state.emulate, self.w_inv.numel() > 1)
         if self.w_scale.device != base.weight.device:  # the model moved: the scales follow its weight
             self.w_scale, self.w_inv = self.w_scale.to(base.weight.device), self.w_inv.to(base.weight.device)
         dropout = layer.lora_dropout[adapter]

@@ -62,6 +62,24 @@ def check_fp8_device(x: torch.Tensor, emulate: bool) -> None:
         raise _unsupported(f"{x.device} has compute capability {cc[0]}.{cc[1]}")
 
 
+def check_fp8_call(x: torch.Tensor, out_features: int, emulate: bool, row_scaled: bool) -> None:
+    """At each call of an fp8 layer's fused path: a GPU that runs fp8 GEMMs, sizes the kernels address, and bf16
+    input for row-wise weight scales."""
+    check_fp8_device(x, emulate)
+    if emulate:
+        return
+    if ops.tensor_too_large(x, out_features):
+        # the fp8 kernels address with 32-bit offsets too, and there is no unquantized reference to fall to
+        raise ValueError(f"sits_lora: an fp8 layer's input or output has {x.numel() // x.shape[-1]} tokens x "
+                         f"{max(x.shape[-1], out_features)} features, 2**31 elements or more, past what the "
+                         f"fp8 kernels address. Run the MLP in tiles (sits_lora.activations.tile_mlp(model)), or "
+                         f"fewer tokens per batch, or SitsLoraConfig(fp8='off') for this run.")
+    if row_scaled and x.dtype != torch.bfloat16:
+        raise ValueError(f"SitsLoraConfig.fp8_weight_scale='row' runs the row-wise torch._scaled_mm, which writes "
+                         f"bf16 only; the input is {x.dtype}. Load the model in bf16 (for a 4-bit model: "
+                         f"bnb_4bit_compute_dtype=torch.bfloat16) or use fp8_weight_scale='tensor'.")
+
+
 class Fp8BaseLinear(nn.Linear):
     """The frozen base layer of an fp8 adapter: ``weight`` holds e4m3 codes (N, K), not values.
 
@@ -150,17 +168,7 @@ class Fp8Base:
 
     def fused_forward(self, layer, adapter: str, x: torch.Tensor) -> torch.Tensor:
         base = layer.base_layer
-        check_fp8_device(x, self.state.emulate)
-        if not self.state.emulate and ops.tensor_too_large(x, layer.out_features):
-            # the fp8 kernels address with 32-bit offsets too, and there is no unquantized reference to fall to
-            raise ValueError(f"sits_lora: an fp8 layer's input or output has {x.numel() // x.shape[-1]} tokens x "
-                             f"{max(x.shape[-1], layer.out_features)} features, 2**31 elements or more, past what the "
-                             f"fp8 kernels address. Run the MLP in tiles (sits_lora.activations.tile_mlp(model)), or "
-                             f"fewer tokens per batch, or SitsLoraConfig(fp8='off') for this run.")
-        if not self.state.emulate and x.dtype != torch.bfloat16 and base.fp8_weight_scale == "row":
-            raise ValueError(f"SitsLoraConfig.fp8_weight_scale='row' runs the row-wise torch._scaled_mm, which writes "
-                             f"bf16 only; the input is {x.dtype}. Load the model in bf16 or use "
-                             f"fp8_weight_scale='tensor'.")
+        check_fp8_call(x, layer.out_features, self.state.emulate, base.fp8_weight_scale == "row")
         dropout = layer.lora_dropout[adapter]
         x_lora = dropout(x) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else None
         scales = self.state.scales_for(self.index, layer.training)
