@@ -17,12 +17,16 @@ Arms, each on a copy of the same U-Net with the same LoRA weights (B drawn non-z
   sits           sits_lora's layers, unmerged: to_k / to_v fused as siblings, their output kept across the
                  denoising steps while the text embeddings are the same tensor (sits_lora.siblings)
   sits+noreuse   the same without keeping it (reuse_cross_attention_kv(unet, False)): every step computes K / V
+  sits+fused     sits with every call on the fused Triton kernels (ops.set_aten_below_flops(0)); by default calls
+                 below that threshold run as ATen matmuls (sits_lora.ops.aten)
+  X+graph        arm X with its U-Net's forward recorded as CUDA graphs (sits_lora.diffusion.graph_denoiser):
+                 the first image records, the timed ones replay
 Fidelity: the decoded image of each arm against the peft arm's, same seed and latents: PSNR (images in [0, 1]) and
 the largest absolute difference.
 
 --train: one step of LoRA training on the SD1.5 U-Net shape (bs 8, 64² latents = 512² images, r16 on
 to_q / to_k / to_v / to_out.0 of every attention, MSE on the noise, fused AdamW), against the frozen U-Net (forward
-+ backward to the input, no optimizer): arms train:frozen, train:peft, train:sits.
++ backward to the input, no optimizer): arms train:frozen, train:peft, train:sits, train:sits+fused.
 
 Writes OUT/diffusion.json, .csv and diffusion.png (times and the images side by side).
 """
@@ -43,8 +47,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import png, print_table, write_results  # noqa: E402
 
-INFERENCE_ARMS = ["base", "peft", "peft+merged", "sits", "sits+noreuse"]
-TRAIN_ARMS = ["train:frozen", "train:peft", "train:sits"]
+INFERENCE_ARMS = ["base", "peft", "peft+merged", "sits", "sits+noreuse", "sits+fused", "base+graph", "peft+graph",
+                  "sits+graph"]
+TRAIN_ARMS = ["train:frozen", "train:peft", "train:sits", "train:sits+fused"]
 INFERENCE_TARGETS = ["attn2.to_k", "attn2.to_v"]
 TRAIN_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
@@ -126,16 +131,39 @@ def adapt(unet, arm: str, targets: list[str]):
     return model
 
 
-def pipeline(name: str, unet, vae):
+def fused_only(arm: str):
+    """A context in which every sits_lora call takes the fused kernels when the arm says "+fused"."""
+    from sits_lora import ops
+
+    class Threshold:
+        def __enter__(self):
+            self.before = ops.aten_below_flops()
+            if "fused" in arm.split(":")[-1].split("+"):
+                ops.set_aten_below_flops(0)
+
+        def __exit__(self, *exc):
+            ops.set_aten_below_flops(self.before)
+
+    return Threshold()
+
+
+def pipeline(name: str, unet, vae, arm: str = "base"):
     import diffusers
 
     scheduler = diffusers.DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                                         clip_sample=False, set_alpha_to_one=False, steps_offset=1)
     if SHAPES.get(name, {}).get("pooled_dim"):
-        return diffusers.StableDiffusionXLPipeline(vae=vae, text_encoder=None, text_encoder_2=None, tokenizer=None,
+        pipe = diffusers.StableDiffusionXLPipeline(vae=vae, text_encoder=None, text_encoder_2=None, tokenizer=None,
                                                    tokenizer_2=None, unet=unet, scheduler=scheduler)
-    return diffusers.StableDiffusionPipeline(vae=vae, text_encoder=None, tokenizer=None, unet=unet, scheduler=scheduler,
-                                             safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    else:
+        pipe = diffusers.StableDiffusionPipeline(vae=vae, text_encoder=None, tokenizer=None, unet=unet,
+                                                 scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                                 requires_safety_checker=False)
+    if "graph" in arm.split("+") and torch.cuda.is_available() and next(unet.parameters()).is_cuda:
+        from sits_lora.diffusion import graph_denoiser
+
+        graph_denoiser(pipe)
+    return pipe
 
 
 def prompt(shape: dict, device: str, dtype) -> dict:
@@ -253,11 +281,12 @@ def main(argv=None) -> int:
         # every arm's pipeline at once, timed in rounds (arm 1, arm 2, ..., arm 1, ...): the host's and the GPU's
         # speed drift over a run (clocks, other tenants), and rounds spread that drift over every arm alike
         inference = [a for a in arms if a in INFERENCE_ARMS]
-        pipes = {arm: pipeline(name, adapt(unet, arm, INFERENCE_TARGETS), vae) for arm in inference}
+        pipes = {arm: pipeline(name, adapt(unet, arm, INFERENCE_TARGETS), vae, arm) for arm in inference}
         times = {arm: [] for arm in inference}
         for round_ in range(repeats + 1):   # round 0 warms up (allocator, autotuning, the kept K / V)
             for arm in inference:
-                seconds, image = time_image(pipes[arm], kwargs, steps, shape["resolution"], device)
+                with fused_only(arm):
+                    seconds, image = time_image(pipes[arm], kwargs, steps, shape["resolution"], device)
                 if round_:
                     times[arm].append(seconds)
                 images[(name, arm)] = image
@@ -282,8 +311,10 @@ def main(argv=None) -> int:
             batch = 2 if args.smoke else args.train_batch
             for arm in [a for a in arms if a in TRAIN_ARMS]:
                 model = adapt(unet, arm, TRAIN_TARGETS)
-                seconds, peak = train_step_seconds(model, arm, batch, latent, shape["text_dim"], shape["pooled_dim"],
-                                                   device, dtype, steps=3 if args.smoke else 10)
+                with fused_only(arm):
+                    seconds, peak = train_step_seconds(model, arm, batch, latent, shape["text_dim"],
+                                                       shape["pooled_dim"], device, dtype,
+                                                       steps=3 if args.smoke else 10)
                 rows.append({"shape": name, "arm": arm, "train_step_s": seconds, "peak_gib": peak, "batch": batch,
                              "lora_targets": "" if arm == "train:frozen" else " ".join(TRAIN_TARGETS)})
                 print(f"[{name} {arm}] {seconds * 1000:.1f} ms per training step, bs {batch}", flush=True)

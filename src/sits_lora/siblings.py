@@ -18,6 +18,9 @@ the ones they were computed with: the first step pays, the others do not. ``reus
 off (``sits_lora.diffusion.reuse_cross_attention_kv``). Under ``torch.inference_mode`` nothing is kept: inference
 tensors have no version counter to prove x unchanged.
 
+Calls too small for the fused kernels' launches to pay (``sits_lora.ops.choice.small_call``) run each layer alone on
+ATen matmuls (``sits_lora.ops.aten``); a cross-attention group still keeps their outputs across calls.
+
 Eager mode only: under torch.compile each layer is one custom op and Inductor schedules them.
 """
 
@@ -121,6 +124,10 @@ class SiblingGroup:
             out = self._kept_output(layer, x)
             if out is not None:
                 return out
+        requested = "auto" if all(k == "auto" for k in layer.sits_kernel.values()) else "triton"
+        small = ops.small_call(requested, x, layer.in_features, self.out_features)
+        if small and not keep:
+            return None  # each layer runs alone on ATen matmuls (ops.aten): one shared pass over x saves nothing here
         adapters = []
         plan = self._plan(x, adapters)
         if plan is None:
@@ -130,7 +137,12 @@ class SiblingGroup:
         casts = [autocast_inputs(x, w, b) for w, b in zip(weights, biases)]
         x_in, autocast_off = casts[0][0], casts[0][3]
         with autocast_off:
-            outputs = ops.lora_siblings_triton(x_in, [c[1] for c in casts], [c[2] for c in casts], As, Bs, scalings)
+            if small:   # kept across calls: the outputs are computed once, on the path for their size
+                outputs = [ops.lora_linear_aten(x_in, x_in, c[1], c[2], A, B, scale)
+                           for c, A, B, scale in zip(casts, As, Bs, scalings)]
+            else:
+                outputs = ops.lora_siblings_triton(x_in, [c[1] for c in casts], [c[2] for c in casts], As, Bs,
+                                                   scalings)
         if keep:
             self._keep(x, plan, adapters, outputs)
             return outputs[self.layers.index(layer)]   # the others find their outputs kept

@@ -55,9 +55,12 @@ class Bf16Base:
             if out is not None:
                 return out
         base = layer.base_layer
-        kernel = ops.resolve_kernel(layer.sits_kernel[adapter], x, layer.out_features)
+        requested = layer.sits_kernel[adapter]
+        kernel = ops.resolve_kernel(requested, x, layer.out_features)
         if kernel == "triton" and (base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad)):
             kernel = "torch"  # the fused kernels assume a frozen base (no dW / db); the reference computes them
+        elif kernel == "triton" and ops.small_call(requested, x, layer.in_features, layer.out_features):
+            kernel = "aten"   # too small for the kernels' launches to pay (ops.aten)
         x, weight, bias, autocast_off = autocast_inputs(x, base.weight, base.bias)
         dropout = layer.lora_dropout[adapter]
         x_lora = dropout(x) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else x

@@ -4,11 +4,14 @@
 step and (``watch_modules=True``) the first module of the denoiser whose output was not finite.
 ``reuse_cross_attention_kv``: whether the cross-attention to_k / to_v layers give back their outputs while the
 text encoder's states are the same tensor (on by default: every denoising step after the first skips them).
+``graph_denoiser``: CUDA graphs over the denoiser's forward (a denoising step replays one recorded launch
+sequence instead of issuing a few thousand kernels from Python).
 The adapter itself needs nothing from here: ``unet.add_adapter(SitsLoraConfig(...))`` and
 ``sits_lora.export_diffusers_lora`` (see docs/usage.md).
 """
 
+from .graphs import DenoiserGraphs, graph_denoiser
 from .guards import LatentGuard, NonFiniteLatentsError
 from .reuse import reuse_cross_attention_kv
 
-__all__ = ["LatentGuard", "NonFiniteLatentsError", "reuse_cross_attention_kv"]
+__all__ = ["DenoiserGraphs", "LatentGuard", "NonFiniteLatentsError", "graph_denoiser", "reuse_cross_attention_kv"]

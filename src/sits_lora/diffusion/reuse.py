@@ -12,6 +12,16 @@ def reuse_cross_attention_kv(model: nn.Module, enabled: bool = True) -> int:
     calls with the same ``encoder_hidden_states`` (on by default; see sits_lora.siblings). Returns how many
     cross-attention groups it set; 0 means none exists (the adapter does not target both to_k and to_v, or sibling
     fusion is off). Turning it off also drops what the groups hold."""
+    groups = cross_attention_groups(model)
+    for group in groups:
+        group.reuse_across_calls = enabled
+        if not enabled:
+            group.release()
+    return len(groups)
+
+
+def cross_attention_groups(model: nn.Module) -> list:
+    """The sibling groups of ``model``'s cross-attention to_k / to_v layers (sits_lora.siblings.SiblingGroup)."""
     groups = {}
     for parent in model.modules():
         if getattr(parent, "is_cross_attention", False) is not True:
@@ -20,8 +30,4 @@ def reuse_cross_attention_kv(model: nn.Module, enabled: bool = True) -> int:
             group = getattr(getattr(parent, name, None), "_sibling_group", None)
             if group is not None:
                 groups[id(group)] = group
-    for group in groups.values():
-        group.reuse_across_calls = enabled
-        if not enabled:
-            group.release()
-    return len(groups)
+    return list(groups.values())

@@ -4,14 +4,16 @@
 share (shrink, expand, the dy and x passes, partial sums, the GEMM with a low-rank epilogue) with their
 launchers (``launch``) and tuned configurations (``tuning``); ``linear``, ``siblings``,
 ``dynamic_rank`` and ``fp8`` each drive them for one op, with its autograd Function (and, for the layer,
-its ``torch.library`` custom op); ``choice`` resolves ``SitsLoraConfig.kernel``. Importing this package
+its ``torch.library`` custom op); ``aten`` is the layer's op as few ATen matmuls, for calls too small for
+the kernels' launches to pay; ``choice`` resolves ``SitsLoraConfig.kernel`` and picks between those two. Importing this package
 imports torch only: the Triton kernels load when an op first runs on them.
 """
 
 from __future__ import annotations
 
-from .choice import (KERNELS, KernelUnavailableError, gemm_backend, resolve_kernel, set_gemm_backend,
-                     tensor_too_large, triton_interpreter_on)
+from .aten import lora_linear_aten
+from .choice import (KERNELS, KernelUnavailableError, aten_below_flops, gemm_backend, resolve_kernel,
+                     set_aten_below_flops, set_gemm_backend, small_call, tensor_too_large, triton_interpreter_on)
 from .dynamic_rank import lora_linear_dynamic_rank_triton
 from .linear import lora_linear, lora_linear_triton
 from .reference import lora_linear_reference, lora_linear_torch
@@ -20,15 +22,19 @@ from .siblings import lora_siblings_triton
 __all__ = [
     "KERNELS",
     "KernelUnavailableError",
+    "aten_below_flops",
     "gemm_backend",
     "lora_linear",
+    "lora_linear_aten",
     "lora_linear_dynamic_rank_triton",
     "lora_linear_reference",
     "lora_linear_torch",
     "lora_linear_triton",
     "lora_siblings_triton",
     "resolve_kernel",
-    "tensor_too_large",
+    "set_aten_below_flops",
     "set_gemm_backend",
+    "small_call",
+    "tensor_too_large",
     "triton_interpreter_on",
 ]

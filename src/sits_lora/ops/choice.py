@@ -73,6 +73,35 @@ def resolve_kernel(requested: str, x: Tensor, out_features: int = 0) -> str:
     raise ValueError(f"SitsLoraConfig.kernel={requested!r} is invalid: allowed values are {', '.join(map(repr, KERNELS))}.")
 
 
+# Calls whose base GEMM is smaller than this many FLOPs (2·tokens·in·out) take the few-matmul ATen path
+# (sits_lora.ops.aten) when the config says kernel="auto": below it the fused path's launches cost the host
+# more than its fewer passes save the GPU (bench/NOTES.md, "Small calls"). SITS_LORA_ATEN_BELOW_FLOPS sets it;
+# 0 keeps every call on the fused kernels.
+_ATEN_BELOW_FLOPS = float(os.environ.get("SITS_LORA_ATEN_BELOW_FLOPS", 16e9))
+
+
+def set_aten_below_flops(flops: float) -> None:
+    """Calls of fewer base-GEMM FLOPs than ``flops`` run on ATen matmuls under kernel="auto" (0: never)."""
+    if not flops >= 0:
+        raise ValueError(f"the ATen path's FLOP threshold must be >= 0, got {flops!r}")
+    global _ATEN_BELOW_FLOPS
+    _ATEN_BELOW_FLOPS = float(flops)
+
+
+def aten_below_flops() -> float:
+    return _ATEN_BELOW_FLOPS
+
+
+def small_call(requested: str, x: Tensor, in_features: int, out_features: int) -> bool:
+    """Whether a call that resolved to the Triton path runs the few-matmul ATen path instead: under
+    kernel="auto" (an explicit "triton" is honoured), eagerly (torch.compile schedules the custom op), when its
+    base GEMM has fewer FLOPs than :func:`aten_below_flops`."""
+    if requested != "auto" or torch.compiler.is_compiling():
+        return False
+    tokens = x.numel() // max(in_features, 1)
+    return 2.0 * tokens * in_features * out_features < _ATEN_BELOW_FLOPS
+
+
 # Which GEMM carries the base product: "cublas" (addmm epilogue) or "triton" (our GEMM with a fused
 # low-rank epilogue). Chosen per GPU by measurement; see bench/NOTES.md.
 GEMM_BACKENDS = ("cublas", "triton")

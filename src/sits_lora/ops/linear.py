@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .aten import lora_linear_aten
 from .choice import KernelUnavailableError, gemm_backend
 from .reference import lora_linear_torch
 
@@ -209,13 +210,15 @@ def lora_linear_triton(x, x_lora, weight, bias, lora_A, lora_B, scaling: float, 
 
 
 def lora_linear(x, x_lora, weight, bias, lora_A, lora_B, scaling: float, kernel: str = "torch") -> Tensor:
-    """y = x Wᵀ + b + s·(x_lora Aᵀ) Bᵀ with the resolved kernel ("torch" or "triton").
+    """y = x Wᵀ + b + s·(x_lora Aᵀ) Bᵀ with the resolved kernel ("torch", "triton" or "aten", ops.aten).
 
     Pass ``x_lora=x`` (the same tensor) when there is no dropout; the Triton path then fuses the
     LoRA gradient into dx and keeps one saved activation.
     """
     if kernel == "torch":
         return lora_linear_torch(x, x_lora, weight, bias, lora_A, lora_B, scaling)
+    if kernel == "aten":
+        return lora_linear_aten(x, x_lora, weight, bias, lora_A, lora_B, scaling)
     if kernel == "triton":
         return lora_linear_triton(x, None if x_lora is x else x_lora, weight, bias, lora_A, lora_B, scaling)
     raise KernelUnavailableError(f"unknown kernel {kernel!r}")

@@ -1,0 +1,206 @@
+"""CUDA graphs over the denoiser's forward: each denoising step replays one recorded launch sequence.
+
+A U-Net call issues a few thousand small kernels; on a GPU as fast as an H200 the host's time to issue them is the
+step (bench/NOTES.md, "Diffusion"). ``graph_denoiser(pipe)`` records the denoiser's forward once per input
+signature (shapes, dtypes, non-tensor arguments, and what each LoRA layer would do: active adapters, scales,
+merged or not) and replays it: a step then costs a copy of each input tensor into the recorded buffers, one
+replay, and a copy of the output. It works for any ``nn.Module`` denoiser (a U-Net or a DiT, with sits_lora's,
+PEFT's or no adapter), under ``torch.no_grad`` / ``torch.inference_mode`` in eval mode; any other call runs the
+forward as before.
+
+What a replay does not see, and how to make it see it:
+- a parameter *replaced* by a new tensor (not written in place: in-place writes, as ``load_state_dict`` and an
+  optimizer do, are seen): ``graphs.reset()``;
+- Python work in forward hooks (``LatentGuard(watch_modules=True)``): it ran once, at recording. The latent check of
+  ``LatentGuard`` itself runs outside the denoiser and works as before.
+Cross-attention K / V reuse (``reuse_cross_attention_kv``) is Python-side, so it is off while the graphs are
+installed (the recorded step computes K / V each step) and back on after ``release()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .reuse import cross_attention_groups
+
+logger = logging.getLogger("sits_lora")
+
+_LEAF_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+class _NotGraphable(Exception):
+    """An argument or output the recorded step cannot stand for (the call runs eagerly)."""
+
+
+def _signature(obj: Any, tensors: list) -> Any:
+    """A hashable description of ``obj`` with its tensors described by shape / dtype / device and appended to
+    ``tensors`` in order."""
+    if isinstance(obj, torch.Tensor):
+        if not obj.is_cuda:
+            raise _NotGraphable(f"a tensor on {obj.device}")
+        tensors.append(obj)
+        return ("tensor", tuple(obj.shape), obj.dtype, obj.device)
+    if isinstance(obj, (tuple, list)):
+        return (type(obj), tuple(_signature(item, tensors) for item in obj))
+    if isinstance(obj, dict):
+        return (type(obj), tuple((key, _signature(value, tensors)) for key, value in obj.items()))
+    if isinstance(obj, _LEAF_TYPES):
+        return obj
+    raise _NotGraphable(f"an argument of type {type(obj).__name__}")
+
+
+def _substitute(obj: Any, tensors) -> Any:
+    """``obj`` with its tensors replaced, in order, by those of the iterator ``tensors``."""
+    if isinstance(obj, torch.Tensor):
+        return next(tensors)
+    if isinstance(obj, (tuple, list)):
+        items = [_substitute(item, tensors) for item in obj]
+        return type(obj)(items) if type(obj) in (tuple, list) else type(obj)(*items)   # namedtuples
+    if isinstance(obj, dict):
+        return type(obj)({key: _substitute(value, tensors) for key, value in obj.items()})
+    return obj
+
+
+def _output_copy(out: Any) -> Any:
+    """A copy of a recorded output (its buffers are overwritten by the next replay)."""
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, tuple) and type(out) is tuple:
+        return tuple(_output_copy(item) for item in out)
+    if isinstance(out, dict):   # diffusers' BaseOutput is an OrderedDict whose fields are keyword arguments
+        return type(out)(**{key: _output_copy(value) for key, value in out.items()})
+    if out is None:
+        return None
+    raise _NotGraphable(f"an output of type {type(out).__name__}")
+
+
+def _adapter_state(model: nn.Module) -> tuple:
+    """What each adapter layer does in a call, as far as Python decides it (a recording holds one such state)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    state = []
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            scaling = getattr(module, "scaling", {})
+            state.append((module.merged, module.disable_adapters, tuple(module.active_adapters),
+                          tuple(scaling.items()) if isinstance(scaling, dict) else scaling))
+    return tuple(state)
+
+
+class DenoiserGraphs:
+    """The recorded forwards of one denoiser (see the module docstring); made by :func:`graph_denoiser`."""
+
+    def __init__(self, model: nn.Module, max_graphs: int = 4, warmup: int = 2) -> None:
+        self.model = model
+        self.max_graphs = max_graphs
+        self.warmup = warmup
+        self._eager_forward = model.forward
+        self._graphs: dict = {}
+        self._kv_groups_were_on = [g for g in cross_attention_groups(model) if g.reuse_across_calls]
+        for group in self._kv_groups_were_on:
+            group.reuse_across_calls = False
+            group.release()
+        self._eager_reasons: set = set()
+        self._full_warned = False
+        self.replays = 0      # read by tests and bench/diffusion.py
+        self.recordings = 0
+        model.forward = self   # an instance attribute: nn.Module.__call__ (and its hooks) reach it
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.model.training or torch.is_grad_enabled():
+            return self._eager_forward(*args, **kwargs)
+        tensors: list = []
+        try:
+            key = (_signature((args, kwargs), tensors), torch.is_inference_mode_enabled(),
+                   _adapter_state(self.model))
+        except _NotGraphable as reason:
+            self._note_eager(str(reason))
+            return self._eager_forward(*args, **kwargs)
+        if key not in self._graphs:
+            if len(self._graphs) >= self.max_graphs:
+                if not self._full_warned:
+                    self._full_warned = True
+                    warnings.warn(
+                        f"graph_denoiser: {len(self._graphs)} recordings already (max_graphs={self.max_graphs}); "
+                        "further input signatures run eagerly. A Python number that changes every step (a float "
+                        "timestep) makes a new signature each step: pass it as a tensor.", stacklevel=2)
+                return self._eager_forward(*args, **kwargs)
+            self._graphs[key] = self._record(args, kwargs, tensors)
+        entry = self._graphs[key]
+        if entry is None:
+            return self._eager_forward(*args, **kwargs)
+        graph, static_inputs, static_output = entry
+        for static, given in zip(static_inputs, tensors):
+            if static.data_ptr() != given.data_ptr():
+                static.copy_(given)
+        graph.replay()
+        self.replays += 1
+        return _output_copy(static_output)
+
+    def _record(self, args: tuple, kwargs: dict, tensors: list) -> Optional[tuple]:
+        """(graph, its input buffers, its output) for this signature, or None when it cannot be recorded."""
+        static_inputs = [t.clone() for t in tensors]
+        static_args, static_kwargs = _substitute((args, kwargs), iter(static_inputs))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):   # first calls off the recording: autotuning, allocator growth, lazy init
+            for _ in range(self.warmup):
+                out = self._eager_forward(*static_args, **static_kwargs)
+        torch.cuda.current_stream().wait_stream(side)
+        try:
+            _output_copy(out)
+        except _NotGraphable as reason:
+            self._note_eager(str(reason))
+            return None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_output = self._eager_forward(*static_args, **static_kwargs)
+        self.recordings += 1
+        return graph, static_inputs, static_output
+
+    def _note_eager(self, reason: str) -> None:
+        if reason not in self._eager_reasons:   # once per reason: a pipeline makes this call every step
+            self._eager_reasons.add(reason)
+            logger.warning("graph_denoiser: a call with %s runs eagerly (not recorded)", reason)
+
+    def reset(self) -> None:
+        """Drop every recording (after a parameter was replaced by a new tensor); the next call records again."""
+        self._graphs.clear()
+        self._full_warned = False
+
+    def release(self) -> None:
+        """Uninstall: the denoiser's own forward again, its recordings freed, K / V reuse as it was."""
+        self.reset()
+        if self.model.__dict__.get("forward") is self:
+            del self.model.forward
+        for group in self._kv_groups_were_on:
+            group.reuse_across_calls = True
+
+
+def graph_denoiser(pipe_or_model, max_graphs: int = 4, warmup: int = 2) -> DenoiserGraphs:
+    """Record the denoiser's forward (``pipe.unet`` or ``pipe.transformer``, or the model given) as CUDA graphs and
+    replay them on later calls with the same signature. Returns the installed :class:`DenoiserGraphs`
+    (``.release()`` uninstalls it)."""
+    model = pipe_or_model
+    if not isinstance(model, nn.Module):
+        model = getattr(pipe_or_model, "unet", None) or getattr(pipe_or_model, "transformer", None)
+        if model is None:
+            raise TypeError(f"graph_denoiser needs a pipeline with a .unet or .transformer, or the denoiser module; "
+                            f"got {type(pipe_or_model).__name__}")
+    if isinstance(model.__dict__.get("forward"), DenoiserGraphs):
+        raise ValueError("graph_denoiser: this denoiser's forward is already recorded; call .release() on the "
+                         "DenoiserGraphs first")
+    for name, value in (("max_graphs", max_graphs), ("warmup", warmup)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"graph_denoiser: {name} must be an int >= 1, got {value!r}")
+    parameter = next(model.parameters(), None)
+    if parameter is None or not parameter.is_cuda:
+        where = "no parameters" if parameter is None else f"parameters on {parameter.device}"
+        raise ValueError(f"graph_denoiser records CUDA graphs: the denoiser has {where}; move it to a GPU first "
+                         "(pipe.to('cuda'))")
+    return DenoiserGraphs(model, max_graphs=max_graphs, warmup=warmup)

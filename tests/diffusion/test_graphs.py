@@ -1,0 +1,111 @@
+"""CUDA graphs over the denoiser (sits_lora.diffusion.graph_denoiser): refusals and argument handling on the CPU;
+on a GPU, a recorded generation equals the eager one, and what changes a call's work records it again."""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_diffusers_models import ATTENTION, tiny_pipeline, tiny_unet  # noqa: E402
+
+from sits_lora import SitsLoraConfig  # noqa: E402
+from sits_lora.diffusion import graph_denoiser  # noqa: E402
+from sits_lora.diffusion.graphs import _NotGraphable, _output_copy, _signature, _substitute  # noqa: E402
+
+
+def test_a_cpu_denoiser_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"parameters on cpu; move it to a GPU first \(pipe.to\('cuda'\)\)"):
+        graph_denoiser(tiny_unet())
+    with pytest.raises(TypeError, match="needs a pipeline with a .unet or .transformer"):
+        graph_denoiser(object())
+
+
+def test_arguments_are_described_and_rebuilt_with_the_recorded_buffers(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))   # describe CPU tensors as if on a GPU
+    Pair = collections.namedtuple("Pair", "a b")
+    args = (torch.zeros(2, 3), 7, None)
+    kwargs = {"added": {"text_embeds": torch.ones(2, 4), "ids": [torch.ones(1), 2.5]}, "pair": Pair(torch.ones(5), "x")}
+    tensors = []
+    key = _signature((args, kwargs), tensors)
+    assert len(tensors) == 4 and hash(key) is not None
+    same = []
+    assert _signature(((torch.ones(2, 3), 7, None), kwargs), same) == key
+    assert _signature(((torch.zeros(2, 4), 7, None), kwargs), []) != key      # a shape changed
+    assert _signature(((torch.zeros(2, 3), 8, None), kwargs), []) != key      # a Python number changed
+    buffers = [t.clone() + 1 for t in tensors]
+    new_args, new_kwargs = _substitute((args, kwargs), iter(buffers))
+    assert new_args[0] is buffers[0] and new_args[1:] == (7, None)
+    assert new_kwargs["added"]["ids"][0] is buffers[2] and new_kwargs["added"]["ids"][1] == 2.5
+    assert isinstance(new_kwargs["pair"], Pair) and new_kwargs["pair"].a is buffers[3]
+    with pytest.raises(_NotGraphable, match="an argument of type object"):
+        _signature((object(),), [])
+
+
+def test_outputs_are_copied_in_their_own_types():
+    from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
+
+    sample = torch.randn(2, 4)
+    for out in (sample, (sample,), UNet2DConditionOutput(sample=sample)):
+        copied = _output_copy(out)
+        assert type(copied) is type(out)
+        tensor = copied if isinstance(copied, torch.Tensor) else copied[0]
+        assert torch.equal(tensor, sample) and tensor.data_ptr() != sample.data_ptr()
+    with pytest.raises(_NotGraphable, match="an output of type set"):
+        _output_copy({1})
+
+
+def _generate(pipe, text, steps=4):
+    return pipe(prompt_embeds=text, negative_prompt_embeds=torch.zeros_like(text), num_inference_steps=steps,
+                height=16, width=16, output_type="latent", generator=torch.Generator("cuda").manual_seed(5)).images
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("adapter", ["sits", "none"])
+def test_a_recorded_generation_equals_the_eager_one(adapter):
+    torch.manual_seed(0)
+    unet = tiny_unet()
+    if adapter == "sits":
+        unet.add_adapter(SitsLoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, init_lora_weights=False))
+    pipe = tiny_pipeline(unet.to("cuda", torch.bfloat16))
+    text = torch.randn(1, 7, 24, generator=torch.Generator().manual_seed(4)).to("cuda", torch.bfloat16)
+    eager = _generate(pipe, text)
+    graphs = graph_denoiser(pipe)
+    recorded = _generate(pipe, text)
+    assert graphs.recordings == 1 and graphs.replays == 4
+    torch.testing.assert_close(recorded, eager, rtol=0, atol=0)
+    other = text * 2   # a new prompt: the recorded step reads it (K / V are computed in the step)
+    torch.testing.assert_close(_generate(pipe, other), (graphs.release(), _generate(pipe, other))[1], rtol=0, atol=0)
+    assert pipe.unet.forward.__self__ is pipe.unet   # released: the module's own forward again
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_what_changes_the_work_records_again_and_in_place_writes_are_seen():
+    torch.manual_seed(0)
+    unet = tiny_unet()
+    unet.add_adapter(SitsLoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, init_lora_weights=False))
+    pipe = tiny_pipeline(unet.to("cuda", torch.bfloat16))
+    text = torch.randn(1, 7, 24, generator=torch.Generator().manual_seed(4)).to("cuda", torch.bfloat16)
+    graphs = graph_denoiser(pipe)
+    first = _generate(pipe, text)
+    layer = next(m for m in unet.modules() if hasattr(m, "lora_B"))
+    with torch.no_grad():
+        layer.lora_B["default"].weight.mul_(5)   # in place: the recording reads it
+    changed = _generate(pipe, text)
+    assert graphs.recordings == 1 and not torch.equal(first, changed)
+    layer.scale_layer(0.5)                       # a Python-side scale: recorded again
+    _generate(pipe, text)
+    assert graphs.recordings == 2
+    graphs.release()
+    eager = _generate(pipe, text)
+    graphs = graph_denoiser(pipe)
+    torch.testing.assert_close(_generate(pipe, text), eager, rtol=0, atol=0)
+    graphs.release()
