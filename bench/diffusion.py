@@ -26,7 +26,8 @@ the largest absolute difference.
 
 --train: one step of LoRA training on the SD1.5 U-Net shape (bs 8, 64² latents = 512² images, r16 on
 to_q / to_k / to_v / to_out.0 of every attention, MSE on the noise, fused AdamW), against the frozen U-Net (forward
-+ backward to the input, no optimizer): arms train:frozen, train:peft, train:sits, train:sits+fused.
++ backward to the input, no optimizer): arms train:frozen, train:peft, train:sits, train:sits+fused, every
+arm's model built first, then --train-rounds rounds of 5 timed steps per arm in turn (the median round).
 
 Writes OUT/diffusion.json, .csv and diffusion.png (times and the images side by side).
 """
@@ -159,6 +160,7 @@ def pipeline(name: str, unet, vae, arm: str = "base"):
         pipe = diffusers.StableDiffusionPipeline(vae=vae, text_encoder=None, tokenizer=None, unet=unet,
                                                  scheduler=scheduler, safety_checker=None, feature_extractor=None,
                                                  requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
     if "graph" in arm.split("+") and torch.cuda.is_available() and next(unet.parameters()).is_cuda:
         from sits_lora.diffusion import graph_denoiser
 
@@ -232,7 +234,7 @@ def train_step(unet, frozen: bool, batch: int, latent: int, text_dim: int, poole
 
 def train_step_seconds(unet, arm: str, batch: int, latent: int, text_dim: int, pooled_dim, device: str, dtype,
                        steps: int) -> tuple[float, float | None]:
-    """(median seconds of one training step, peak GiB)."""
+    """(median seconds of one training step, peak GiB) over ``steps`` timed steps after two untimed ones."""
     step = train_step(unet, arm == "train:frozen", batch, latent, text_dim, pooled_dim, device, dtype)
     for _ in range(2):
         step()
@@ -258,9 +260,11 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="denoising steps per image")
     parser.add_argument("--repeats", type=int, default=3, help="images timed per arm, after one warm-up image")
     parser.add_argument("--train-batch", type=int, default=8)
+    parser.add_argument("--train-rounds", type=int, default=4,
+                        help="rounds of 5 timed steps per training arm, arms in turn: the median round")
     parser.add_argument("--smoke", action="store_true", help="tiny configs on any device (checks the script)")
     args = parser.parse_args(argv)
-    for flag in ("steps", "repeats", "train_batch"):
+    for flag in ("steps", "repeats", "train_batch", "train_rounds"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if importlib.util.find_spec("diffusers") is None:
@@ -309,18 +313,29 @@ def main(argv=None) -> int:
         if name in ("sd15", "tiny"):
             latent = shape["resolution"] // 8
             batch = 2 if args.smoke else args.train_batch
-            for arm in [a for a in arms if a in TRAIN_ARMS]:
-                model = adapt(unet, arm, TRAIN_TARGETS)
-                with fused_only(arm):
-                    seconds, peak = train_step_seconds(model, arm, batch, latent, shape["text_dim"],
-                                                       shape["pooled_dim"], device, dtype,
-                                                       steps=3 if args.smoke else 10)
-                rows.append({"shape": name, "arm": arm, "train_step_s": seconds, "peak_gib": peak, "batch": batch,
+            # every arm's model first, then rounds of a few steps per arm in turn (the host drifts, as above)
+            train_arms = [a for a in arms if a in TRAIN_ARMS]
+            models = {arm: adapt(unet, arm, TRAIN_TARGETS) for arm in train_arms}
+            step_times = {arm: [] for arm in train_arms}
+            peaks = {}
+            for round_ in range(1 if args.smoke else args.train_rounds):
+                for arm in train_arms:
+                    with fused_only(arm):
+                        seconds, peak = train_step_seconds(models[arm], arm, batch, latent, shape["text_dim"],
+                                                           shape["pooled_dim"], device, dtype,
+                                                           steps=3 if args.smoke else 5)
+                    step_times[arm].append(seconds)
+                    peaks[arm] = peak if peak is None else max(peak, peaks.get(arm) or 0.0)
+            for arm in train_arms:
+                seconds = statistics.median(step_times[arm])
+                rows.append({"shape": name, "arm": arm, "train_step_s": seconds, "times": step_times[arm],
+                             "peak_gib": peaks[arm], "batch": batch,
                              "lora_targets": "" if arm == "train:frozen" else " ".join(TRAIN_TARGETS)})
-                print(f"[{name} {arm}] {seconds * 1000:.1f} ms per training step, bs {batch}", flush=True)
-                del model
-                if device == "cuda":
-                    torch.cuda.empty_cache()
+                print(f"[{name} {arm}] {seconds * 1000:.1f} ms per training step, bs {batch} "
+                      f"(rounds: {' '.join(f'{t * 1000:.1f}' for t in step_times[arm])})", flush=True)
+            del models
+            if device == "cuda":
+                torch.cuda.empty_cache()
             floor = next((r["train_step_s"] for r in rows if r["shape"] == name and r["arm"] == "train:frozen"), None)
             peft = next((r["train_step_s"] for r in rows if r["shape"] == name and r["arm"] == "train:peft"), None)
             for r in rows:

@@ -43,11 +43,15 @@ def top_kernels(fn, device: str, count: int = 12) -> list[dict]:
         fn()
         bench.sync(device)
     attr = "device_time_total" if device == "cuda" else "cpu_time_total"
-    events = [e for e in prof.key_averages() if device != "cuda" or getattr(e, attr, 0) > 0]
+    averages = prof.key_averages()
+    events = [e for e in averages if device != "cuda" or getattr(e, attr, 0) > 0]
     if device == "cuda":   # kernels only: the aten ops' device time counts their kernels again
         events = [e for e in events if not e.key.startswith(("aten::", "autograd::", "cudaLaunch", "Optimizer"))]
     events.sort(key=lambda e: getattr(e, attr), reverse=True)
-    return [{"name": e.key[:90], "ms": getattr(e, attr) / 1000, "calls": e.count} for e in events[:count]]
+    # the host's launches: CUDA runtime / driver launch calls (cuBLAS, ATen and Triton kernels alike)
+    launches = sum(e.count for e in averages if e.key.startswith(("cudaLaunch", "cuLaunch")))
+    top = [{"name": e.key[:90], "ms": getattr(e, attr) / 1000, "calls": e.count} for e in events[:count]]
+    return top, {"kernels": sum(e.count for e in events), "launch_calls": launches}
 
 
 def main(argv=None) -> int:
@@ -70,6 +74,11 @@ def main(argv=None) -> int:
     report, lines = {}, []
     for arm in args.arms:
         model = bench.adapt(unet, arm, bench.TRAIN_TARGETS if arm != "base" else [])
+        from sits_lora import ops
+
+        threshold = ops.aten_below_flops()
+        if arm.endswith("+fused"):   # every call on the fused kernels (bench/diffusion.py's arm of that name)
+            ops.set_aten_below_flops(0)
         train = bench.train_step(model, arm == "base", batch, latent, shape["text_dim"], None, device, dtype)
 
         def denoise():
@@ -81,8 +90,12 @@ def main(argv=None) -> int:
             for _ in range(3):
                 fn()
             wall, host = timed(fn, device, 3 if args.smoke else 10)
-            row[name] = {"wall_ms": wall * 1000, "host_ms": host * 1000, "top": top_kernels(fn, device)}
-            lines.append(f"== {arm} {name}: wall {wall * 1000:.1f} ms, host {host * 1000:.1f} ms")
+            top, counts = top_kernels(fn, device)
+            row[name] = {"wall_ms": wall * 1000, "host_ms": host * 1000, "top": top, **counts}
+            adapter_dtypes = sorted({str(p.dtype) for n, p in model.named_parameters() if "lora_" in n})
+            lines.append(f"== {arm} {name}: wall {wall * 1000:.1f} ms, host {host * 1000:.1f} ms, "
+                         f"{counts['kernels']} kernels, {counts['launch_calls']} launch calls, adapters "
+                         f"{' '.join(adapter_dtypes) or '-'}")
             lines += [f"   {k['ms']:8.2f} ms {k['calls']:5d}x  {k['name']}" for k in row[name]["top"]]
         if arm in args.cprofile:
             import cProfile
@@ -101,6 +114,7 @@ def main(argv=None) -> int:
         report[arm] = row
         print("\n".join(lines[first_line:]), flush=True)
         model = train = None   # this arm's copy freed before the next one is made
+        ops.set_aten_below_flops(threshold)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "profile_diffusion.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
