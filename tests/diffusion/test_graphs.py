@@ -74,7 +74,7 @@ def test_a_recorded_generation_equals_the_eager_one(adapter):
     unet = tiny_unet()
     if adapter == "sits":
         unet.add_adapter(SitsLoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, init_lora_weights=False))
-    pipe = tiny_pipeline(unet).to("cuda", torch.bfloat16)
+    pipe = tiny_pipeline(unet.eval()).to("cuda", torch.bfloat16)
     text = torch.randn(1, 7, 24, generator=torch.Generator().manual_seed(4)).to("cuda", torch.bfloat16)
     eager = _generate(pipe, text)
     graphs = graph_denoiser(pipe)
@@ -88,11 +88,25 @@ def test_a_recorded_generation_equals_the_eager_one(adapter):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_denoiser_in_training_mode_runs_eagerly_and_says_so(caplog):
+    torch.manual_seed(0)
+    pipe = tiny_pipeline(tiny_unet().train()).to("cuda", torch.bfloat16)
+    text = torch.randn(1, 7, 24, generator=torch.Generator().manual_seed(4)).to("cuda", torch.bfloat16)
+    graphs = graph_denoiser(pipe)
+    with caplog.at_level("WARNING", logger="sits_lora"):
+        _generate(pipe, text)
+    assert graphs.recordings == 0 and graphs.replays == 0
+    assert sum("training mode (call .eval()" in r.getMessage() for r in caplog.records) == 1
+    graphs.release()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_what_changes_the_work_records_again_and_in_place_writes_are_seen():
     torch.manual_seed(0)
     unet = tiny_unet()
     unet.add_adapter(SitsLoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, init_lora_weights=False))
-    pipe = tiny_pipeline(unet).to("cuda", torch.bfloat16)
+    pipe = tiny_pipeline(unet.eval()).to("cuda", torch.bfloat16)
     text = torch.randn(1, 7, 24, generator=torch.Generator().manual_seed(4)).to("cuda", torch.bfloat16)
     graphs = graph_denoiser(pipe)
     first = _generate(pipe, text)

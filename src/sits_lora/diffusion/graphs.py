@@ -6,7 +6,7 @@ signature (shapes, dtypes, non-tensor arguments, and what each LoRA layer would 
 merged or not) and replays it: a step then costs a copy of each input tensor into the recorded buffers, one
 replay, and a copy of the output. It works for any ``nn.Module`` denoiser (a U-Net or a DiT, with sits_lora's,
 PEFT's or no adapter), under ``torch.no_grad`` / ``torch.inference_mode`` in eval mode; any other call runs the
-forward as before.
+forward as before (a no-grad call in training mode, or with arguments it cannot record, says so once in the log).
 
 What a replay does not see, and how to make it see it:
 - a parameter *replaced* by a new tensor (not written in place: in-place writes, as ``load_state_dict`` and an
@@ -112,7 +112,10 @@ class DenoiserGraphs:
         model.forward = self   # an instance attribute: nn.Module.__call__ (and its hooks) reach it
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.model.training or torch.is_grad_enabled():
+        if torch.is_grad_enabled():
+            return self._eager_forward(*args, **kwargs)
+        if self.model.training:   # dropout and training-mode branches: not what a recording may stand for
+            self._note_eager("the denoiser in training mode (call .eval() to replay recordings)")
             return self._eager_forward(*args, **kwargs)
         tensors: list = []
         try:
