@@ -22,7 +22,7 @@ pack() {
     fi
 }
 trap pack EXIT
-timeout "${TESTS_TIMEOUT:-180}" python3 -m pytest -v -p no:logging -rfE --tb=short -m gpu tests/diffusion \
+timeout "${TESTS_TIMEOUT:-180}" python3 -m pytest -v -rfE --tb=short -m gpu tests/diffusion \
     tests/ops/test_aten_path.py > "$OUT/tests.log" 2>&1
 grep -E "FAILED|[0-9]+ passed|[0-9]+ failed|^E " "$OUT/tests.log" | tail -n 30
 python3 bench/diffusion.py --out "$OUT/diffusion" "$@" 2>&1 | grep --line-buffered -v -E "Warning|warnings.warn" \
