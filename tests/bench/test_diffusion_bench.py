@@ -25,7 +25,8 @@ def test_smoke_run_writes_every_arm_with_fidelity_and_the_training_step(tmp_path
     assert inference["sits"]["max_abs"] == inference["sits+noreuse"]["max_abs"]
     assert inference["sits"]["psnr_db"] > 60   # the same LoRA as PEFT's, fp32 on the CPU
     train = {r["arm"]: r for r in rows if "train_step_s" in r}
-    assert sorted(train) == ["train:frozen", "train:peft", "train:sits"]
+    assert sorted(train) == ["train:frozen", "train:peft", "train:sits", "train:sits+fused"]
+    assert len(train["train:sits"]["times"]) == 1   # --smoke: one round per training arm
     assert train["train:frozen"]["vs_frozen"] == 1.0 and train["train:sits"]["train_step_s"] > 0
     for name in ("diffusion.csv", "diffusion.png"):
         assert os.path.getsize(tmp_path / name) > 0
@@ -35,6 +36,9 @@ def test_bad_options_stop_before_any_model_is_built(tmp_path, capsys):
     with pytest.raises(SystemExit):
         diffusion.main(["--smoke", "--out", str(tmp_path), "--repeats", "0"])
     assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        diffusion.main(["--smoke", "--out", str(tmp_path), "--train-rounds", "0"])
+    assert "--train-rounds must be >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         diffusion.main(["--out", str(tmp_path), "--shapes", "sd21"])
     assert "invalid choice: 'sd21'" in capsys.readouterr().err
