@@ -6,3 +6,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # absolute: tests run the recipe from other folders
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
+# pack: with PACK=1, OUT (the calling script's output folder) becomes one OUT.tgz (the device tool returns at most
+# 8 files); the scripts call it on exit (trap pack EXIT)
+pack() {
+    if [ "${PACK:-0}" = 1 ]; then
+        tar -czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && rm -rf "$OUT"
+    fi
+}

@@ -16,11 +16,6 @@ fi
 OUT="$1"; shift
 mkdir -p "$OUT"
 . bench/gpu_env.sh
-pack() {
-    if [ "${PACK:-0}" = 1 ]; then
-        tar -czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && rm -rf "$OUT"
-    fi
-}
 trap pack EXIT
 timeout "${TESTS_TIMEOUT:-180}" python3 -m pytest -v -rfE --tb=short -m gpu tests/diffusion \
     tests/ops/test_aten_path.py > "$OUT/tests.log" 2>&1

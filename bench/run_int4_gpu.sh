@@ -11,11 +11,6 @@ cd "$(dirname "$0")/.."
 OUT="${1:?usage: bash bench/run_int4_gpu.sh OUT}"
 mkdir -p "$OUT"
 . bench/gpu_env.sh
-pack() {
-    if [ "${PACK:-0}" = 1 ]; then
-        tar -czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && rm -rf "$OUT"
-    fi
-}
 trap pack EXIT
 quiet() { grep --line-buffered -v -E "Warning|warn|^W[0-9]{4}"; }
 status=0

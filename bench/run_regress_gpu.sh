@@ -21,11 +21,6 @@ fi
 OUT="$1"; shift
 mkdir -p "$OUT"
 . bench/gpu_env.sh
-pack() {
-    if [ "${PACK:-0}" = 1 ]; then
-        tar -czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && rm -rf "$OUT"
-    fi
-}
 trap pack EXIT
 if [ "${FP8_CROSSOVER:-0}" = 1 ]; then
     python3 bench/tune_kernels.py --fp8 --no-kernels --out "$OUT/tune" 2>&1 | grep --line-buffered -E "^fp8|cache|Error"
