@@ -21,6 +21,9 @@ Arms, each on a copy of the same U-Net with the same LoRA weights (B drawn non-z
                  below that threshold run as ATen matmuls (sits_lora.ops.aten)
   X+graph        arm X with its U-Net's forward recorded as CUDA graphs (sits_lora.diffusion.graph_denoiser):
                  the first image records, the timed ones replay
+  X+fp8          arm X with the U-Net's linear layers fed >= 256 rows a call in e4m3 with static input scales
+                 (sits_lora.diffusion.calibrate on two other prompts at the same settings, then quantize_fp8);
+                 LoRA layers keep their adapter in bf16 over an fp8 base
 Fidelity: the decoded image of each arm against the peft arm's, same seed and latents: PSNR (images in [0, 1]) and
 the largest absolute difference.
 
@@ -49,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import png, print_table, write_results  # noqa: E402
 
 INFERENCE_ARMS = ["base", "peft", "peft+merged", "sits", "sits+noreuse", "sits+fused", "base+graph", "peft+graph",
-                  "sits+graph"]
+                  "sits+graph", "sits+fp8", "base+fp8+graph", "sits+fp8+graph"]
 TRAIN_ARMS = ["train:frozen", "train:peft", "train:sits", "train:sits+fused"]
 INFERENCE_TARGETS = ["attn2.to_k", "attn2.to_v"]
 TRAIN_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -148,7 +151,8 @@ def fused_only(arm: str):
     return Threshold()
 
 
-def pipeline(name: str, unet, vae, arm: str = "base"):
+def pipeline(name: str, unet, vae, arm: str = "base", calibration_calls: list | None = None, min_rows: int = 256):
+    """The arm's pipeline; an fp8 arm calibrates on ``calibration_calls`` (pipeline kwargs) and quantizes first."""
     import diffusers
 
     scheduler = diffusers.DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
@@ -161,6 +165,12 @@ def pipeline(name: str, unet, vae, arm: str = "base"):
                                                  scheduler=scheduler, safety_checker=None, feature_extractor=None,
                                                  requires_safety_checker=False)
     pipe.set_progress_bar_config(disable=True)
+    if "fp8" in arm.split("+"):
+        from sits_lora.diffusion import calibrate, quantize_fp8
+
+        calls = list(calibration_calls or [])
+        report = quantize_fp8(pipe, calibrate(pipe, calls), min_rows=min_rows)
+        print(f"[{name} {arm}] {report.summary()}", flush=True)
     if "graph" in arm.split("+") and torch.cuda.is_available() and next(unet.parameters()).is_cuda:
         from sits_lora.diffusion import graph_denoiser
 
@@ -168,8 +178,8 @@ def pipeline(name: str, unet, vae, arm: str = "base"):
     return pipe
 
 
-def prompt(shape: dict, device: str, dtype) -> dict:
-    gen = torch.Generator().manual_seed(2)
+def prompt(shape: dict, device: str, dtype, seed: int = 2) -> dict:
+    gen = torch.Generator().manual_seed(seed)
     text = torch.randn(1, 77, shape["text_dim"], generator=gen).to(device, dtype)
     kwargs = dict(prompt_embeds=text, negative_prompt_embeds=torch.zeros_like(text))
     if shape["pooled_dim"]:
@@ -285,7 +295,12 @@ def main(argv=None) -> int:
         # every arm's pipeline at once, timed in rounds (arm 1, arm 2, ..., arm 1, ...): the host's and the GPU's
         # speed drift over a run (clocks, other tenants), and rounds spread that drift over every arm alike
         inference = [a for a in arms if a in INFERENCE_ARMS]
-        pipes = {arm: pipeline(name, adapt(unet, arm, INFERENCE_TARGETS), vae, arm) for arm in inference}
+        # fp8 arms calibrate on two prompts other than the timed one, at the timed settings
+        calibration_calls = [dict(prompt(shape, device, dtype, seed=s), num_inference_steps=steps, guidance_scale=7.5,
+                                  height=shape["resolution"], width=shape["resolution"], output_type="latent")
+                             for s in (7, 8)]
+        pipes = {arm: pipeline(name, adapt(unet, arm, INFERENCE_TARGETS), vae, arm, calibration_calls,
+                               min_rows=0 if args.smoke else 256) for arm in inference}
         times = {arm: [] for arm in inference}
         for round_ in range(repeats + 1):   # round 0 warms up (allocator, autotuning, the kept K / V)
             for arm in inference:

@@ -16,10 +16,12 @@ diffusion = bench_module("diffusion")
 
 def test_smoke_run_writes_every_arm_with_fidelity_and_the_training_step(tmp_path):
     assert diffusion.main(["--smoke", "--out", str(tmp_path), "--arms", "base", "peft", "sits", "sits+noreuse",
-                           "--train"]) == 0
+                           "sits+fp8", "--train"]) == 0
     rows = json.load(open(tmp_path / "diffusion.json"))["rows"]
     inference = {r["arm"]: r for r in rows if "seconds_per_image" in r}
-    assert sorted(inference) == ["base", "peft", "sits", "sits+noreuse"]
+    assert sorted(inference) == ["base", "peft", "sits", "sits+fp8", "sits+noreuse"]
+    # calibrated e4m3 linears (emulated on the CPU): near the bf16 image, not equal to it
+    assert 20 < inference["sits+fp8"]["psnr_db"] < 60
     assert inference["peft"]["psnr_db"] == float("inf") and inference["base"]["finite"]
     # the kept K / V gives the image computing them every step gives
     assert inference["sits"]["max_abs"] == inference["sits+noreuse"]["max_abs"]
