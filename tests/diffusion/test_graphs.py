@@ -80,6 +80,8 @@ def test_a_recorded_generation_equals_the_eager_one(adapter):
     graphs = graph_denoiser(pipe)
     recorded = _generate(pipe, text)
     assert graphs.recordings == 1 and graphs.replays == 4
+    # sits_lora's cross-attention groups: steps 2-4 replay the recording that reads the K / V of step 1
+    assert graphs.kept_replays == (3 if adapter == "sits" else 0)
     torch.testing.assert_close(recorded, eager, rtol=0, atol=0)
     other = text * 2   # a new prompt: the recorded step reads it (K / V are computed in the step)
     torch.testing.assert_close(_generate(pipe, other), (graphs.release(), _generate(pipe, other))[1], rtol=0, atol=0)
@@ -123,3 +125,41 @@ def test_what_changes_the_work_records_again_and_in_place_writes_are_seen():
     graphs = graph_denoiser(pipe)
     torch.testing.assert_close(_generate(pipe, text), eager, rtol=0, atol=0)
     graphs.release()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kept_k_v_are_read_only_while_the_text_states_and_weights_are_unchanged():
+    torch.manual_seed(0)
+    unet = tiny_unet()
+    unet.add_adapter(SitsLoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, init_lora_weights=False))
+    pipe = tiny_pipeline(unet.eval()).to("cuda", torch.bfloat16)
+    text = torch.randn(1, 7, 24, generator=torch.Generator().manual_seed(4)).to("cuda", torch.bfloat16)
+    graphs = graph_denoiser(pipe)
+    _generate(pipe, text)
+    assert graphs.kept_replays == 3
+    # the pipeline concatenates the prompts into a new tensor each generation: step 1 computes K / V again
+    _generate(pipe, text)
+    assert graphs.kept_replays == 6 and graphs.replays == 8
+    layer = next(m for m in unet.modules() if getattr(m, "is_cross_attention", False)).to_k
+    with torch.no_grad():
+        layer.lora_B["default"].weight.mul_(3)       # in place, between two calls with the same text states
+    with torch.no_grad():
+        states = torch.cat([torch.zeros_like(text), text])
+        sample = torch.randn(2, 4, 16, 16, device="cuda", dtype=torch.bfloat16)
+        t = torch.tensor(10, device="cuda")
+        first = pipe.unet(sample, t, encoder_hidden_states=states).sample
+        layer.lora_B["default"].weight.mul_(2)
+        second = pipe.unet(sample, t, encoder_hidden_states=states).sample      # must see the new weight
+        states.mul_(0.5)
+        third = pipe.unet(sample, t, encoder_hidden_states=states).sample       # must see the new states
+        kept = graphs.kept_replays
+        fourth = pipe.unet(sample, t, encoder_hidden_states=states).sample      # nothing changed: reads kept K / V
+        assert graphs.kept_replays == kept + 1
+        graphs.release()
+        eager_second = pipe.unet(sample, t, encoder_hidden_states=torch.cat([torch.zeros_like(text), text])).sample
+        eager_third = pipe.unet(sample, t, encoder_hidden_states=states).sample
+    assert not torch.equal(first, second)
+    torch.testing.assert_close(second, eager_second, rtol=0, atol=0)
+    torch.testing.assert_close(third, eager_third, rtol=0, atol=0)
+    torch.testing.assert_close(fourth, third, rtol=0, atol=0)

@@ -13,8 +13,12 @@ What a replay does not see, and how to make it see it:
   optimizer do, are seen): ``graphs.reset()``;
 - Python work in forward hooks (``LatentGuard(watch_modules=True)``): it ran once, at recording. The latent check of
   ``LatentGuard`` itself runs outside the denoiser and works as before.
-Cross-attention K / V reuse (``reuse_cross_attention_kv``) is Python-side, so it is off while the graphs are
-installed (the recorded step computes K / V each step) and back on after ``release()``.
+Cross-attention K / V kept across steps (``reuse_cross_attention_kv``, sits_lora.siblings) is decided in Python,
+which a replay does not run; so each signature is recorded twice: once computing to_k / to_v into buffers the
+recording owns, once reading those buffers instead. A call replays the second only when its
+``encoder_hidden_states`` is the very tensor of the last computing replay, unchanged (its version counter), and the
+kept layers' weights are unchanged too; anything else replays the first. Under ``torch.inference_mode`` (no version
+counters) and for denoisers without sits_lora cross-attention groups there is one recording.
 """
 
 from __future__ import annotations
@@ -92,6 +96,38 @@ def _adapter_state(model: nn.Module) -> tuple:
     return tuple(state)
 
 
+class _Recording:
+    """The recordings of one input signature: ``graph`` computes everything; ``kept_graph`` (when the denoiser has
+    cross-attention groups that keep K / V) reads the K / V the last replay of ``graph`` wrote instead of computing
+    them. ``kept`` holds the groups' records of those buffers (x, weights with versions, outputs): alive as long as
+    the recording, so no later allocation takes their memory."""
+
+    def __init__(self, graph, inputs: list, output: Any) -> None:
+        self.graph, self.inputs, self.output = graph, inputs, output
+        self.kept_graph = self.kept_output = None
+        self.kept: list = []
+        self._weights: list = []
+        self._text: Optional[torch.Tensor] = None     # the text states of the last computing replay, and versions
+        self._versions: Optional[tuple] = None
+
+    def add_kept(self, graph, output: Any, kept: list) -> None:
+        self.kept_graph, self.kept_output, self.kept = graph, output, kept
+        self._weights = [t for record in kept for t, _ in record[2]]
+
+    def _state(self, text: torch.Tensor) -> tuple:
+        return (text._version, *(t._version for t in self._weights))
+
+    def computed_from(self, text: Any) -> None:
+        usable = isinstance(text, torch.Tensor) and self.kept_graph is not None and not text.is_inference()
+        self._text = text if usable else None          # a reference: no other tensor can take its identity
+        self._versions = self._state(text) if usable else None
+
+    def may_read_kept(self, text: Any) -> bool:
+        """Whether the last computing replay saw this very tensor, unchanged, and the same weights."""
+        return (self._text is not None and text is self._text and not text.is_inference()
+                and self._state(text) == self._versions)
+
+
 class DenoiserGraphs:
     """The recorded forwards of one denoiser (see the module docstring); made by :func:`graph_denoiser`."""
 
@@ -101,13 +137,15 @@ class DenoiserGraphs:
         self.warmup = warmup
         self._eager_forward = model.forward
         self._graphs: dict = {}
-        self._kv_groups_were_on = [g for g in cross_attention_groups(model) if g.reuse_across_calls]
-        for group in self._kv_groups_were_on:
+        # the groups that keep K / V across eager calls; off between recordings (a replay decides it, see _Recording)
+        self._kv_groups = [g for g in cross_attention_groups(model) if g.reuse_across_calls]
+        for group in self._kv_groups:
             group.reuse_across_calls = False
             group.release()
         self._eager_reasons: set = set()
         self._full_warned = False
         self.replays = 0      # read by tests and bench/diffusion.py
+        self.kept_replays = 0  # of which replays of a recording that reads kept K / V
         self.recordings = 0
         model.forward = self   # an instance attribute: nn.Module.__call__ (and its hooks) reach it
 
@@ -137,16 +175,23 @@ class DenoiserGraphs:
         entry = self._graphs[key]
         if entry is None:
             return self._eager_forward(*args, **kwargs)
-        graph, static_inputs, static_output = entry
-        for static, given in zip(static_inputs, tensors):
+        for static, given in zip(entry.inputs, tensors):
             if static.data_ptr() != given.data_ptr():
                 static.copy_(given)
-        graph.replay()
+        text = kwargs.get("encoder_hidden_states")
+        if entry.kept_graph is not None and entry.may_read_kept(text):
+            entry.kept_graph.replay()
+            self.kept_replays += 1
+            output = entry.kept_output
+        else:
+            entry.graph.replay()
+            entry.computed_from(text)
+            output = entry.output
         self.replays += 1
-        return _output_copy(static_output)
+        return _output_copy(output)
 
-    def _record(self, args: tuple, kwargs: dict, tensors: list) -> Optional[tuple]:
-        """(graph, its input buffers, its output) for this signature, or None when it cannot be recorded."""
+    def _record(self, args: tuple, kwargs: dict, tensors: list) -> Optional["_Recording"]:
+        """The recordings of this signature, or None when it cannot be recorded."""
         static_inputs = [t.clone() for t in tensors]
         static_args, static_kwargs = _substitute((args, kwargs), iter(static_inputs))
         side = torch.cuda.Stream()
@@ -160,11 +205,32 @@ class DenoiserGraphs:
         except _NotGraphable as reason:
             self._note_eager(str(reason))
             return None
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_output = self._eager_forward(*static_args, **static_kwargs)
+        inference = torch.is_inference_mode_enabled()
+        groups = [] if inference else self._kv_groups
+        for group in groups:   # the computing recording keeps each group's K / V in its own memory
+            group.release()
+            group.reuse_across_calls = True
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_output = self._eager_forward(*static_args, **static_kwargs)
+            recording = _Recording(graph, static_inputs, static_output)
+            kept = [group._kept for group in groups]
+            if any(k is not None for k in kept):
+                kept_graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(kept_graph, pool=graph.pool()):
+                    kept_output = self._eager_forward(*static_args, **static_kwargs)
+                # a group that gave its kept outputs back still holds the same record; one that computed again
+                # (its input was not the text states themselves) made a new one, inside this recording
+                read = [k for group, k in zip(groups, kept) if k is not None and group._kept is k]
+                if read:
+                    recording.add_kept(kept_graph, kept_output, read)
+        finally:
+            for group in groups:
+                group.reuse_across_calls = False
+                group.release()
         self.recordings += 1
-        return graph, static_inputs, static_output
+        return recording
 
     def _note_eager(self, reason: str) -> None:
         if reason not in self._eager_reasons:   # once per reason: a pipeline makes this call every step
@@ -181,7 +247,7 @@ class DenoiserGraphs:
         self.reset()
         if self.model.__dict__.get("forward") is self:
             del self.model.forward
-        for group in self._kv_groups_were_on:
+        for group in self._kv_groups:
             group.reuse_across_calls = True
 
 
