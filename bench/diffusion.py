@@ -21,11 +21,14 @@ Arms, each on a copy of the same U-Net with the same LoRA weights (B drawn non-z
                  below that threshold run as ATen matmuls (sits_lora.ops.aten)
   X+graph        arm X with its U-Net's forward recorded as CUDA graphs (sits_lora.diffusion.graph_denoiser):
                  the first image records, the timed ones replay
+  X+cl           arm X with the U-Net and the VAE in channels_last memory format (cuDNN's convolutions' own layout)
+  X+compile      arm X with the U-Net's forward compiled (torch.compile, default mode; the first image compiles)
+  Any kind (base, peft, sits) takes any of these modifiers, e.g. sits+fp8+cl+compile+graph.
   X+fp8          arm X with the U-Net's linear layers fed >= 256 rows a call in e4m3 with static input scales
                  (sits_lora.diffusion.calibrate on two other prompts at the same settings, then quantize_fp8);
                  LoRA layers keep their adapter in bf16 over an fp8 base
-Fidelity: the decoded image of each arm against the peft arm's, same seed and latents: PSNR (images in [0, 1]) and
-the largest absolute difference.
+Fidelity: the decoded image of each arm against the bf16 LoRA model's (the peft arm's, or sits' when peft does not
+run), same seed and latents: PSNR (images in [0, 1]) and the largest absolute difference.
 
 --train: one step of LoRA training on the SD1.5 U-Net shape (bs 8, 64² latents = 512² images, r16 on
 to_q / to_k / to_v / to_out.0 of every attention, MSE on the noise, fused AdamW), against the frozen U-Net (forward
@@ -53,6 +56,8 @@ from harness import png, print_table, write_results  # noqa: E402
 
 INFERENCE_ARMS = ["base", "peft", "peft+merged", "sits", "sits+noreuse", "sits+fused", "base+graph", "peft+graph",
                   "sits+graph", "sits+fp8", "base+fp8+graph", "sits+fp8+graph"]
+ARM_KINDS = ("base", "peft", "sits")
+ARM_MODIFIERS = ("merged", "noreuse", "fused", "fp8", "cl", "compile", "graph")
 TRAIN_ARMS = ["train:frozen", "train:peft", "train:sits", "train:sits+fused"]
 INFERENCE_TARGETS = ["attn2.to_k", "attn2.to_v"]
 TRAIN_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -171,6 +176,11 @@ def pipeline(name: str, unet, vae, arm: str = "base", calibration_calls: list | 
         calls = list(calibration_calls or [])
         report = quantize_fp8(pipe, calibrate(pipe, calls), min_rows=min_rows)
         print(f"[{name} {arm}] {report.summary()}", flush=True)
+    if "cl" in arm.split("+"):
+        pipe.unet.to(memory_format=torch.channels_last)
+        pipe.vae = copy.deepcopy(pipe.vae).to(memory_format=torch.channels_last)   # the VAE is shared by the arms
+    if "compile" in arm.split("+"):
+        pipe.unet.forward = torch.compile(pipe.unet.forward)
     if "graph" in arm.split("+") and torch.cuda.is_available() and next(unet.parameters()).is_cuda:
         from sits_lora.diffusion import graph_denoiser
 
@@ -261,11 +271,26 @@ def train_step_seconds(unet, arm: str, batch: int, latent: int, text_dim: int, p
     return statistics.median(times), peak
 
 
+def arm_name(value: str) -> str:
+    """An --arms entry: a training arm, or an inference arm KIND[+MODIFIER...] (argparse's type check)."""
+    if value in TRAIN_ARMS:
+        return value
+    kind, *modifiers = value.split("+")
+    unknown = [m for m in modifiers if m not in ARM_MODIFIERS]
+    if kind not in ARM_KINDS or unknown or len(set(modifiers)) != len(modifiers):
+        raise argparse.ArgumentTypeError(
+            f"invalid arm {value!r}: KIND[+MODIFIER...] with KIND one of {', '.join(ARM_KINDS)} and each MODIFIER "
+            f"once, one of {', '.join(ARM_MODIFIERS)}; or a training arm ({', '.join(TRAIN_ARMS)})")
+    return value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["sd15", "sdxl"])
-    parser.add_argument("--arms", nargs="+", choices=INFERENCE_ARMS + TRAIN_ARMS, default=INFERENCE_ARMS)
+    parser.add_argument("--arms", nargs="+", type=arm_name, default=INFERENCE_ARMS,
+                        help=f"inference arms KIND[+MODIFIER...], KIND one of {', '.join(ARM_KINDS)}, MODIFIER of "
+                             f"{', '.join(ARM_MODIFIERS)} (see above); training arms {', '.join(TRAIN_ARMS)}")
     parser.add_argument("--train", action="store_true", help="add the training-step arms (SD1.5 shape)")
     parser.add_argument("--steps", type=int, default=30, help="denoising steps per image")
     parser.add_argument("--repeats", type=int, default=3, help="images timed per arm, after one warm-up image")
@@ -285,7 +310,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes = SMOKE_SHAPES if args.smoke else {name: SHAPES[name] for name in args.shapes}
     steps, repeats = (2, 1) if args.smoke else (args.steps, args.repeats)
-    arms = [a for a in args.arms if a in INFERENCE_ARMS] + (TRAIN_ARMS if args.train else
+    arms = [a for a in args.arms if a not in TRAIN_ARMS] + (TRAIN_ARMS if args.train else
                                                              [a for a in args.arms if a in TRAIN_ARMS])
     rows, images = [], {}
     for name, shape in shapes.items():
@@ -294,7 +319,9 @@ def main(argv=None) -> int:
         reference = None
         # every arm's pipeline at once, timed in rounds (arm 1, arm 2, ..., arm 1, ...): the host's and the GPU's
         # speed drift over a run (clocks, other tenants), and rounds spread that drift over every arm alike
-        inference = [a for a in arms if a in INFERENCE_ARMS]
+        inference = [a for a in arms if a not in TRAIN_ARMS]
+        # the fidelity columns compare each image with the bf16 LoRA model's: PEFT's arm, else ours unmerged
+        reference_arm = next((a for a in ("peft", "sits") if a in inference), None)
         # fp8 arms calibrate on two prompts other than the timed one, at the timed settings
         calibration_calls = [dict(prompt(shape, device, dtype, seed=s), num_inference_steps=steps, guidance_scale=7.5,
                                   height=shape["resolution"], width=shape["resolution"], output_type="latent")
@@ -311,8 +338,9 @@ def main(argv=None) -> int:
                 images[(name, arm)] = image
         for arm in inference:
             seconds = statistics.median(times[arm])
-            reference = images[(name, arm)] if arm == "peft" else reference
+            reference = images[(name, arm)] if arm == reference_arm else reference
             rows.append({"shape": name, "arm": arm, "seconds_per_image": seconds, "times": times[arm],
+                         "fidelity_reference": reference_arm,
                          "steps": steps, "lora_targets": " ".join(INFERENCE_TARGETS)})
             print(f"[{name} {arm}] {seconds:.3f} s per image ({' '.join(f'{t:.3f}' for t in times[arm])})",
                   flush=True)
@@ -377,7 +405,7 @@ def picture(rows: list[dict], images: dict, path: str) -> None:
         with png(path):
             return
     shapes = sorted({name for name, _ in images})
-    arms = [a for a in INFERENCE_ARMS if any((s, a) in images for s in shapes)]
+    arms = list(dict.fromkeys(a for _, a in images))   # in the order they ran
     if not shapes or not arms:
         return
     fig = Figure(figsize=(2.4 * len(arms), 2.6 * len(shapes) + 2.4))

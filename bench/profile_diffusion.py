@@ -2,6 +2,11 @@
 
     python bench/profile_diffusion.py --out OUT                 # on a GPU: the SD1.5 U-Net shape
     python bench/profile_diffusion.py --out OUT --smoke         # tiny config on a CPU (checks the script)
+    python bench/profile_diffusion.py --out OUT --shape sdxl --denoise-only --arms base base+fp8
+
+An arm "X+fp8" is arm X with the U-Net's big linears in fp8 (sits_lora.diffusion.calibrate on one call with other
+inputs, then quantize_fp8). Each profile also sums the GPU time by kind of kernel (GEMM, convolution, attention,
+fp8 cast, the rest), to tell what a faster GEMM can save.
 
 For each arm of bench/diffusion.py given in --arms: the training step (bs 8, 64² latents) and one no-grad U-Net call
 at batch 2 (a denoising step with guidance): wall time, the host's time to issue the call (until it returns, without
@@ -51,7 +56,28 @@ def top_kernels(fn, device: str, count: int = 12) -> list[dict]:
     # the host's launches: CUDA runtime / driver launch calls (cuBLAS, ATen and Triton kernels alike)
     launches = sum(e.count for e in averages if e.key.startswith(("cudaLaunch", "cuLaunch")))
     top = [{"name": e.key[:90], "ms": getattr(e, attr) / 1000, "calls": e.count} for e in events[:count]]
-    return top, {"kernels": sum(e.count for e in events), "launch_calls": launches}
+    kinds: dict[str, float] = {}
+    for e in events:
+        kind = kernel_kind(e.key)
+        kinds[kind] = kinds.get(kind, 0.0) + getattr(e, attr) / 1000
+    return top, {"kernels": sum(e.count for e in events), "launch_calls": launches,
+                 "ms_by_kind": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}}
+
+
+# substrings of kernel names, first match wins: cuBLAS / cuBLASLt / CUTLASS GEMMs (bf16 and fp8), cuDNN convolutions,
+# SDPA's attention kernels, our fp8 cast
+KERNEL_KINDS = (("fp8_cast", ("_fp8_cast_kernel",)),
+                ("attention", ("flash", "fmha", "attention", "sdpa")),
+                ("conv", ("conv", "implicit_convolve", "cudnn", "xmma_fprop", "fprop")),
+                ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "matmul", "scaled_mm")))
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    for kind, needles in KERNEL_KINDS:
+        if any(n in lowered for n in needles):
+            return kind
+    return "other"
 
 
 def main(argv=None) -> int:
@@ -60,33 +86,56 @@ def main(argv=None) -> int:
     parser.add_argument("--arms", nargs="+", default=["base", "peft", "sits", "sits+noreuse"])
     parser.add_argument("--cprofile", nargs="*", default=[], metavar="ARM",
                         help="also cProfile 5 training steps of these arms (the host's Python, top 30 by own time)")
+    parser.add_argument("--shape", choices=sorted(bench.SHAPES), default="sd15",
+                        help="U-Net shape (the training step is SD1.5's: --denoise-only for others)")
+    parser.add_argument("--denoise-only", action="store_true", help="profile the no-grad denoising call only")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
+    if args.shape != "sd15" and not args.denoise_only:
+        parser.error(f"--shape {args.shape} profiles the denoising call only: add --denoise-only")
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    shape = bench.SMOKE_SHAPES["tiny"] if args.smoke else bench.SHAPES["sd15"]
+    shape = bench.SMOKE_SHAPES["tiny"] if args.smoke else bench.SHAPES[args.shape]
     unet, _ = bench.build_base(shape, device, dtype)
     latent, batch = shape["resolution"] // 8, 2 if args.smoke else 8
     gen = torch.Generator().manual_seed(4)
-    text2 = torch.randn(2, 77, shape["text_dim"], generator=gen).to(device, dtype)
-    sample2 = torch.randn(2, 4, latent, latent, generator=gen).to(device, dtype)
-    t2 = torch.tensor([500, 500], device=device)
+
+    def unet_inputs():
+        inputs = dict(sample=torch.randn(2, 4, latent, latent, generator=gen).to(device, dtype),
+                      timestep=torch.tensor([500, 500], device=device),
+                      encoder_hidden_states=torch.randn(2, 77, shape["text_dim"], generator=gen).to(device, dtype))
+        if shape["pooled_dim"]:
+            inputs["added_cond_kwargs"] = {
+                "text_embeds": torch.randn(2, shape["pooled_dim"], generator=gen).to(device, dtype),
+                "time_ids": torch.tensor([[shape["resolution"]] * 2 + [0, 0] + [shape["resolution"]] * 2] * 2,
+                                         device=device, dtype=dtype)}
+        return inputs
+
+    denoise_inputs, calibration_inputs = unet_inputs(), unet_inputs()
     report, lines = {}, []
     for arm in args.arms:
-        model = bench.adapt(unet, arm, bench.TRAIN_TARGETS if arm != "base" else [])
+        model = bench.adapt(unet, arm, bench.TRAIN_TARGETS if not arm.startswith("base") else [])
+        if "fp8" in arm.split("+"):
+            from sits_lora.diffusion import calibrate, quantize_fp8
+
+            fp8 = quantize_fp8(model, calibrate(model, [calibration_inputs]), min_rows=0 if args.smoke else 256)
+            lines.append(f"== {arm}: {fp8.summary()}")
         from sits_lora import ops
 
         threshold = ops.aten_below_flops()
         if arm.endswith("+fused"):   # every call on the fused kernels (bench/diffusion.py's arm of that name)
             ops.set_aten_below_flops(0)
-        train = bench.train_step(model, arm == "base", batch, latent, shape["text_dim"], None, device, dtype)
+        train = None if args.denoise_only else bench.train_step(model, arm.startswith("base"), batch, latent,
+                                                                  shape["text_dim"], None, device, dtype)
 
         def denoise():
             with torch.no_grad():
-                model(sample2, t2, encoder_hidden_states=text2)
+                model(**denoise_inputs)
 
-        row, first_line = {}, len(lines)
+        row, first_line = {}, max(len(lines) - 1, 0) if "fp8" in arm.split("+") else len(lines)
         for name, fn in (("train", train), ("denoise", denoise)):
+            if fn is None:
+                continue
             for _ in range(3):
                 fn()
             wall, host = timed(fn, device, 3 if args.smoke else 10)
@@ -96,8 +145,9 @@ def main(argv=None) -> int:
             lines.append(f"== {arm} {name}: wall {wall * 1000:.1f} ms, host {host * 1000:.1f} ms, "
                          f"{counts['kernels']} kernels, {counts['launch_calls']} launch calls, adapters "
                          f"{' '.join(adapter_dtypes) or '-'}")
+            lines.append("   by kind: " + ", ".join(f"{k} {v:.2f} ms" for k, v in counts["ms_by_kind"].items()))
             lines += [f"   {k['ms']:8.2f} ms {k['calls']:5d}x  {k['name']}" for k in row[name]["top"]]
-        if arm in args.cprofile:
+        if arm in args.cprofile and train is not None:
             import cProfile
             import io
             import pstats

@@ -23,6 +23,7 @@ the original weights are not kept). On the CPU the same numerics run in plain Py
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -151,6 +152,18 @@ def calibrate(pipe, inputs: Iterable[dict], **call_kwargs: Any) -> Fp8Calibratio
     return Fp8Calibration(amax=amax, rows=dict(recorder.rows), calls=len(items))
 
 
+FP8_MAX = fp8_ops.FP8_MAX[fp8_ops.E4M3]
+
+
+@functools.lru_cache(maxsize=None)
+def _check_capability(device: torch.device) -> None:
+    cc = torch.cuda.get_device_capability(device)
+    if cc < MIN_CAPABILITY:
+        raise RuntimeError(f"StaticFp8Linear needs fp8 tensor cores (compute capability 8.9 or newer); {device} has "
+                           f"{cc[0]}.{cc[1]}. Call sits_lora.diffusion.dequantize_fp8 on this model, or run it on an "
+                           f"Ada / Hopper / Blackwell GPU.")
+
+
 class StaticFp8Linear(nn.Module):
     """An inference linear layer: W stored as e4m3 codes with one fp32 scale, x cast to e4m3 with a calibrated
     static scale, y = (x8 W8ᵀ) · x_inv · w_inv + b in x's dtype (``torch._scaled_mm``).
@@ -195,14 +208,26 @@ class StaticFp8Linear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         emulate = not x2.is_cuda
-        if not emulate:
-            cc = torch.cuda.get_device_capability(x2.device)
-            if cc < MIN_CAPABILITY:
-                raise RuntimeError(f"StaticFp8Linear needs fp8 tensor cores (compute capability 8.9 or newer); "
-                                   f"{x2.device} has {cc[0]}.{cc[1]}. Call sits_lora.diffusion.dequantize_fp8 on this "
-                                   f"model, or run it on an Ada / Hopper / Blackwell GPU.")
-        y, _ = fp8_ops.fp8_linear_forward(x2, None, self.weight_fp8, self.weight_scale_inv, self.bias, None, None,
-                                          0.0, self.input_scale, self.input_scale_inv, None, emulate)
+        compiling = torch.compiler.is_compiling()
+        if not emulate and not compiling:
+            _check_capability(x2.device)
+        if emulate:
+            y, _ = fp8_ops.fp8_linear_forward(x2, None, self.weight_fp8, self.weight_scale_inv, self.bias, None, None,
+                                              0.0, self.input_scale, self.input_scale_inv, None, emulate=True)
+            return y.reshape(*lead, self.out_features)
+        if compiling:
+            # the same cast in tensor ops: Inductor fuses it into whatever wrote x (a LayerNorm, a GELU gate)
+            x8 = (x2.float() * self.input_scale).clamp(-FP8_MAX, FP8_MAX).to(fp8_ops.E4M3)
+        else:
+            x8 = fp8_ops.fp8_cast(x2, self.input_scale, None, fp8_ops.E4M3)
+        # the bias in the GEMM's epilogue: added by a pass of its own it cost half the GEMM it follows (a GEGLU
+        # projection's output is 8,192 x 10,240 at SDXL's 64² level); _scaled_mm takes no bias for an fp32 output
+        fused_bias = self.bias is not None and x.dtype != torch.float32
+        y = torch._scaled_mm(x8, self.weight_fp8.t(), scale_a=self.input_scale_inv, scale_b=self.weight_scale_inv,
+                             bias=self.bias.to(x.dtype) if fused_bias else None, out_dtype=x.dtype,
+                             use_fast_accum=True)
+        if self.bias is not None and not fused_bias:
+            y = y + self.bias
         return y.reshape(*lead, self.out_features)
 
     def to_linear(self) -> nn.Linear:
