@@ -190,7 +190,7 @@ def test_bad_inputs_are_refused_before_any_work():
     pipe = _pipe()
     with pytest.raises(ValueError, match="inputs must be a non-empty list of dicts"):
         calibrate(pipe, [])
-    with pytest.raises(TypeError, match="needs a diffusers pipeline with a .unet or .transformer"):
+    with pytest.raises(TypeError, match="calibrate needs a pipeline with a .unet or .transformer"):
         calibrate(object(), [{}])
     other = Fp8Calibration(amax={"encoder.layers.0.fc1": 1.0}, rows={"encoder.layers.0.fc1": 999}, calls=1)
     with pytest.raises(ValueError, match="none of the calibration's 1 layers is a bf16 linear of this "

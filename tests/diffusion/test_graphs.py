@@ -102,14 +102,20 @@ def test_a_denoiser_in_training_mode_runs_eagerly_and_says_so(caplog):
     graphs.release()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_what_changes_the_work_records_again_and_in_place_writes_are_seen():
+def _sits_pipeline():
+    """(U-Net with a sits_lora adapter on its attention, its pipeline in bf16 on the GPU, text states)."""
     torch.manual_seed(0)
     unet = tiny_unet()
     unet.add_adapter(SitsLoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, init_lora_weights=False))
     pipe = tiny_pipeline(unet.eval()).to("cuda", torch.bfloat16)
     text = torch.randn(1, 7, 24, generator=torch.Generator().manual_seed(4)).to("cuda", torch.bfloat16)
+    return unet, pipe, text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_what_changes_the_work_records_again_and_in_place_writes_are_seen():
+    unet, pipe, text = _sits_pipeline()
     graphs = graph_denoiser(pipe)
     first = _generate(pipe, text)
     layer = next(m for m in unet.modules() if hasattr(m, "lora_B"))
@@ -130,11 +136,7 @@ def test_what_changes_the_work_records_again_and_in_place_writes_are_seen():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_kept_k_v_are_read_only_while_the_text_states_and_weights_are_unchanged():
-    torch.manual_seed(0)
-    unet = tiny_unet()
-    unet.add_adapter(SitsLoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, init_lora_weights=False))
-    pipe = tiny_pipeline(unet.eval()).to("cuda", torch.bfloat16)
-    text = torch.randn(1, 7, 24, generator=torch.Generator().manual_seed(4)).to("cuda", torch.bfloat16)
+    unet, pipe, text = _sits_pipeline()
     graphs = graph_denoiser(pipe)
     _generate(pipe, text)
     assert graphs.kept_replays == 3

@@ -36,20 +36,11 @@ from torch import nn
 
 from ..bases.fp8 import MIN_CAPABILITY
 from ..ops import fp8 as fp8_ops
+from .reuse import denoiser_of
 
 logger = logging.getLogger("sits_lora")
 
 FORMAT_VERSION = 1
-
-
-def _denoiser(pipe_or_model, caller: str) -> nn.Module:
-    if isinstance(pipe_or_model, nn.Module):
-        return pipe_or_model
-    model = getattr(pipe_or_model, "unet", None) or getattr(pipe_or_model, "transformer", None)
-    if model is None:
-        raise TypeError(f"{caller} needs a diffusers pipeline with a .unet or .transformer, or the denoiser module; "
-                        f"got {type(pipe_or_model).__name__}")
-    return model
 
 
 def _linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -126,7 +117,7 @@ def calibrate(pipe, inputs: Iterable[dict], **call_kwargs: Any) -> Fp8Calibratio
     """Run ``pipe(**item, **call_kwargs)`` for each item of ``inputs`` and record every denoiser linear's input
     range. The inputs should look like the generations to come (resolution, guidance, number of steps): a few
     prompts are enough, the scale is the max over every step of every call. Returns an :class:`Fp8Calibration`."""
-    model = _denoiser(pipe, "calibrate")
+    model = denoiser_of(pipe, "calibrate")
     if any(isinstance(m, StaticFp8Linear) for m in model.modules()):
         raise ValueError("calibrate: this denoiser already has fp8 layers (quantize_fp8 ran); calibrate the bf16 "
                          "model (dequantize_fp8 gives lossy bf16 layers back, not the originals)")
@@ -267,7 +258,7 @@ def quantize_fp8(pipe, calibration: Fp8Calibration, min_rows: int = 256, margin:
     """Swap the denoiser's calibrated linear layers for :class:`StaticFp8Linear` (see the module docstring for which
     are left). ``margin``: the input scale is fp8_max / amax / 2**margin (1 leaves headroom for prompts wider than
     the calibration's, at a bit of precision). ``exclude``: substrings of layer names to keep in bf16."""
-    model = _denoiser(pipe, "quantize_fp8")
+    model = denoiser_of(pipe, "quantize_fp8")
     if not isinstance(calibration, Fp8Calibration):
         raise TypeError(f"quantize_fp8: calibration must be an Fp8Calibration (from calibrate or "
                         f"Fp8Calibration.load), got {type(calibration).__name__}")
@@ -319,7 +310,7 @@ def quantize_fp8(pipe, calibration: Fp8Calibration, min_rows: int = 256, margin:
 def dequantize_fp8(pipe) -> int:
     """Swap every :class:`StaticFp8Linear` of the denoiser back for an ``nn.Linear`` holding its e4m3 values in
     the original dtype (lossy: the bf16 weights before quantize_fp8 are gone). Returns how many it swapped."""
-    model = _denoiser(pipe, "dequantize_fp8")
+    model = denoiser_of(pipe, "dequantize_fp8")
     names = [name for name, module in model.named_modules() if isinstance(module, StaticFp8Linear)]
     for name in names:
         _set_module(model, name, model.get_submodule(name).to_linear())

@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .reuse import cross_attention_groups
+from .reuse import cross_attention_groups, denoiser_of
 
 logger = logging.getLogger("sits_lora")
 
@@ -255,12 +255,7 @@ def graph_denoiser(pipe_or_model, max_graphs: int = 4, warmup: int = 2) -> Denoi
     """Record the denoiser's forward (``pipe.unet`` or ``pipe.transformer``, or the model given) as CUDA graphs and
     replay them on later calls with the same signature. Returns the installed :class:`DenoiserGraphs`
     (``.release()`` uninstalls it)."""
-    model = pipe_or_model
-    if not isinstance(model, nn.Module):
-        model = getattr(pipe_or_model, "unet", None) or getattr(pipe_or_model, "transformer", None)
-        if model is None:
-            raise TypeError(f"graph_denoiser needs a pipeline with a .unet or .transformer, or the denoiser module; "
-                            f"got {type(pipe_or_model).__name__}")
+    model = denoiser_of(pipe_or_model, "graph_denoiser")
     if isinstance(model.__dict__.get("forward"), DenoiserGraphs):
         raise ValueError("graph_denoiser: this denoiser's forward is already recorded; call .release() on the "
                          "DenoiserGraphs first")

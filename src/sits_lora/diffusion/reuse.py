@@ -1,10 +1,22 @@
-"""Turning the cross-attention K / V reuse of sits_lora.siblings on or off for a whole denoiser."""
+"""A pipeline's denoiser, and turning the cross-attention K / V reuse of sits_lora.siblings on or off for all of it."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from ..siblings import CROSS_ATTENTION_NAMES
+
+
+def denoiser_of(pipe_or_model, caller: str) -> nn.Module:
+    """``pipe.unet`` or ``pipe.transformer`` of a diffusers pipeline, or the module given; ``caller`` names the
+    function in the error."""
+    if isinstance(pipe_or_model, nn.Module):
+        return pipe_or_model
+    model = getattr(pipe_or_model, "unet", None) or getattr(pipe_or_model, "transformer", None)
+    if model is None:
+        raise TypeError(f"{caller} needs a pipeline with a .unet or .transformer, or the denoiser module; "
+                        f"got {type(pipe_or_model).__name__}")
+    return model
 
 
 def reuse_cross_attention_kv(model: nn.Module, enabled: bool = True) -> int:
