@@ -32,7 +32,8 @@ run), same seed and latents: PSNR (images in [0, 1]) and the largest absolute di
 
 --train: one step of LoRA training on the SD1.5 U-Net shape (bs 8, 64² latents = 512² images, r16 on
 to_q / to_k / to_v / to_out.0 of every attention, MSE on the noise, fused AdamW), against the frozen U-Net (forward
-+ backward to the input, no optimizer): arms train:frozen, train:peft, train:sits, train:sits+fused, every
++ backward to the input, no optimizer): arms train:frozen, train:peft, train:sits, train:sits+fused and each of
+frozen / peft / sits +graph (the whole step recorded as a CUDA graph, sits_lora.training.graph_train_step); every
 arm's model built first, then --train-rounds rounds of 5 timed steps per arm in turn (the median round).
 
 Writes OUT/diffusion.json, .csv and diffusion.png (times and the images side by side).
@@ -58,7 +59,10 @@ INFERENCE_ARMS = ["base", "peft", "peft+merged", "sits", "sits+noreuse", "sits+f
                   "sits+graph", "sits+fp8", "base+fp8+graph", "sits+fp8+graph"]
 ARM_KINDS = ("base", "peft", "sits")
 ARM_MODIFIERS = ("merged", "noreuse", "fused", "fp8", "cl", "compile", "graph")
-TRAIN_ARMS = ["train:frozen", "train:peft", "train:sits", "train:sits+fused"]
+TRAIN_ARMS = ["train:frozen", "train:peft", "train:sits", "train:sits+fused", "train:frozen+graph", "train:peft+graph",
+              "train:sits+graph"]
+TRAIN_KINDS = ("frozen", "peft", "sits")
+TRAIN_MODIFIERS = ("fused", "graph")
 INFERENCE_TARGETS = ["attn2.to_k", "attn2.to_v"]
 TRAIN_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
@@ -224,9 +228,11 @@ def fidelity(image: torch.Tensor, reference: torch.Tensor) -> dict:
             "max_abs": (image - reference).abs().max().item(), "finite": True}
 
 
-def train_step(unet, frozen: bool, batch: int, latent: int, text_dim: int, pooled_dim, device: str, dtype):
+def train_step(unet, frozen: bool, batch: int, latent: int, text_dim: int, pooled_dim, device: str, dtype,
+               graph: bool = False):
     """One training step of ``unet`` on fixed random inputs, as a function: MSE on the noise and fused AdamW over
-    the trainable parameters, or (``frozen``) forward + backward to the input, the floor a LoRA step must pay."""
+    the trainable parameters, or (``frozen``) forward + backward to the input, the floor a LoRA step must pay;
+    ``graph``: the step recorded as a CUDA graph after two eager steps (sits_lora.training.graph_train_step)."""
     gen = torch.Generator().manual_seed(4)
     sample = torch.randn(batch, 4, latent, latent, generator=gen).to(device, dtype)
     noise = torch.randn(batch, 4, latent, latent, generator=gen).to(device, dtype)
@@ -249,14 +255,21 @@ def train_step(unet, frozen: bool, batch: int, latent: int, text_dim: int, poole
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
+    if graph and device == "cuda":
+        from sits_lora.training import graph_train_step
+
+        return graph_train_step(step, optimizer, model=unet)
     return step
 
 
 def train_step_seconds(unet, arm: str, batch: int, latent: int, text_dim: int, pooled_dim, device: str, dtype,
                        steps: int) -> tuple[float, float | None]:
-    """(median seconds of one training step, peak GiB) over ``steps`` timed steps after two untimed ones."""
-    step = train_step(unet, arm == "train:frozen", batch, latent, text_dim, pooled_dim, device, dtype)
-    for _ in range(2):
+    """(median seconds of one training step, peak GiB) over ``steps`` timed steps after three untimed ones (a
+    graph arm's two eager steps and its recording)."""
+    kind, *modifiers = arm.split(":")[-1].split("+")
+    step = train_step(unet, kind == "frozen", batch, latent, text_dim, pooled_dim, device, dtype,
+                      graph="graph" in modifiers)
+    for _ in range(3):
         step()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -271,16 +284,28 @@ def train_step_seconds(unet, arm: str, batch: int, latent: int, text_dim: int, p
     return statistics.median(times), peak
 
 
+def is_train(arm: str) -> bool:
+    return arm.startswith("train:")
+
+
 def arm_name(value: str) -> str:
-    """An --arms entry: a training arm, or an inference arm KIND[+MODIFIER...] (argparse's type check)."""
-    if value in TRAIN_ARMS:
-        return value
+    """An --arms entry: a training arm train:KIND[+MODIFIER...], or an inference arm KIND[+MODIFIER...] (argparse's
+    type check)."""
+    if value.startswith("train:"):
+        kind, *modifiers = value[len("train:"):].split("+")
+        if kind in TRAIN_KINDS and len(set(modifiers)) == len(modifiers) and all(m in TRAIN_MODIFIERS
+                                                                                 for m in modifiers):
+            return value
+        raise argparse.ArgumentTypeError(
+            f"invalid training arm {value!r}: train:KIND[+MODIFIER...] with KIND one of {', '.join(TRAIN_KINDS)} and "
+            f"each MODIFIER once, one of {', '.join(TRAIN_MODIFIERS)}")
     kind, *modifiers = value.split("+")
     unknown = [m for m in modifiers if m not in ARM_MODIFIERS]
     if kind not in ARM_KINDS or unknown or len(set(modifiers)) != len(modifiers):
         raise argparse.ArgumentTypeError(
             f"invalid arm {value!r}: KIND[+MODIFIER...] with KIND one of {', '.join(ARM_KINDS)} and each MODIFIER "
-            f"once, one of {', '.join(ARM_MODIFIERS)}; or a training arm ({', '.join(TRAIN_ARMS)})")
+            f"once, one of {', '.join(ARM_MODIFIERS)}; or a training arm train:KIND[+MODIFIER...], KIND one of "
+            f"{', '.join(TRAIN_KINDS)}, MODIFIER of {', '.join(TRAIN_MODIFIERS)}")
     return value
 
 
@@ -310,8 +335,8 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes = SMOKE_SHAPES if args.smoke else {name: SHAPES[name] for name in args.shapes}
     steps, repeats = (2, 1) if args.smoke else (args.steps, args.repeats)
-    arms = [a for a in args.arms if a not in TRAIN_ARMS] + (TRAIN_ARMS if args.train else
-                                                             [a for a in args.arms if a in TRAIN_ARMS])
+    arms = [a for a in args.arms if not is_train(a)] + (TRAIN_ARMS if args.train else
+                                                         [a for a in args.arms if is_train(a)])
     rows, images = [], {}
     for name, shape in shapes.items():
         unet, vae = build_base(shape, device, dtype)
@@ -319,7 +344,7 @@ def main(argv=None) -> int:
         reference = None
         # every arm's pipeline at once, timed in rounds (arm 1, arm 2, ..., arm 1, ...): the host's and the GPU's
         # speed drift over a run (clocks, other tenants), and rounds spread that drift over every arm alike
-        inference = [a for a in arms if a not in TRAIN_ARMS]
+        inference = [a for a in arms if not is_train(a)]
         # the fidelity columns compare each image with the bf16 LoRA model's: PEFT's arm, else ours unmerged
         reference_arm = next((a for a in ("peft", "sits") if a in inference), None)
         # fp8 arms calibrate on two prompts other than the timed one, at the timed settings
@@ -357,7 +382,10 @@ def main(argv=None) -> int:
             latent = shape["resolution"] // 8
             batch = 2 if args.smoke else args.train_batch
             # every arm's model first, then rounds of a few steps per arm in turn (the host drifts, as above)
-            train_arms = [a for a in arms if a in TRAIN_ARMS]
+            train_arms = [a for a in arms if is_train(a)]
+            if device != "cuda" and any("graph" in a.split("+") for a in train_arms):
+                print("[train] the +graph arms record CUDA graphs: skipped on the CPU", flush=True)
+                train_arms = [a for a in train_arms if "graph" not in a.split("+")]
             models = {arm: adapt(unet, arm, TRAIN_TARGETS) for arm in train_arms}
             step_times = {arm: [] for arm in train_arms}
             peaks = {}
@@ -373,25 +401,31 @@ def main(argv=None) -> int:
                 seconds = statistics.median(step_times[arm])
                 rows.append({"shape": name, "arm": arm, "train_step_s": seconds, "times": step_times[arm],
                              "peak_gib": peaks[arm], "batch": batch,
-                             "lora_targets": "" if arm == "train:frozen" else " ".join(TRAIN_TARGETS)})
+                             "lora_targets": "" if arm.startswith("train:frozen") else " ".join(TRAIN_TARGETS)})
                 print(f"[{name} {arm}] {seconds * 1000:.1f} ms per training step, bs {batch} "
                       f"(rounds: {' '.join(f'{t * 1000:.1f}' for t in step_times[arm])})", flush=True)
             del models
             if device == "cuda":
                 torch.cuda.empty_cache()
-            floor = next((r["train_step_s"] for r in rows if r["shape"] == name and r["arm"] == "train:frozen"), None)
-            peft = next((r["train_step_s"] for r in rows if r["shape"] == name and r["arm"] == "train:peft"), None)
-            for r in rows:
-                if r["shape"] == name and "train_step_s" in r:
-                    r["vs_frozen"] = r["train_step_s"] / floor if floor else None
-                    r["peft_over_this"] = peft / r["train_step_s"] if peft else None
+            # the floor: the fastest frozen arm (eager or graphed); PEFT: its eager step (the issue's baseline) and
+            # its fastest arm
+            trained = [r for r in rows if r["shape"] == name and "train_step_s" in r]
+            floor_row = min((r for r in trained if r["arm"].startswith("train:frozen")),
+                            key=lambda r: r["train_step_s"], default=None)
+            peft = next((r["train_step_s"] for r in trained if r["arm"] == "train:peft"), None)
+            best_peft = min((r["train_step_s"] for r in trained if r["arm"].startswith("train:peft")), default=None)
+            for r in trained:
+                r["floor_arm"] = floor_row["arm"] if floor_row else None
+                r["vs_frozen"] = r["train_step_s"] / floor_row["train_step_s"] if floor_row else None
+                r["peft_over_this"] = peft / r["train_step_s"] if peft else None
+                r["best_peft_over_this"] = best_peft / r["train_step_s"] if best_peft else None
         del unet, vae
     command = "python bench/diffusion.py " + " ".join(argv if argv is not None else sys.argv[1:])
     paths = write_results("diffusion", rows, args.out, {"command": command})
     print_table([r for r in rows if "seconds_per_image" in r],
                 ["shape", "arm", "seconds_per_image", "vs_base", "psnr_db", "max_abs"])
     print_table([r for r in rows if "train_step_s" in r], ["shape", "arm", "train_step_s", "vs_frozen",
-                                                            "peft_over_this", "peak_gib"])
+                                                            "peft_over_this", "best_peft_over_this", "peak_gib"])
     picture(rows, images, os.path.join(args.out, "diffusion.png"))
     print("wrote", *paths)
     return 0

@@ -31,6 +31,7 @@ _EXPORTS = {
     "NativeLoraTrainer": ".training",
     "SitsHardwareCallback": ".training",
     "plan_memory": ".training",
+    "graph_train_step": ".training",
 }
 
 register_when_peft_loads()
@@ -66,6 +67,7 @@ __all__ = [
     "apply_native_lora",
     "export_diffusers_lora",
     "export_peft_lora",
+    "graph_train_step",
     "plan_memory",
     "truncate_rank",
     "__version__",

@@ -3,7 +3,6 @@ on a GPU, a recorded generation equals the eager one, and what changes a call's 
 
 from __future__ import annotations
 
-import collections
 import os
 import sys
 
@@ -17,7 +16,7 @@ from test_diffusers_models import ATTENTION, tiny_pipeline, tiny_unet  # noqa: E
 
 from sits_lora import SitsLoraConfig  # noqa: E402
 from sits_lora.diffusion import graph_denoiser  # noqa: E402
-from sits_lora.diffusion.graphs import _NotGraphable, _output_copy, _signature, _substitute  # noqa: E402
+from sits_lora.training.graphs import NotGraphable, copy_output  # noqa: E402
 
 
 def test_a_cpu_denoiser_is_refused_with_the_fix():
@@ -27,38 +26,17 @@ def test_a_cpu_denoiser_is_refused_with_the_fix():
         graph_denoiser(object())
 
 
-def test_arguments_are_described_and_rebuilt_with_the_recorded_buffers(monkeypatch):
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))   # describe CPU tensors as if on a GPU
-    Pair = collections.namedtuple("Pair", "a b")
-    args = (torch.zeros(2, 3), 7, None)
-    kwargs = {"added": {"text_embeds": torch.ones(2, 4), "ids": [torch.ones(1), 2.5]}, "pair": Pair(torch.ones(5), "x")}
-    tensors = []
-    key = _signature((args, kwargs), tensors)
-    assert len(tensors) == 4 and hash(key) is not None
-    same = []
-    assert _signature(((torch.ones(2, 3), 7, None), kwargs), same) == key
-    assert _signature(((torch.zeros(2, 4), 7, None), kwargs), []) != key      # a shape changed
-    assert _signature(((torch.zeros(2, 3), 8, None), kwargs), []) != key      # a Python number changed
-    buffers = [t.clone() + 1 for t in tensors]
-    new_args, new_kwargs = _substitute((args, kwargs), iter(buffers))
-    assert new_args[0] is buffers[0] and new_args[1:] == (7, None)
-    assert new_kwargs["added"]["ids"][0] is buffers[2] and new_kwargs["added"]["ids"][1] == 2.5
-    assert isinstance(new_kwargs["pair"], Pair) and new_kwargs["pair"].a is buffers[3]
-    with pytest.raises(_NotGraphable, match="an argument of type object"):
-        _signature((object(),), [])
-
-
 def test_outputs_are_copied_in_their_own_types():
     from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 
     sample = torch.randn(2, 4)
     for out in (sample, (sample,), UNet2DConditionOutput(sample=sample)):
-        copied = _output_copy(out)
+        copied = copy_output(out)
         assert type(copied) is type(out)
         tensor = copied if isinstance(copied, torch.Tensor) else copied[0]
         assert torch.equal(tensor, sample) and tensor.data_ptr() != sample.data_ptr()
-    with pytest.raises(_NotGraphable, match="an output of type set"):
-        _output_copy({1})
+    with pytest.raises(NotGraphable, match="an output of type set"):
+        copy_output({1})
 
 
 def _generate(pipe, text, steps=4):

@@ -30,71 +30,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ..training.graphs import NotGraphable, adapter_state, copy_output, describe_call, substitute
 from .reuse import cross_attention_groups, denoiser_of
 
 logger = logging.getLogger("sits_lora")
-
-_LEAF_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
-
-
-class _NotGraphable(Exception):
-    """An argument or output the recorded step cannot stand for (the call runs eagerly)."""
-
-
-def _signature(obj: Any, tensors: list) -> Any:
-    """A hashable description of ``obj`` with its tensors described by shape / dtype / device and appended to
-    ``tensors`` in order."""
-    if isinstance(obj, torch.Tensor):
-        if not obj.is_cuda:
-            raise _NotGraphable(f"a tensor on {obj.device}")
-        tensors.append(obj)
-        return ("tensor", tuple(obj.shape), obj.dtype, obj.device)
-    if isinstance(obj, (tuple, list)):
-        return (type(obj), tuple(_signature(item, tensors) for item in obj))
-    if isinstance(obj, dict):
-        return (type(obj), tuple((key, _signature(value, tensors)) for key, value in obj.items()))
-    if isinstance(obj, _LEAF_TYPES):
-        return obj
-    raise _NotGraphable(f"an argument of type {type(obj).__name__}")
-
-
-def _substitute(obj: Any, tensors) -> Any:
-    """``obj`` with its tensors replaced, in order, by those of the iterator ``tensors``."""
-    if isinstance(obj, torch.Tensor):
-        return next(tensors)
-    if isinstance(obj, (tuple, list)):
-        items = [_substitute(item, tensors) for item in obj]
-        return type(obj)(items) if type(obj) in (tuple, list) else type(obj)(*items)   # namedtuples
-    if isinstance(obj, dict):
-        return type(obj)({key: _substitute(value, tensors) for key, value in obj.items()})
-    return obj
-
-
-def _output_copy(out: Any) -> Any:
-    """A copy of a recorded output (its buffers are overwritten by the next replay)."""
-    if isinstance(out, torch.Tensor):
-        return out.clone()
-    if isinstance(out, tuple) and type(out) is tuple:
-        return tuple(_output_copy(item) for item in out)
-    if isinstance(out, dict):   # diffusers' BaseOutput is an OrderedDict whose fields are keyword arguments
-        return type(out)(**{key: _output_copy(value) for key, value in out.items()})
-    if out is None:
-        return None
-    raise _NotGraphable(f"an output of type {type(out).__name__}")
-
-
-def _adapter_state(model: nn.Module) -> tuple:
-    """What each adapter layer does in a call, as far as Python decides it (a recording holds one such state)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    state = []
-    for module in model.modules():
-        if isinstance(module, BaseTunerLayer):
-            scaling = getattr(module, "scaling", {})
-            state.append((module.merged, module.disable_adapters, tuple(module.active_adapters),
-                          tuple(scaling.items()) if isinstance(scaling, dict) else scaling))
-    return tuple(state)
-
 
 class _Recording:
     """The recordings of one input signature: ``graph`` computes everything; ``kept_graph`` (when the denoiser has
@@ -157,9 +96,9 @@ class DenoiserGraphs:
             return self._eager_forward(*args, **kwargs)
         tensors: list = []
         try:
-            key = (_signature((args, kwargs), tensors), torch.is_inference_mode_enabled(),
-                   _adapter_state(self.model))
-        except _NotGraphable as reason:
+            key = (describe_call((args, kwargs), tensors), torch.is_inference_mode_enabled(),
+                   adapter_state(self.model))
+        except NotGraphable as reason:
             self._note_eager(str(reason))
             return self._eager_forward(*args, **kwargs)
         if key not in self._graphs:
@@ -188,12 +127,12 @@ class DenoiserGraphs:
             entry.computed_from(text)
             output = entry.output
         self.replays += 1
-        return _output_copy(output)
+        return copy_output(output)
 
     def _record(self, args: tuple, kwargs: dict, tensors: list) -> Optional["_Recording"]:
         """The recordings of this signature, or None when it cannot be recorded."""
         static_inputs = [t.clone() for t in tensors]
-        static_args, static_kwargs = _substitute((args, kwargs), iter(static_inputs))
+        static_args, static_kwargs = substitute((args, kwargs), iter(static_inputs))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):   # first calls off the recording: autotuning, allocator growth, lazy init
@@ -201,8 +140,8 @@ class DenoiserGraphs:
                 out = self._eager_forward(*static_args, **static_kwargs)
         torch.cuda.current_stream().wait_stream(side)
         try:
-            _output_copy(out)
-        except _NotGraphable as reason:
+            copy_output(out)
+        except NotGraphable as reason:
             self._note_eager(str(reason))
             return None
         inference = torch.is_inference_mode_enabled()

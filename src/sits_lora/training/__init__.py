@@ -2,18 +2,22 @@
 
 ``SitsHardwareCallback`` works with any transformers ``Trainer``; ``NativeLoraTrainer`` is a
 ``Trainer`` that installs it and runs the gradient guard before gradient clipping. ``plan_memory``
-predicts the peak device memory of a LoRA training step.
+predicts the peak device memory of a LoRA training step. ``graph_train_step`` records a whole training step as
+a CUDA graph and replays it (the host's time to issue a step's kernels leaves the step).
 """
 
 from __future__ import annotations
 
 from .callback import SitsHardwareCallback
 from .constraints import HardwareConstraintError, choose_offloaded_layers
+from .graphs import GraphCaptureError, GraphedTrainStep, graph_train_step
 from .guards import NonFiniteActivationError, NonFiniteGradientError
 from .hardware import HardwareReport, probe_hardware
 from .memory import MemoryPlan, PeakMemoryMeter, UnsupportedModelError, plan_memory
 
 __all__ = [
+    "GraphCaptureError",
+    "GraphedTrainStep",
     "HardwareConstraintError",
     "HardwareReport",
     "MemoryPlan",
@@ -24,6 +28,7 @@ __all__ = [
     "SitsHardwareCallback",
     "UnsupportedModelError",
     "choose_offloaded_layers",
+    "graph_train_step",
     "plan_memory",
     "probe_hardware",
 ]

@@ -1,0 +1,336 @@
+"""CUDA graphs over a whole training step: forward, loss, backward and the optimizer's update replayed as one
+recorded launch sequence.
+
+A LoRA step of a diffusers U-Net (or of a small language model) issues a few thousand small kernels, and on a GPU
+as fast as an H200 the host's time to issue them is the step: the SD1.5 U-Net's frozen forward + backward at batch
+8 takes 88 ms of host for far less GPU work (bench/NOTES.md, "Diffusion"). ``graph_train_step(step_fn, optimizer)``
+runs ``step_fn`` eagerly for its first ``warmup`` calls per input signature (real steps on real batches, off the
+recording: autotuning, allocator growth, the optimizer's state), records the next call as a CUDA graph, and from
+then on a call copies its tensors into the recorded inputs, replays, and returns a copy of the outputs::
+
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    def step(latents, noise, timesteps, text):
+        pred = unet(scheduler.add_noise(latents, noise, timesteps), timesteps, text).sample
+        loss = F.mse_loss(pred.float(), noise.float())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+    step = sits_lora.training.graph_train_step(step, optimizer, model=unet)
+    for batch in loader:                       # CUDA tensors of one shape
+        loss = step(*batch)
+        lr_scheduler.step()                    # outside the step: seen by the next replay
+
+What a step function must be: one whole optimizer step on CUDA tensors passed as arguments, with no host sync
+(``.item()``, ``.cpu()``, printing a CUDA tensor, data-dependent shapes such as ``torch.nonzero``): such a call
+cannot be recorded and raises :class:`GraphCaptureError` naming what failed. Its Python runs once, at recording:
+a counter it increments, a scheduler it steps or a branch on a Python value is frozen into the recording. What
+the replays do see: in-place writes to parameters and buffers (``load_state_dict``, the optimizer), the learning
+rate (made a 0-dim tensor on the parameters' device, which the torch schedulers write in place), and, through
+``model``, the adapters' state (active adapter, scales, merged / disabled) and train / eval mode, each of which
+records again when it changes. Another optimizer setting (weight decay, betas) changed after recording records
+again, with one warning. A parameter *replaced* by a new tensor is not seen: call ``reset()``.
+Gradient accumulation across calls is not supported (whether a backward creates or adds to ``.grad`` is fixed
+at recording): accumulate inside the step function, over micro-batches passed together.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("sits_lora")
+
+_LEAF_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
+# Optimizer settings that change more often than this (a scheduler writing a float learning rate into an optimizer
+# that bakes it in) make the step run eagerly: recording at every change costs more than it saves.
+_MAX_SETTING_CHANGES = 3
+
+
+class NotGraphable(Exception):
+    """An argument or output a recorded call cannot stand for (the call runs eagerly)."""
+
+
+class GraphCaptureError(RuntimeError):
+    """A step function could not be recorded as a CUDA graph (a host sync, a data-dependent shape, an optimizer
+    that cannot step inside a graph)."""
+
+
+def describe_call(obj: Any, tensors: list) -> Any:
+    """A hashable description of ``obj`` (arguments: tensors, numbers, strings, nested tuples / lists / dicts), its
+    tensors described by shape / dtype / device and appended to ``tensors`` in order; NotGraphable for a CPU
+    tensor or an object of another type."""
+    if isinstance(obj, torch.Tensor):
+        if not obj.is_cuda:
+            raise NotGraphable(f"a tensor on {obj.device}")
+        tensors.append(obj)
+        return ("tensor", tuple(obj.shape), obj.dtype, obj.device, obj.requires_grad)
+    if isinstance(obj, (tuple, list)):
+        return (type(obj), tuple(describe_call(item, tensors) for item in obj))
+    if isinstance(obj, dict):
+        return (type(obj), tuple((key, describe_call(value, tensors)) for key, value in obj.items()))
+    if isinstance(obj, _LEAF_TYPES):
+        return obj
+    raise NotGraphable(f"an argument of type {type(obj).__name__}")
+
+
+def substitute(obj: Any, tensors) -> Any:
+    """``obj`` with its tensors replaced, in order, by those of the iterator ``tensors``."""
+    if isinstance(obj, torch.Tensor):
+        return next(tensors)
+    if isinstance(obj, (tuple, list)):
+        items = [substitute(item, tensors) for item in obj]
+        return type(obj)(items) if type(obj) in (tuple, list) else type(obj)(*items)   # namedtuples
+    if isinstance(obj, dict):
+        return type(obj)({key: substitute(value, tensors) for key, value in obj.items()})
+    return obj
+
+
+def copy_output(out: Any) -> Any:
+    """A copy of a recorded output (its buffers are overwritten by the next replay)."""
+    if isinstance(out, torch.Tensor):
+        return out.detach().clone()
+    if isinstance(out, (tuple, list)) and type(out) in (tuple, list):
+        return type(out)(copy_output(item) for item in out)
+    if isinstance(out, dict):   # diffusers' BaseOutput is an OrderedDict whose fields are keyword arguments
+        return type(out)(**{key: copy_output(value) for key, value in out.items()})
+    if out is None or isinstance(out, _LEAF_TYPES):
+        return out
+    raise NotGraphable(f"an output of type {type(out).__name__}")
+
+
+def adapter_state(model: Optional[nn.Module]) -> tuple:
+    """What each adapter layer of ``model`` does in a call, as far as Python decides it, and the modules' train /
+    eval modes (a recording stands for one such state)."""
+    if model is None:
+        return ()
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    state = []
+    for module in model.modules():
+        state.append(module.training)
+        if isinstance(module, BaseTunerLayer):
+            scaling = getattr(module, "scaling", {})
+            state.append((module.merged, module.disable_adapters, tuple(module.active_adapters),
+                          tuple(scaling.items()) if isinstance(scaling, dict) else scaling))
+    return tuple(state)
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:300]}" if lines else type(error).__name__
+
+
+class GraphedTrainStep:
+    """A training step recorded as CUDA graphs and replayed (see the module docstring); made by
+    :func:`graph_train_step`. ``replays``, ``eager_calls`` and ``recordings`` count what the calls did."""
+
+    def __init__(self, step_fn: Callable, optimizers: Sequence[torch.optim.Optimizer], model: Optional[nn.Module],
+                 warmup: int, max_graphs: int) -> None:
+        self.step_fn = step_fn
+        self.optimizers = list(optimizers)
+        self.model = model
+        self.warmup = warmup
+        self.max_graphs = max_graphs
+        self._graphs: dict = {}          # signature -> (graph, static inputs, static output), or None: runs eagerly
+        self._seen: dict = {}            # signature -> eager calls made so far
+        self._eager_reasons: set = set()
+        self._full_warned = False
+        self._setting_changes = 0
+        self._prepare_optimizers()     # before the warm-up steps create the optimizers' state
+        self.replays = 0
+        self.eager_calls = 0
+        self.recordings = 0
+
+    # ------------------------------------------------------------------ optimizer settings
+    def _optimizer_settings(self) -> dict:
+        """{(optimizer, group, key): value} of the settings a recording bakes in: Python numbers, flags and tuples
+        (a learning rate made a tensor reads "tensor": replays read its value)."""
+        settings = {}
+        for i, optimizer in enumerate(self.optimizers):
+            for j, group in enumerate(optimizer.param_groups):
+                for key, value in group.items():
+                    if key in ("params", "initial_lr"):
+                        continue
+                    if isinstance(value, torch.Tensor):
+                        value = "tensor"
+                    if isinstance(value, (bool, int, float, str, tuple, type(None))):
+                        settings[(i, j, key)] = value
+        return settings
+
+    def _check_settings(self) -> None:
+        settings = self._optimizer_settings()
+        if settings == self._settings:
+            return
+        missing = object()
+        changed = sorted({k[2] for k in set(settings) | set(self._settings)
+                          if settings.get(k, missing) != self._settings.get(k, missing)})
+        self._setting_changes += 1
+        self.reset()
+        self._prepare_optimizers()   # a loaded state dict turns capturable off and the learning rate into a float
+        if self._setting_changes > _MAX_SETTING_CHANGES:
+            self._note_eager(f"the optimizer's {', '.join(changed)} changing again and again (it bakes them into "
+                             "a recording; torch's Adam and AdamW read a tensor learning rate at each replay)")
+            return
+        warnings.warn(f"graph_train_step: the optimizer's {', '.join(changed)} changed after the step was recorded; "
+                      "recording again (each change costs one recording)", stacklevel=3)
+
+    # ------------------------------------------------------------------ calls
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        tensors: list = []
+        try:
+            key = (describe_call((args, kwargs), tensors), adapter_state(self.model), torch.is_grad_enabled())
+        except NotGraphable as reason:
+            self._note_eager(str(reason))
+            return self._eager(args, kwargs)
+        self._check_settings()
+        if self._setting_changes > _MAX_SETTING_CHANGES:
+            return self._eager(args, kwargs)
+        if key not in self._graphs:
+            seen = self._seen.get(key, 0)
+            if seen < self.warmup:
+                self._seen[key] = seen + 1
+                return self._warmup(args, kwargs)
+            if len(self._graphs) >= self.max_graphs:
+                if not self._full_warned:
+                    self._full_warned = True
+                    warnings.warn(
+                        f"graph_train_step: {len(self._graphs)} recordings already (max_graphs={self.max_graphs}); "
+                        "calls with another input signature (shapes, dtypes, Python values, adapter state) run "
+                        "eagerly. A Python number that changes every call makes a new signature each call: pass it "
+                        "as a tensor.", stacklevel=2)
+                return self._eager(args, kwargs)
+            self._graphs[key] = self._record(args, kwargs, tensors)
+        entry = self._graphs[key]
+        if entry is None:
+            return self._eager(args, kwargs)
+        graph, static_inputs, static_output = entry
+        for static, given in zip(static_inputs, tensors):
+            if static.data_ptr() != given.data_ptr():
+                static.copy_(given)
+        graph.replay()
+        self.replays += 1
+        return copy_output(static_output)
+
+    def _eager(self, args: tuple, kwargs: dict) -> Any:
+        self.eager_calls += 1
+        return self.step_fn(*args, **kwargs)
+
+    def _warmup(self, args: tuple, kwargs: dict) -> Any:
+        """One step as written, on a side stream ordered with the current one both ways, as PyTorch asks of the
+        calls before a recording (lazy initialization then happens off the stream a graph records)."""
+        self.eager_calls += 1
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            out = self.step_fn(*args, **kwargs)
+        current.wait_stream(side)
+        return out
+
+    def _record(self, args: tuple, kwargs: dict, tensors: list):
+        """(graph, static inputs, static output) of this signature: the call recorded (nothing runs while recording)."""
+        static_inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+        static_args, static_kwargs = substitute((args, kwargs), iter(static_inputs))
+        self._prepare_optimizers()
+        # the warm-up steps left their activations' blocks cached; free them so the recording's own pool can
+        # take that memory (a recording holds one step's activations for as long as it lives)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                static_output = self.step_fn(*static_args, **static_kwargs)
+            copy_output(static_output)
+        except NotGraphable as reason:
+            self._note_eager(str(reason))
+            return None
+        except Exception as error:   # noqa: BLE001 (re-raised with the fix)
+            raise GraphCaptureError(
+                f"graph_train_step: the step function could not be recorded as a CUDA graph ({_first_line(error)}). "
+                "Nothing of this step was applied. A recorded step may not wait for the GPU: remove .item(), "
+                ".cpu(), printing or comparing CUDA tensors in Python, and ops whose output shape depends on values "
+                "(torch.nonzero, boolean indexing) from the step, or call the step function directly (eagerly)."
+            ) from error
+        self.recordings += 1
+        return graph, static_inputs, static_output
+
+    def _prepare_optimizers(self) -> None:
+        """Make every group steppable inside a graph: ``capturable`` on (Adam, AdamW and the other optimizers that
+        have it), and a float learning rate a 0-dim tensor on the parameters' device where the optimizer takes one,
+        so that a scheduler's in-place writes reach the replays."""
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                device = group["params"][0].device if group["params"] else None
+                if "capturable" in group and not group["capturable"]:
+                    group["capturable"] = True
+                    # an optimizer that stepped without it (or loaded a state dict) counts steps on the CPU; a
+                    # capturable step reads them on the parameter's device
+                    for p in group["params"]:
+                        state = optimizer.state.get(p, {})
+                        if isinstance(state.get("step"), torch.Tensor) and state["step"].device != p.device:
+                            state["step"] = state["step"].to(p.device, torch.float32)
+                lr = group.get("lr")
+                if (isinstance(lr, float) and device is not None and device.type == "cuda"
+                        and group.get("capturable", False) and _takes_tensor_lr(optimizer)):
+                    group["lr"] = torch.tensor(lr, dtype=torch.float32, device=device)
+        self._settings = self._optimizer_settings()
+
+    def _note_eager(self, reason: str) -> None:
+        if reason not in self._eager_reasons:   # once per reason: a training loop makes this call every step
+            self._eager_reasons.add(reason)
+            logger.warning("graph_train_step: a call with %s runs eagerly (not recorded)", reason)
+
+    def reset(self) -> None:
+        """Drop every recording (after a parameter was replaced by a new tensor); the next call records again
+        (after no further warm-up: the optimizer's state exists)."""
+        self._graphs.clear()
+        self._seen = {key: self.warmup for key in self._seen}
+        self._full_warned = False
+
+
+def _takes_tensor_lr(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether this optimizer steps with a tensor learning rate inside a graph (torch's Adam and AdamW, fused or
+    capturable; the others bake a float in)."""
+    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+
+
+def graph_train_step(step_fn: Callable,
+                     optimizer: Union[None, torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
+                     model: Optional[nn.Module] = None, warmup: int = 2, max_graphs: int = 2) -> GraphedTrainStep:
+    """``step_fn`` (one whole training step on CUDA tensor arguments) recorded as a CUDA graph per input signature
+    after ``warmup`` eager calls, and replayed (module docstring). ``optimizer``: the optimizer(s) ``step_fn``
+    steps, made steppable inside a graph here (None: it steps none, e.g. forward + backward only). ``model``: the
+    trained model, whose adapter state and train / eval mode become part of the signature. At most ``max_graphs``
+    recordings (each holds one step's activations)."""
+    if not callable(step_fn):
+        raise TypeError(f"graph_train_step: step_fn must be callable, got {type(step_fn).__name__}")
+    if optimizer is None:
+        optimizers = []
+    else:
+        optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+        if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+            raise TypeError("graph_train_step: optimizer must be the torch.optim.Optimizer the step function steps "
+                            f"(a list of them, or None), got {optimizer!r}")
+    for name, value, least in (("warmup", warmup, 1), ("max_graphs", max_graphs, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"graph_train_step: {name} must be an int >= {least}, got {value!r}")
+    if not torch.cuda.is_available():
+        raise ValueError("graph_train_step records CUDA graphs, and this machine has no CUDA GPU: call the step "
+                         "function directly")
+    params = [p for o in optimizers for group in o.param_groups for p in group["params"]]
+    elsewhere = sorted({str(p.device) for p in params if not p.is_cuda})
+    if elsewhere:
+        raise ValueError(f"graph_train_step records CUDA graphs: the optimizer holds parameters on "
+                         f"{', '.join(elsewhere)}; move the model to a GPU (model.to('cuda')) before building the "
+                         "optimizer")
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"graph_train_step: model must be the nn.Module being trained, got {type(model).__name__}")
+    return GraphedTrainStep(step_fn, optimizers, model, warmup, max_graphs)
+
+
+__all__ = ["GraphCaptureError", "GraphedTrainStep", "NotGraphable", "graph_train_step"]

@@ -1,0 +1,245 @@
+"""CUDA graphs over a whole training step (sits_lora.training.graph_train_step): refusals, argument handling and the
+optimizer's settings on the CPU; on a GPU, replayed steps train a sits_lora model (a tiny Llama, a tiny U-Net) to
+the same weights as eager steps, a learning-rate schedule reaches the replays, and a step that syncs with the host
+is refused with the fix."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import warnings
+
+import pytest
+import torch
+from conftest import randomize_lora_weights, tiny_llama
+
+from sits_lora import SitsLoraConfig
+from sits_lora.training.graphs import (GraphCaptureError, GraphedTrainStep, NotGraphable, copy_output, describe_call,
+                                       graph_train_step, substitute)
+
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _noop(*args):
+    return None
+
+
+def test_refusals_name_the_fix(monkeypatch):
+    param = torch.nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.AdamW([param])
+    with pytest.raises(TypeError, match="step_fn must be callable"):
+        graph_train_step(None, optimizer)
+    with pytest.raises(TypeError, match="optimizer must be the torch.optim.Optimizer"):
+        graph_train_step(_noop, [param])
+    with pytest.raises(ValueError, match="warmup must be an int >= 1, got 0"):
+        graph_train_step(_noop, optimizer, warmup=0)
+    with pytest.raises(ValueError, match="max_graphs must be an int >= 1, got True"):
+        graph_train_step(_noop, optimizer, max_graphs=True)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU: call the step function directly"):
+            graph_train_step(_noop, optimizer)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match=r"parameters on cpu; move the model to a GPU \(model.to\('cuda'\)\)"):
+        graph_train_step(_noop, optimizer)
+
+
+def test_arguments_are_described_and_rebuilt_with_the_recorded_buffers(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))   # describe CPU tensors as if on a GPU
+    Pair = collections.namedtuple("Pair", "a b")
+    args = (torch.zeros(2, 3), 7, None)
+    kwargs = {"added": {"text_embeds": torch.ones(2, 4), "ids": [torch.ones(1), 2.5]}, "pair": Pair(torch.ones(5), "x")}
+    tensors = []
+    key = describe_call((args, kwargs), tensors)
+    assert len(tensors) == 4 and hash(key) is not None
+    assert describe_call(((torch.ones(2, 3), 7, None), kwargs), []) == key
+    assert describe_call(((torch.zeros(2, 4), 7, None), kwargs), []) != key      # a shape changed
+    assert describe_call(((torch.zeros(2, 3), 8, None), kwargs), []) != key      # a Python number changed
+    assert describe_call(((torch.zeros(2, 3).requires_grad_(), 7, None), kwargs), []) != key
+    buffers = [t.clone() + 1 for t in tensors]
+    new_args, new_kwargs = substitute((args, kwargs), iter(buffers))
+    assert new_args[0] is buffers[0] and new_args[1:] == (7, None)
+    assert new_kwargs["added"]["ids"][0] is buffers[2] and new_kwargs["added"]["ids"][1] == 2.5
+    assert isinstance(new_kwargs["pair"], Pair) and new_kwargs["pair"].a is buffers[3]
+    with pytest.raises(NotGraphable, match="an argument of type object"):
+        describe_call((object(),), [])
+
+
+def test_a_cpu_tensor_is_not_graphable():
+    with pytest.raises(NotGraphable, match="a tensor on cpu"):
+        describe_call((torch.zeros(1),), [])
+
+
+def test_outputs_are_copied_leaves_kept():
+    loss = torch.tensor(2.0, requires_grad=True) * 1
+    copied = copy_output((loss, {"n": 3}, None))
+    assert copied[0].data_ptr() != loss.data_ptr() and not copied[0].requires_grad and copied[1:] == ({"n": 3}, None)
+    with pytest.raises(NotGraphable, match="an output of type set"):
+        copy_output({1})
+
+
+def test_optimizer_made_capturable_and_setting_changes_counted():
+    param = torch.nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.AdamW([param], lr=1e-3, weight_decay=0.01)
+    param.grad = torch.ones(3)
+    optimizer.step()                                           # stepped before: its step count is on the CPU
+    step = GraphedTrainStep(_noop, [optimizer], None, warmup=1, max_graphs=1)
+    assert optimizer.param_groups[0]["capturable"] is True
+    assert optimizer.state[param]["step"].dtype == torch.float32
+    step._check_settings()                                     # nothing changed: no warning, nothing counted
+    assert step._setting_changes == 0
+    optimizer.param_groups[0]["weight_decay"] = 0.1
+    with pytest.warns(UserWarning, match="the optimizer's weight_decay changed after the step was recorded"):
+        step._check_settings()
+    assert step._setting_changes == 1
+    optimizer.param_groups[0]["lr"] = 5e-4                      # a float learning rate (a CPU optimizer keeps one)
+    with pytest.warns(UserWarning, match="the optimizer's lr changed"):
+        step._check_settings()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for value in (0.2, 0.3):
+            optimizer.param_groups[0]["weight_decay"] = value
+            step._check_settings()
+    assert step._setting_changes == 4                          # past the limit: calls then run eagerly
+
+
+# ---------------------------------------------------------------------------------------------------- GPU
+
+def _llama_with_adapter(seed=0):
+    from peft import get_peft_model
+
+    model = get_peft_model(tiny_llama(seed, dtype=torch.bfloat16),
+                           SitsLoraConfig(r=8, lora_alpha=16, target_modules=LLAMA_TARGETS))
+    randomize_lora_weights(model)
+    return model.to("cuda").train()
+
+
+def _llama_step(model, optimizer):
+    def step(input_ids):
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def _halving(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 0.5 ** i)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fused", [True, False])
+def test_replayed_steps_train_a_llama_as_eager_steps_do(fused):
+    eager_model = _llama_with_adapter()
+    graphed_model = copy.deepcopy(eager_model)
+    opts = {}
+    for name, model in (("eager", eager_model), ("graphed", graphed_model)):
+        params = [p for p in model.parameters() if p.requires_grad]
+        opts[name] = torch.optim.AdamW(params, lr=1e-2, fused=fused, capturable=True)
+    # the eager side gets the same optimizer settings the graphed one is given (tensor lr, capturable)
+    opts["eager"].param_groups[0]["lr"] = torch.tensor(1e-2, device="cuda")
+    schedules = {name: _halving(o) for name, o in opts.items()}
+    eager_step = _llama_step(eager_model, opts["eager"])
+    graphed = graph_train_step(_llama_step(graphed_model, opts["graphed"]), opts["graphed"], model=graphed_model)
+    assert torch.is_tensor(opts["graphed"].param_groups[0]["lr"])
+    gen = torch.Generator().manual_seed(3)
+    losses = {"eager": [], "graphed": []}
+    for _ in range(6):
+        ids = torch.randint(0, 97, (2, 24), generator=gen).cuda()
+        losses["eager"].append(eager_step(ids).item())
+        losses["graphed"].append(graphed(ids).item())
+        for schedule in schedules.values():
+            schedule.step()
+    assert (graphed.eager_calls, graphed.recordings, graphed.replays) == (2, 1, 4)
+    assert losses["graphed"] == pytest.approx(losses["eager"], rel=2e-2)
+    for (name, a), (_, b) in zip(eager_model.named_parameters(), graphed_model.named_parameters()):
+        if a.requires_grad:
+            assert (a.float() - b.float()).abs().max().item() <= 2e-2 * a.float().abs().max().item() + 1e-3, name
+    # the schedule reached the replays: the adapters moved less in the later steps than a constant rate moves them
+    assert float(opts["graphed"].param_groups[0]["lr"]) == pytest.approx(1e-2 * 0.5 ** 6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_new_shape_warms_up_and_records_again_and_the_limit_runs_eagerly():
+    model = _llama_with_adapter()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
+    graphed = graph_train_step(_llama_step(model, optimizer), optimizer, model=model, warmup=1, max_graphs=1)
+    for length in (16, 16, 16):
+        graphed(torch.randint(0, 97, (2, length), device="cuda"))
+    assert (graphed.eager_calls, graphed.recordings, graphed.replays) == (1, 1, 2)
+    graphed(torch.randint(0, 97, (2, 12), device="cuda"))        # another shape: its warm-up call
+    with pytest.warns(UserWarning, match=r"1 recordings already \(max_graphs=1\)"):
+        graphed(torch.randint(0, 97, (2, 12), device="cuda"))
+    assert (graphed.eager_calls, graphed.recordings) == (3, 1)
+    model.eval()                                                  # the mode is part of the signature
+    graphed(torch.randint(0, 97, (2, 16), device="cuda"))
+    assert graphed.replays == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_step_that_waits_for_the_gpu_is_refused_with_the_fix():
+    model = _llama_with_adapter()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
+    inner = _llama_step(model, optimizer)
+
+    def step(ids):
+        loss = inner(ids)
+        return loss.item()           # a host sync
+
+    graphed = graph_train_step(step, optimizer, warmup=1)
+    ids = torch.randint(0, 97, (2, 16), device="cuda")
+    graphed(ids)
+    with pytest.raises(GraphCaptureError, match=r"could not be recorded as a CUDA graph .*remove .item\(\)"):
+        graphed(ids)
+    assert isinstance(inner(ids), torch.Tensor)                  # the model still trains eagerly
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_replayed_unet_steps_match_eager_steps():
+    pytest.importorskip("diffusers")
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "diffusion"))
+    from test_diffusers_models import ATTENTION, tiny_unet
+
+    torch.manual_seed(0)
+    unet = tiny_unet()
+    unet.add_adapter(SitsLoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, init_lora_weights=False))
+    unet = unet.to("cuda", torch.bfloat16).train()
+    twin = copy.deepcopy(unet)
+    steps, optimizers = {}, {}
+    for name, model in (("eager", unet), ("graphed", twin)):
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True,
+                                      capturable=True)
+        optimizer.param_groups[0]["lr"] = torch.tensor(1e-3, device="cuda")
+
+        def step(sample, t, text, noise, model=model, optimizer=optimizer):
+            pred = model(sample, t, encoder_hidden_states=text).sample
+            loss = torch.nn.functional.mse_loss(pred.float(), noise.float())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss
+
+        steps[name], optimizers[name] = step, optimizer
+    graphed = graph_train_step(steps["graphed"], optimizers["graphed"], model=twin)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(5):
+        batch = [torch.randn(2, 4, 16, 16, generator=gen), torch.randint(0, 1000, (2,), generator=gen),
+                 torch.randn(2, 7, 24, generator=gen), torch.randn(2, 4, 16, 16, generator=gen)]
+        batch = [b.cuda() if b.dtype == torch.int64 else b.to("cuda", torch.bfloat16) for b in batch]
+        eager_loss = steps["eager"](*batch)
+        graphed_loss = graphed(*batch)
+        assert graphed_loss.item() == pytest.approx(eager_loss.item(), rel=2e-2)
+    assert graphed.replays == 3
+    for (name, a), (_, b) in zip(unet.named_parameters(), twin.named_parameters()):
+        if a.requires_grad:
+            assert (a.float() - b.float()).abs().max().item() <= 2e-2 * a.float().abs().max().item() + 1e-3, name
+
