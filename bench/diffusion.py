@@ -23,6 +23,8 @@ Arms, each on a copy of the same U-Net with the same LoRA weights (B drawn non-z
                  the first image records, the timed ones replay
   X+cl           arm X with the U-Net and the VAE in channels_last memory format (cuDNN's convolutions' own layout)
   X+compile      arm X with the U-Net's forward compiled (torch.compile, default mode; the first image compiles)
+  X+rcompile     arm X with the U-Net's transformer blocks compiled one by one (diffusers' compile_repeated_blocks:
+                 a few block shapes to compile instead of the whole U-Net)
   Any kind (base, peft, sits) takes any of these modifiers, e.g. sits+fp8+cl+compile+graph.
   X+fp8          arm X with the U-Net's linear layers fed >= 256 rows a call in e4m3 with static input scales
                  (sits_lora.diffusion.calibrate on two other prompts at the same settings, then quantize_fp8);
@@ -58,7 +60,7 @@ from harness import png, print_table, write_results  # noqa: E402
 INFERENCE_ARMS = ["base", "peft", "peft+merged", "sits", "sits+noreuse", "sits+fused", "base+graph", "peft+graph",
                   "sits+graph", "sits+fp8", "base+fp8+graph", "sits+fp8+graph"]
 ARM_KINDS = ("base", "peft", "sits")
-ARM_MODIFIERS = ("merged", "noreuse", "fused", "fp8", "cl", "compile", "graph")
+ARM_MODIFIERS = ("merged", "noreuse", "fused", "fp8", "cl", "compile", "rcompile", "graph")
 TRAIN_ARMS = ["train:frozen", "train:peft", "train:sits", "train:sits+fused", "train:frozen+graph", "train:peft+graph",
               "train:sits+graph"]
 TRAIN_KINDS = ("frozen", "peft", "sits")
@@ -185,6 +187,8 @@ def pipeline(name: str, unet, vae, arm: str = "base", calibration_calls: list | 
         pipe.vae = copy.deepcopy(pipe.vae).to(memory_format=torch.channels_last)   # the VAE is shared by the arms
     if "compile" in arm.split("+"):
         pipe.unet.forward = torch.compile(pipe.unet.forward)
+    if "rcompile" in arm.split("+"):
+        pipe.unet.compile_repeated_blocks()   # diffusers' regional compilation: each transformer block alone
     if "graph" in arm.split("+") and torch.cuda.is_available() and next(unet.parameters()).is_cuda:
         from sits_lora.diffusion import graph_denoiser
 
@@ -264,9 +268,13 @@ def train_step(unet, frozen: bool, batch: int, latent: int, text_dim: int, poole
 
 def train_step_seconds(unet, arm: str, batch: int, latent: int, text_dim: int, pooled_dim, device: str, dtype,
                        steps: int) -> tuple[float, float | None]:
-    """(median seconds of one training step, peak GiB) over ``steps`` timed steps after three untimed ones (a
-    graph arm's two eager steps and its recording)."""
+    """(median seconds of one training step, peak GiB allocated, peak GiB reserved) over ``steps`` timed steps after
+    three untimed ones (a graph arm's two eager steps and its recording). A recording's memory pool counts as
+    reserved, not allocated, while it replays: compare graph arms by the reserved peak. Both count the weights of
+    every arm's model (all are built before the timed rounds): compare differences between arms, not totals."""
     kind, *modifiers = arm.split(":")[-1].split("+")
+    if device == "cuda":
+        torch.cuda.empty_cache()   # the other arms' cached blocks (and a released recording's pool) leave the reserve
     step = train_step(unet, kind == "frozen", batch, latent, text_dim, pooled_dim, device, dtype,
                       graph="graph" in modifiers)
     for _ in range(3):
@@ -280,8 +288,9 @@ def train_step_seconds(unet, arm: str, batch: int, latent: int, text_dim: int, p
         step()
         sync(device)
         times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
-    return statistics.median(times), peak
+    if device != "cuda":
+        return statistics.median(times), None, None
+    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
 
 
 def is_train(arm: str) -> bool:
@@ -388,19 +397,20 @@ def main(argv=None) -> int:
                 train_arms = [a for a in train_arms if "graph" not in a.split("+")]
             models = {arm: adapt(unet, arm, TRAIN_TARGETS) for arm in train_arms}
             step_times = {arm: [] for arm in train_arms}
-            peaks = {}
+            peaks, reserved = {}, {}
             for round_ in range(1 if args.smoke else args.train_rounds):
                 for arm in train_arms:
                     with fused_only(arm):
-                        seconds, peak = train_step_seconds(models[arm], arm, batch, latent, shape["text_dim"],
+                        seconds, peak, held = train_step_seconds(models[arm], arm, batch, latent, shape["text_dim"],
                                                            shape["pooled_dim"], device, dtype,
                                                            steps=3 if args.smoke else 5)
                     step_times[arm].append(seconds)
                     peaks[arm] = peak if peak is None else max(peak, peaks.get(arm) or 0.0)
+                    reserved[arm] = held if held is None else max(held, reserved.get(arm) or 0.0)
             for arm in train_arms:
                 seconds = statistics.median(step_times[arm])
                 rows.append({"shape": name, "arm": arm, "train_step_s": seconds, "times": step_times[arm],
-                             "peak_gib": peaks[arm], "batch": batch,
+                             "peak_gib": peaks[arm], "peak_reserved_gib": reserved[arm], "batch": batch,
                              "lora_targets": "" if arm.startswith("train:frozen") else " ".join(TRAIN_TARGETS)})
                 print(f"[{name} {arm}] {seconds * 1000:.1f} ms per training step, bs {batch} "
                       f"(rounds: {' '.join(f'{t * 1000:.1f}' for t in step_times[arm])})", flush=True)
@@ -425,7 +435,8 @@ def main(argv=None) -> int:
     print_table([r for r in rows if "seconds_per_image" in r],
                 ["shape", "arm", "seconds_per_image", "vs_base", "psnr_db", "max_abs"])
     print_table([r for r in rows if "train_step_s" in r], ["shape", "arm", "train_step_s", "vs_frozen",
-                                                            "peft_over_this", "best_peft_over_this", "peak_gib"])
+                                                            "peft_over_this", "best_peft_over_this", "peak_gib",
+                                                            "peak_reserved_gib"])
     picture(rows, images, os.path.join(args.out, "diffusion.png"))
     print("wrote", *paths)
     return 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU call for the diffusion work: its GPU tests, then bench/diffusion.py.
+# One GPU call for the diffusion work: its GPU tests (and the recorded training step's), then bench/diffusion.py.
 #
 #     bash bench/run_diffusion_gpu.sh OUT [diffusion.py arguments ...]
 #
@@ -18,7 +18,8 @@ mkdir -p "$OUT"
 . bench/gpu_env.sh
 trap pack EXIT
 timeout "${TESTS_TIMEOUT:-180}" python3 -m pytest -v -rfE --tb=short -m gpu tests/diffusion \
-    tests/ops/test_aten_path.py > "$OUT/tests.log" 2>&1
+    tests/ops/test_aten_path.py tests/training/test_graph_train_step.py tests/recipe/test_train_diffusion.py \
+    > "$OUT/tests.log" 2>&1
 grep -E "FAILED|[0-9]+ passed|[0-9]+ failed|^E " "$OUT/tests.log" | tail -n 30
 python3 bench/diffusion.py --out "$OUT/diffusion" "$@" 2>&1 | grep --line-buffered -v -E "Warning|warnings.warn" \
     | tee "$OUT/diffusion.log"

@@ -3,6 +3,7 @@
     python recipes/train_diffusion.py                                 # tiny random model, 32 px: 22 s on a 2-core CPU
     python recipes/train_diffusion.py --model sd15 --batch-size 4     # the SD1.5 U-Net's shapes: a CUDA GPU only
     python recipes/train_diffusion.py --model sdxl --adapter peft     # PEFT's LoRA on the SDXL U-Net, to compare
+    python recipes/train_diffusion.py --model sd15 --cuda-graphs      # the whole step replayed as a CUDA graph
 
 Nothing is downloaded. The images are drawn here: a circle, square or triangle in red, green, blue or yellow on a
 plain background, captioned "a photo of sks red circle"; the same images for the same --seed. The models are built
@@ -16,6 +17,8 @@ and the text encoder the captions once; the loop trains the U-Net's LoRA on to_q
 noise-prediction MSE (DDPM noise schedule of Stable Diffusion), AdamW at a constant learning rate, gradients clipped
 to norm 1, bf16 autocast on CUDA and fp32 on the CPU. Every step checks its loss and gradients: one that is not
 finite stops the run, naming the step, with exit status 1 (the last checkpoint stays, --resume continues from it).
+--cuda-graphs (a GPU only) records the step after two eager ones and replays it: the host's time leaves the step
+(docs/usage.md has the measurement); a non-finite step is then skipped on the GPU and stops the run as above.
 
 --output-dir gets metrics.jsonl (a line per step: step, loss, seconds that step took), summary.json, loss.png,
 lora/ (sits_lora.export_diffusers_lora: the file `pipe.load_lora_weights("lora")` reads) and checkpoint-N/ folders

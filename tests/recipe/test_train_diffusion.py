@@ -129,6 +129,57 @@ def test_the_real_shapes_are_refused_without_a_gpu(recipe, tmp_path, capsys, mod
     assert f"--model {model} needs a CUDA GPU" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_cuda_graphs_are_refused_without_a_gpu(recipe, tmp_path, capsys):
+    assert recipe.main(["--output-dir", str(tmp_path / "run"), "--cuda-graphs"]) == 2
+    assert "--cuda-graphs true records CUDA graphs and needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphs_train_as_the_eager_loop_does(recipe, tmp_path):
+    eager, graphed = tmp_path / "eager", tmp_path / "graphed"
+    assert recipe.main(["--output-dir", str(eager), "--steps", "7", *TINY]) == 0
+    assert recipe.main(["--output-dir", str(graphed), "--steps", "7", "--cuda-graphs", *TINY]) == 0
+    # steps 1-2 eager, 3 recorded, 3-7 replayed; fused AdamW against the eager loop's foreach one
+    assert [m["loss"] for m in _metrics(graphed)] == pytest.approx([m["loss"] for m in _metrics(eager)], rel=1e-3)
+    summaries = [json.loads((out / "summary.json").read_text()) for out in (eager, graphed)]
+    assert summaries[1]["fixed_noise_loss_after"] == pytest.approx(summaries[0]["fixed_noise_loss_after"], rel=1e-3)
+    assert summaries[1]["export_check"]["ok"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_nonfinite_gradient_in_a_replayed_step_is_skipped_on_the_gpu_and_named(recipe, tmp_path, monkeypatch,
+                                                                                capsys):
+    poison = torch.ones((), device="cuda")       # read by the recorded step: NaN from step 5 on
+    add_lora, sample_batch = recipe.add_lora, recipe.sample_batch
+
+    def poisoned(unet, options):
+        params = add_lora(unet, options)
+        params[0].register_hook(lambda grad: grad * poison)
+        return params
+
+    def batch_of(cache, step, *args):
+        if step == 5:
+            poison.fill_(float("nan"))
+        return sample_batch(cache, step, *args)
+
+    monkeypatch.setattr(recipe, "add_lora", poisoned)
+    monkeypatch.setattr(recipe, "sample_batch", batch_of)
+    out = tmp_path / "run"
+    assert recipe.main(["--output-dir", str(out), "--steps", "8", "--save-every", "4", "--cuda-graphs", *TINY]) == 1
+    err = capsys.readouterr().err
+    assert re.search(r"error: step 5: the gradient of down_blocks\.0\.attentions\.0\.transformer_blocks\.0\.attn1\."
+                     r"to_q\.lora_A\.default\.weight holds NaN or Inf; nothing was applied at that step", err), err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "nonfinite" and summary["steps_done"] == 4
+    # the run saves its weights again after the failed step (as checkpoint-4): finite, so step 5's NaN update was
+    # skipped on the GPU (applied, NaN gradients through clipping and AdamW make every weight NaN)
+    saved = torch.load(out / "checkpoint-4" / "training_state.pt", map_location="cpu")["adapter"]
+    assert all(torch.isfinite(v).all() for v in saved.values())
+
+
 @pytest.mark.parametrize("how", ["signal", "exception"])
 def test_an_interrupted_run_saves_and_resume_continues_where_it_stopped(recipe, tmp_path, monkeypatch, capsys, how):
     """Ctrl-C (SIGINT) during step 3 finishes that step and saves checkpoint-3; a KeyboardInterrupt raised before

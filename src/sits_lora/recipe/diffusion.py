@@ -64,6 +64,10 @@ class DiffusionRecipe:
         "help": "continue from the latest checkpoint-N in output_dir (an interrupted run leaves one there)"})
     overwrite: bool = field(default=False, metadata={
         "help": "replace another run in output_dir; without it (or resume) such a folder is refused"})
+    cuda_graphs: bool = field(default=False, metadata={
+        "help": "record the whole step (forward, backward, clipping, fused AdamW) as a CUDA graph after two eager "
+                "steps and replay it (sits_lora.training.graph_train_step): the host's time leaves the step. A "
+                "non-finite step is skipped on the GPU and stops the run as without it. CUDA GPU only"})
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "num_images", "rank"):
@@ -146,6 +150,8 @@ class DiffusionRecipe:
             raise ValueError(f"--model {self.model} needs a CUDA GPU (its U-Net has "
                              f"{'860 M' if self.model == 'sd15' else '2.6 B'} parameters: a step takes minutes on a "
                              f"CPU); use --model tiny on this machine")
+        if self.cuda_graphs and not torch.cuda.is_available():
+            raise ValueError("--cuda-graphs true records CUDA graphs and needs a CUDA GPU; drop it on this machine")
         if self.kernel == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("--kernel triton needs a CUDA GPU (or TRITON_INTERPRET=1, the kernels on the CPU, slowly, "
                              "for tests); use --kernel auto on this machine")
@@ -369,6 +375,9 @@ def encode_captions(parts: Components, captions: list[str]):
     return torch.cat(states, dim=-1).float(), pooled.float()
 
 
+_TIME_IDS: dict = {}
+
+
 def predict_noise(unet, noisy, timesteps, text, pooled, size: int):
     """The U-Net's noise prediction (B, 4, h, w); SDXL's added conditions: the pooled text (B, 1280) and the
     time ids (B, 6) = (original height, width, crop top, left, target height, width), here the uncropped size."""
@@ -376,8 +385,10 @@ def predict_noise(unet, noisy, timesteps, text, pooled, size: int):
 
     added = None
     if pooled is not None:
-        time_ids = torch.tensor([size, size, 0, 0, size, size], dtype=text.dtype, device=text.device)
-        added = {"text_embeds": pooled, "time_ids": time_ids.expand(noisy.shape[0], 6)}
+        key = (size, text.dtype, text.device)
+        if key not in _TIME_IDS:   # made once: a host-to-device copy cannot be part of a recorded step
+            _TIME_IDS[key] = torch.tensor([size, size, 0, 0, size, size], dtype=text.dtype, device=text.device)
+        added = {"text_embeds": pooled, "time_ids": _TIME_IDS[key].expand(noisy.shape[0], 6)}
     return unet(noisy, timesteps, encoder_hidden_states=text, added_cond_kwargs=added).sample
 
 
@@ -621,6 +632,38 @@ class LoopOutcome:
     seconds: float = 0.0
 
 
+def _raise_on_bad_gradients(checked, step: int) -> None:
+    if checked.nonfinite:
+        others = len(checked.bad_parameters) - 1
+        raise NonFiniteTrainingError(
+            f"step {step}: the gradient of {checked.bad_parameters[0]} holds NaN or Inf"
+            + (f" (and {others} other parameter(s))" if others > 0 else ""))
+
+
+def recorded_step(unet, params, optimizer, scheduler, cache: Cache, recipe: DiffusionRecipe, autocast):
+    """The training step as one CUDA graph (sits_lora.training.graph_train_step): (loss, skipped) of the step
+    from the step's batch on the GPU. No host decision inside: a non-finite loss or gradient norm sets ``skipped``
+    and fused AdamW's ``found_inf``, which skips the update (and its step count) on the GPU; the gradients stay in
+    ``.grad`` until the next step, for the guard to name the bad parameter."""
+    import torch
+
+    from sits_lora.training import graph_train_step
+
+    def step(index, draw, noise, timesteps):
+        optimizer.zero_grad(set_to_none=True)   # first, so that backward makes fresh gradients, left for the guard
+        loss = diffusion_loss(unet, scheduler, cache, index, draw, noise, timesteps, recipe.size, autocast)
+        loss.backward()
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        skipped = (~torch.isfinite(norm + loss.detach())).float()
+        # clipped by 1 when skipped: a NaN norm would spread NaN to every gradient, and the guard would name them all
+        torch.nn.utils.clip_grads_with_norm_(params, 1.0, torch.where(skipped > 0, torch.zeros_like(norm), norm))
+        optimizer.found_inf = skipped
+        optimizer.step()
+        return loss.detach(), skipped
+
+    return graph_train_step(step, optimizer, model=unet)
+
+
 def train_steps(unet, params, optimizer, scheduler, cache: Cache, recipe: DiffusionRecipe, start: int,
                 checkpoint, autocast, log) -> LoopOutcome:
     """Steps start + 1 .. recipe.steps: a line of ``log`` per step, ``checkpoint(step)`` every
@@ -632,6 +675,7 @@ def train_steps(unet, params, optimizer, scheduler, cache: Cache, recipe: Diffus
 
     guard = GradientGuard(policy="skip")       # "skip": a bad step's gradients are dropped; the error names it
     guard.bind(unet)
+    recorded = recorded_step(unet, params, optimizer, scheduler, cache, recipe, autocast) if recipe.cuda_graphs else None
     every = recipe.checkpoint_steps()
     outcome = LoopOutcome(done=start, status="finished")
     t_start = time.perf_counter()
@@ -641,22 +685,28 @@ def train_steps(unet, params, optimizer, scheduler, cache: Cache, recipe: Diffus
             for step in range(start + 1, recipe.steps + 1):
                 t0 = time.perf_counter()
                 batch = sample_batch(cache, step, recipe, scheduler.config.num_train_timesteps)
-                loss = diffusion_loss(unet, scheduler, cache, *batch, recipe.size, autocast)
-                value = loss.item()
-                if not math.isfinite(value):
-                    raise NonFiniteTrainingError(f"step {step}: the loss is {value}")
-                loss.backward()
-                checked = guard.check(step)
-                if checked.nonfinite:
-                    others = len(checked.bad_parameters) - 1
-                    raise NonFiniteTrainingError(
-                        f"step {step}: the gradient of {checked.bad_parameters[0]} holds NaN or Inf"
-                        + (f" (and {others} other parameter(s))" if others > 0 else ""))
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                outcome.mid_update = True
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                outcome.mid_update = False
+                if recorded is not None:
+                    # the update of a non-finite step was skipped on the GPU; the checks below name what was bad
+                    outcome.mid_update = True
+                    loss, skipped = recorded(*(t.to(cache.mean.device) for t in batch))
+                    value, skipped = torch.stack([loss, skipped]).tolist()    # one wait for the GPU a step
+                    outcome.mid_update = False
+                    if not math.isfinite(value):
+                        raise NonFiniteTrainingError(f"step {step}: the loss is {value}")
+                    if skipped:
+                        _raise_on_bad_gradients(guard.check(step), step)
+                else:
+                    loss = diffusion_loss(unet, scheduler, cache, *batch, recipe.size, autocast)
+                    value = loss.item()
+                    if not math.isfinite(value):
+                        raise NonFiniteTrainingError(f"step {step}: the loss is {value}")
+                    loss.backward()
+                    _raise_on_bad_gradients(guard.check(step), step)
+                    torch.nn.utils.clip_grad_norm_(params, 1.0)
+                    outcome.mid_update = True
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    outcome.mid_update = False
                 outcome.done = step
                 log.write(json.dumps({"step": step, "loss": value, "seconds": time.perf_counter() - t0}) + "\n")
                 log.flush()
@@ -713,7 +763,9 @@ def run(recipe: DiffusionRecipe) -> tuple[int, dict]:
     def autocast():
         return torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
 
-    optimizer = torch.optim.AdamW(params, lr=recipe.learning_rate, weight_decay=1e-2)
+    # fused: one kernel for the update, and the only AdamW that skips a non-finite step on the GPU (found_inf),
+    # which a recorded step needs
+    optimizer = torch.optim.AdamW(params, lr=recipe.learning_rate, weight_decay=1e-2, fused=recipe.cuda_graphs)
     if recipe.overwrite:     # only now: a run that fails while building leaves the old one whole
         for name in run_files(out):
             path = os.path.join(out, name)
