@@ -25,6 +25,7 @@ from peft.tuners.lora.layer import LoraVariant
 from torch import nn
 
 from .bases import BF16_BASE
+from .serving.mixed_batch import mixed_batch_forward
 
 
 class SitsLoraVariant(LoraVariant):
@@ -180,6 +181,12 @@ class SitsLoraLinear(FusedAdapterChoice, LoraLinear):
         adapter = self._fused_adapter(args, kwargs)
         if adapter is not None:
             return self.frozen_base.fused_forward(self, adapter, x)
+        adapter_names = kwargs.get("adapter_names")
+        if adapter_names is not None and not args and all(v is None for k, v in kwargs.items() if k != "adapter_names"):
+            self._check_forward_args(x, **kwargs)   # PEFT's refusals (a merged adapter, a wrong count of names)
+            out = mixed_batch_forward(self, x, adapter_names)
+            if out is not None:   # every named adapter plain LoRA on the kernels: one segmented pass for the batch
+                return out
         if self.lora_variant:
             adapter = self._routed_adapter(args, kwargs)
             if adapter is not None:

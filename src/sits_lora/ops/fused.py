@@ -54,7 +54,7 @@ def block_rank(r: int) -> int:
     return max(16, 1 << (r - 1).bit_length())
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype) -> str:
     # fp32 activations: exact fp32 products (the interpreter tests compare at 1e-5);
     # bf16 / fp16: the inputs are cast to the activation dtype, precision flag unused.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -130,7 +130,7 @@ def _shrink(x, lora_A, config, rank_limit, keep_full):
         x, lora_A, h, h_full if h_full is not None else h, rank_limit if rank_limit is not None else h, T, K, R,
         x.stride(0), x.stride(1), lora_A.stride(0), lora_A.stride(1), h.stride(0), h.stride(1),
         HAS_LIMIT=rank_limit is not None, WRITE_FULL=h_full is not None,
-        BLOCK_R=BLOCK_R, DOT_PRECISION=_dot_precision(x.dtype), **cfg,
+        BLOCK_R=BLOCK_R, DOT_PRECISION=dot_precision(x.dtype), **cfg,
     )
     return h, h_full
 
@@ -235,7 +235,7 @@ def lora_expand(h: torch.Tensor, lora_B: torch.Tensor, scale: float, bias: Optio
         c.stride(0), c.stride(1),
         HAS_BIAS=bias is not None, ACCUMULATE=add_to is not None, HAS_LIMIT=rank_limit is not None,
         GROUPED=token_order is not None, BLOCK_R=BLOCK_R,
-        DOT_PRECISION=_dot_precision(out_dtype), **cfg,
+        DOT_PRECISION=dot_precision(out_dtype), **cfg,
     )
     return c
 
@@ -328,7 +328,7 @@ def lora_gemm(a: torch.Tensor, b: torch.Tensor, lora_left: Optional[torch.Tensor
         lora_left.stride(0) if has_lora else 0, lora_left.stride(1) if has_lora else 0,
         lora_right.stride(0) if has_lora else 0, lora_right.stride(1) if has_lora else 0,
         HAS_LORA=has_lora, HAS_BIAS=bias is not None, HAS_SCALES=scales is not None, BLOCK_R=block_rank(max(R, 1)),
-        DOT_PRECISION=_dot_precision(a.dtype), **cfg,
+        DOT_PRECISION=dot_precision(a.dtype), **cfg,
     )
     return out
 
@@ -413,7 +413,7 @@ def lora_dy_pass_parts(dy: torch.Tensor, lora_B: torch.Tensor, h: torch.Tensor, 
              dy, lora_B, h, g_part, db_part, T, N, R, n_per_split, scale, g_scale,
              dy.stride(0), dy.stride(1), lora_B.stride(0), lora_B.stride(1), h.stride(0), h.stride(1),
              g_part.stride(0), g_part.stride(1),
-             BLOCK_R=block_rank(R), DOT_PRECISION=_dot_precision(dy.dtype), **cfg)
+             BLOCK_R=block_rank(R), DOT_PRECISION=dot_precision(dy.dtype), **cfg)
     return g_part, db_part
 
 
@@ -501,7 +501,7 @@ def lora_x_pass_parts(x: torch.Tensor, lora_A: torch.Tensor, g: torch.Tensor, sc
             T, K, R, t_per_split, g_parts, scale,
             x.stride(0), x.stride(1), lora_A.stride(0), lora_A.stride(1), stride_gs, g.stride(-2), g.stride(-1),
             dx.stride(0) if write_dx else 0, dx.stride(1) if write_dx else 0,
-            WRITE_DX=write_dx, BLOCK_R=BLOCK_R, DOT_PRECISION=_dot_precision(x.dtype), **cfg)
+            WRITE_DX=write_dx, BLOCK_R=BLOCK_R, DOT_PRECISION=dot_precision(x.dtype), **cfg)
     return da_part, dx
 
 

@@ -1,0 +1,187 @@
+"""Decoding with adapters: time per generated token for the base model, one adapter merged, one adapter unmerged
+(PEFT, sits_lora) and a batch whose samples take 8 different adapters (PEFT's mixed batch, sits_lora's segmented
+kernels), side by side in one run.
+
+    python bench/serve.py --out OUT                                  # GPU: the 1B shape, batch 1 and 32
+    python bench/serve.py --out OUT --shapes 8b --layers 4           # the 8B shape at 4 decoder layers
+    python bench/serve.py --out OUT --smoke                          # tiny config on a CPU (checks the script)
+
+Random bf16 weights in Llama-3 shapes (bench_model.MODELS), LoRA r16 alpha 32 on the seven projections, 8 adapters
+with random A and B; prompts of --prompt random tokens; greedy ``generate`` (eager, transformers' dynamic cache) of
+--new-tokens tokens. Time per token = (time of --new-tokens tokens - time of 1 token) / (--new-tokens - 1): the
+decode steps without the prefill. Arms, each on the same prompts:
+  base         the adapters disabled
+  merged       adapter 0 merged into the weights (the time any unmerged arm is held to)
+  peft         PEFT's LoRA, adapter 0 active, unmerged
+  sits         sits_lora, adapter 0 active, unmerged
+  peft+mixed8  PEFT, sample i takes adapter i mod 8 (``adapter_names``: PEFT's loop over adapters)
+  sits+mixed8  sits_lora, the same names (one segmented shrink and expand per layer)
+Every arm runs --repeats rounds after a warm-up round, arms in turn; the median round. Writes OUT/serve.json, .csv
+and serve.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_model import MODELS, TARGETS  # noqa: E402
+from harness import png, print_table, write_results  # noqa: E402
+
+ARMS = ["base", "merged", "peft", "sits", "peft+mixed8", "sits+mixed8"]
+ADAPTERS = [f"adapter{i}" for i in range(8)]
+
+
+def build(shape: str, layers: int | None, device: str, dtype):
+    """(sits model, PEFT model): one random base in the shape, each wrapper over its own copy, 8 adapters each with
+    the same weights."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sits_lora import SitsLoraConfig
+
+    config = LlamaConfig(**{**MODELS[shape], **({"num_hidden_layers": layers} if layers else {})})
+    torch.manual_seed(0)
+    with torch.device(device):
+        base = LlamaForCausalLM(config).to(dtype).eval()
+    models = []
+    for config_cls in (SitsLoraConfig, LoraConfig):
+        model = None
+        for name in ADAPTERS:
+            lora = config_cls(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS)
+            if model is None:
+                model = get_peft_model(base if config_cls is LoraConfig else copy.deepcopy(base), lora,
+                                       adapter_name=name)
+            else:
+                model.add_adapter(name, lora)
+        models.append(model.eval())
+    gen = torch.Generator(device=device).manual_seed(1)
+    with torch.no_grad():
+        peft_params = dict(models[1].named_parameters())
+        for n, p in models[0].named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=p.dtype) * 0.02)
+                peft_params[n].copy_(p)
+    return models
+
+
+def generate_seconds(model, ids, new_tokens: int, adapter_names, device: str) -> float:
+    kwargs = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    if adapter_names is not None:
+        kwargs["adapter_names"] = adapter_names
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(input_ids=ids, **kwargs)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def per_token_seconds(model, arm: str, ids, new_tokens: int, device: str) -> float:
+    """Seconds per decoded token of ``arm`` on ``model`` (set up and undone here)."""
+    names = [ADAPTERS[i % len(ADAPTERS)] for i in range(ids.shape[0])] if arm.endswith("mixed8") else None
+    model.set_adapter(ADAPTERS[0])
+    if arm == "merged":
+        model.merge_adapter([ADAPTERS[0]])
+
+    def run(n):
+        if arm == "base":
+            with model.disable_adapter():
+                return generate_seconds(model, ids, n, None, device)
+        return generate_seconds(model, ids, n, names, device)
+
+    try:
+        return (run(new_tokens) - run(1)) / (new_tokens - 1)
+    finally:
+        if arm == "merged":
+            model.unmerge_adapter()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--shapes", nargs="+", choices=["1b", "8b"], default=["1b"])
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's all)")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 32])
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=ARMS)
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="tiny config on any device (checks the script)")
+    args = parser.parse_args(argv)
+    for flag in ("prompt", "repeats"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.new_tokens < 2:
+        parser.error(f"--new-tokens must be >= 2 (the time per token is a difference), got {args.new_tokens}")
+    if any(b < 1 for b in args.batches):
+        parser.error(f"--batches must be >= 1, got {args.batches}")
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers must be >= 1, got {args.layers}")
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if device == "cpu" and not args.smoke:
+        parser.error("the 1B / 8B shapes need a CUDA GPU; --smoke runs a tiny config on a CPU")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    shapes = ["tiny"] if args.smoke else args.shapes
+    new_tokens, repeats = (3, 1) if args.smoke else (args.new_tokens, args.repeats)
+    rows = []
+    for shape in shapes:
+        sits, peft_model = build(shape, args.layers, device, dtype)
+        for batch in args.batches:
+            gen = torch.Generator().manual_seed(2)
+            ids = torch.randint(3, MODELS[shape]["vocab_size"], (batch, args.prompt), generator=gen).to(device)
+            times = {arm: [] for arm in args.arms}
+            for round_ in range(repeats + 1):     # round 0 warms up (autotuning, allocator, the mixed-batch plans)
+                for arm in args.arms:
+                    model = peft_model if arm.startswith("peft") else sits
+                    seconds = per_token_seconds(model, arm, ids, new_tokens, device)
+                    if round_:
+                        times[arm].append(seconds)
+            merged = statistics.median(times["merged"]) if "merged" in times else None
+            for arm in args.arms:
+                seconds = statistics.median(times[arm])
+                rows.append({"shape": shape, "layers": args.layers, "batch": batch, "arm": arm,
+                             "ms_per_token": seconds * 1000, "tokens_per_s": batch / seconds,
+                             "vs_merged": seconds / merged if merged else None,
+                             "rounds_ms": [t * 1000 for t in times[arm]], "prompt": args.prompt,
+                             "new_tokens": new_tokens})
+                print(f"[{shape} bs{batch} {arm}] {seconds * 1000:.2f} ms per token", flush=True)
+        del sits, peft_model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    for shape in shapes:
+        for batch in args.batches:
+            peft_mixed = next((r["ms_per_token"] for r in rows if (r["shape"], r["batch"], r["arm"]) ==
+                               (shape, batch, "peft+mixed8")), None)
+            for r in rows:
+                if (r["shape"], r["batch"]) == (shape, batch):
+                    r["peft_mixed8_over_this"] = peft_mixed / r["ms_per_token"] if peft_mixed else None
+    command = "python bench/serve.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    paths = write_results("serve", rows, args.out, {"command": command})
+    print_table(rows, ["shape", "batch", "arm", "ms_per_token", "tokens_per_s", "vs_merged", "peft_mixed8_over_this"])
+    with png(os.path.join(args.out, "serve.png"), figsize=(7, 3.5)) as ax:
+        if ax is not None:
+            groups = sorted({(r["shape"], r["batch"]) for r in rows})
+            width = 0.8 / len(groups)
+            for i, (shape, batch) in enumerate(groups):
+                values = [next((r["ms_per_token"] for r in rows if (r["shape"], r["batch"], r["arm"]) ==
+                                (shape, batch, arm)), 0) for arm in args.arms]
+                ax.bar([j + i * width for j in range(len(args.arms))], values, width=width, label=f"{shape} bs{batch}")
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(args.arms))], args.arms, fontsize=7)
+            ax.set_ylabel("ms per token")
+            ax.legend(fontsize=7)
+    print("wrote", *paths)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

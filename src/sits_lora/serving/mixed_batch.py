@@ -1,0 +1,88 @@
+"""A sits_lora layer's forward for a batch whose samples take different adapters (PEFT's ``adapter_names``).
+
+The layer asks :func:`mixed_batch_forward` first; it answers None (PEFT's own mixed-batch loop runs, as before)
+unless every adapter the batch names is plain LoRA on this layer (no DoRA or other variant, no LoRA bias, not
+merged), the base is a plain ``nn.Linear`` and the input resolves to the Triton kernels (``SitsLoraConfig.kernel``:
+a CUDA GPU in bf16 / fp16, or the interpreter under kernel="triton"). Then the base layer runs once and
+``sits_lora.ops.mixed_batch`` adds every sample's adapter in one segmented shrink and one segmented expand.
+
+Two things are made once and reused: the adapters' stacked A / B per layer (rebuilt when an adapter is added or
+removed, or a weight is written: their version counters), and the batch's row plan, per adapter names, shared by
+every layer whose adapters are stacked in the same order (a model's layers all are, as a rule).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .. import ops
+
+_PLANS: "OrderedDict[tuple, object]" = OrderedDict()
+_MAX_PLANS = 32      # a generation makes one plan per prompt length and one for decoding: a few per request
+
+
+def _plan(sample_adapter: tuple, rows_per_sample: int, device: torch.device):
+    key = (sample_adapter, rows_per_sample, device)
+    plan = _PLANS.get(key)
+    if plan is None:
+        from ..ops.mixed_batch import mixed_batch_plan
+
+        plan = _PLANS[key] = mixed_batch_plan(sample_adapter, rows_per_sample, device)
+        if len(_PLANS) > _MAX_PLANS:
+            _PLANS.popitem(last=False)
+    else:
+        _PLANS.move_to_end(key)
+    return plan
+
+
+def _stacks(layer, adapters: tuple):
+    """(A, B, scalings) of ``adapters`` stacked, made again when an adapter's weights or scaling changed."""
+    weights = [(layer.lora_A[a].weight, layer.lora_B[a].weight) for a in adapters]
+    key = (adapters, tuple((a.data_ptr(), a._version, b.data_ptr(), b._version) for a, b in weights),
+           tuple(layer.scaling[a] for a in adapters))
+    cached = layer.__dict__.get("_mixed_batch_stacks")
+    if cached is None or cached[0] != key:
+        from ..ops.mixed_batch import stack_adapters
+
+        with torch.no_grad():
+            A, B, scalings = stack_adapters([a for a, _ in weights], [b for _, b in weights],
+                                               [layer.scaling[a] for a in adapters])
+        cached = (key, A, B, scalings)
+        layer.__dict__["_mixed_batch_stacks"] = cached   # not a buffer: no state dict entry, no .to()
+    return cached[1:]
+
+
+def mixed_batch_forward(layer, x: torch.Tensor, adapter_names: list) -> Optional[torch.Tensor]:
+    """The layer's output for samples x[b] taking adapter ``adapter_names[b]`` ("__base__": none), or None when
+    PEFT's loop must run it (module docstring)."""
+    base = layer.base_layer
+    if (layer.merged or layer.disable_adapters or layer.training or layer.fan_in_fan_out
+            or type(base) is not nn.Linear or base._forward_hooks or base._forward_pre_hooks):
+        return None
+    named = tuple(dict.fromkeys(a for a in adapter_names if a in layer.lora_A))   # this layer's, in batch order
+    if any(a in layer.lora_variant or layer.lora_bias[a] for a in named):
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or any(
+            layer.lora_A[a].weight.requires_grad or layer.lora_B[a].weight.requires_grad for a in named)):
+        return None   # the kernels have no backward: a call that may be differentiated takes PEFT's loop
+    if x.dim() < 2 or x.shape[0] != len(adapter_names):
+        return None
+    rows_per_sample = x.numel() // x.shape[-1] // len(adapter_names)
+    requested = "auto" if all(layer.sits_kernel.get(a, "auto") == "auto" for a in named) else "triton"
+    if ops.resolve_kernel(requested, x, layer.out_features) != "triton":
+        return None
+    y = base(x)
+    if not named:
+        return y
+    order = tuple(sorted(named))          # the stack order: the same in every layer that has these adapters
+    A, B, scalings = _stacks(layer, order)
+    index = {a: g for g, a in enumerate(order)}
+    plan = _plan(tuple(index.get(a, -1) for a in adapter_names), rows_per_sample, x.device)
+    from ..ops.mixed_batch import lora_mixed_batch_triton
+
+    lora_mixed_batch_triton(x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1]), A, B, scalings, plan)
+    return y
