@@ -51,6 +51,22 @@ def test_aten_path_equals_the_reference_with_every_gradient(lead, bias, dropout)
         torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10, msg=name)
 
 
+@pytest.mark.parametrize("lead", [(37,), (3, 7)], ids=["2d", "3d"])
+@pytest.mark.parametrize("dropout", [False, True], ids=["same-input", "dropout-input"])
+def test_without_gradients_the_same_output_and_no_autograd_node(lead, dropout):
+    x, W, b, A, B = _problem(lead=lead)
+    mask = torch.rand(x.shape, generator=torch.Generator().manual_seed(1), dtype=x.dtype) > 0.3
+    x_lora = x * mask / 0.7 if dropout else x       # a dropped-out LoRA input: another tensor than x
+    want = lora_linear_reference(x, x_lora, W, b, A, B, 1.7)
+    with torch.no_grad():
+        got = lora_linear_aten(x, x_lora, W, b, A.requires_grad_(True), B.requires_grad_(True), 1.7)
+    assert got.grad_fn is None and got.shape == want.shape
+    assert rel_err(got, want) < 1e-12
+    # gradients off on every input (a frozen adapter, an eval forward outside no_grad): no node either
+    got = lora_linear_aten(x, x_lora, W, b, A.detach(), B.detach(), 1.7)
+    assert got.grad_fn is None and rel_err(got, want) < 1e-12
+
+
 def test_no_input_gradient_is_computed_when_none_is_asked():
     x, W, b, A, B = _problem()
     Ag, Bg = A.clone().requires_grad_(True), B.clone().requires_grad_(True)

@@ -82,6 +82,18 @@ def stack_adapters(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], scali
 
 
 @triton.jit
+def _block_rows(order_ptr, blocks_ptr, block, BLOCK_T: tl.constexpr):
+    """(rows (BT,) int64, which of them are in the block, adapter g) of row block ``block``."""
+    start = tl.load(blocks_ptr + block * 3)
+    end = tl.load(blocks_ptr + block * 3 + 1)
+    g = tl.load(blocks_ptr + block * 3 + 2).to(tl.int64)
+    offs = start + tl.arange(0, BLOCK_T)
+    ok = offs < end
+    rows = tl.load(order_ptr + offs, mask=ok, other=0).to(tl.int64)
+    return rows, ok, g
+
+
+@triton.jit
 def _lora_mixed_shrink_kernel(
     x_ptr, a_ptr, h_ptr, order_ptr, blocks_ptr,
     K, R,
@@ -89,13 +101,7 @@ def _lora_mixed_shrink_kernel(
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """h[row] = x[row] A_gᵀ for the rows order[start:end] of one block of adapter g."""
-    pid = tl.program_id(0)
-    start = tl.load(blocks_ptr + pid * 3)
-    end = tl.load(blocks_ptr + pid * 3 + 1)
-    g = tl.load(blocks_ptr + pid * 3 + 2).to(tl.int64)
-    offs = start + tl.arange(0, BLOCK_T)
-    ok = offs < end
-    rows = tl.load(order_ptr + offs, mask=ok, other=0).to(tl.int64)                       # (BT,)
+    rows, ok, g = _block_rows(order_ptr, blocks_ptr, tl.program_id(0), BLOCK_T)
     offs_r = tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
@@ -118,16 +124,9 @@ def _lora_mixed_expand_kernel(
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """y[row, tile] += s_g · h[row] B_g[tile]ᵀ for the rows order[start:end] of one block of adapter g."""
-    pid = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    start = tl.load(blocks_ptr + pid * 3)
-    end = tl.load(blocks_ptr + pid * 3 + 1)
-    g = tl.load(blocks_ptr + pid * 3 + 2).to(tl.int64)
-    offs = start + tl.arange(0, BLOCK_T)
-    ok = offs < end
-    rows = tl.load(order_ptr + offs, mask=ok, other=0).to(tl.int64)
+    rows, ok, g = _block_rows(order_ptr, blocks_ptr, tl.program_id(0), BLOCK_T)
     offs_r = tl.arange(0, BLOCK_R)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     h = tl.load(h_ptr + rows[:, None] * stride_ht + offs_r[None, :] * stride_hr,
                 mask=ok[:, None] & (offs_r[None, :] < R), other=0.0)                         # (BT, BR) fp32
     b = tl.load(b_ptr + g * stride_bg + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,

@@ -675,7 +675,8 @@ def train_steps(unet, params, optimizer, scheduler, cache: Cache, recipe: Diffus
 
     guard = GradientGuard(policy="skip")       # "skip": a bad step's gradients are dropped; the error names it
     guard.bind(unet)
-    recorded = recorded_step(unet, params, optimizer, scheduler, cache, recipe, autocast) if recipe.cuda_graphs else None
+    recorded = (recorded_step(unet, params, optimizer, scheduler, cache, recipe, autocast) if recipe.cuda_graphs
+                else None)
     every = recipe.checkpoint_steps()
     outcome = LoopOutcome(done=start, status="finished")
     t_start = time.perf_counter()
