@@ -166,3 +166,20 @@ def test_peft_refusals_stay():
     sits.train()
     with pytest.raises(ValueError, match="training mode"):
         sits(input_ids=ids, adapter_names=["cats", "dogs"])
+
+
+def test_generation_with_an_unmerged_adapter_equals_the_merged_model():
+    kernel, dtype, device, _ = _case()
+    sits, _ = _models(kernel, dtype, device)
+    ids = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(6)).to(device)
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        for name, _, _ in ADAPTERS:
+            sits.set_adapter(name)
+            unmerged = sits.generate(input_ids=ids, **kwargs)
+            sits.merge_adapter([name])
+            merged = sits.generate(input_ids=ids, **kwargs)
+            sits.unmerge_adapter()
+            assert torch.equal(unmerged, merged), name
+            # and the same adapter named for every sample of a mixed batch
+            assert torch.equal(sits.generate(input_ids=ids, adapter_names=[name, name], **kwargs), merged), name
