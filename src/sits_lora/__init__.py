@@ -32,6 +32,7 @@ _EXPORTS = {
     "SitsHardwareCallback": ".training",
     "plan_memory": ".training",
     "graph_train_step": ".training",
+    "AdapterPool": ".serving",
 }
 
 register_when_peft_loads()
@@ -55,6 +56,7 @@ def apply_native_lora(model, config, adapter_name: str = "default", **kwargs):
 
 
 __all__ = [
+    "AdapterPool",
     "DynamicRankCallback",
     "NativeLoraTrainer",
     "RankBudget",
