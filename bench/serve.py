@@ -16,6 +16,11 @@ decode steps without the prefill. Arms, each on the same prompts:
   sits         sits_lora, adapter 0 active, unmerged
   peft+mixed8  PEFT, sample i takes adapter i mod 8 (``adapter_names``: PEFT's loop over adapters)
   sits+mixed8  sits_lora, the same names (one segmented shrink and expand per layer)
+  sits+pooled  sits_lora with the 8 adapters in host memory and 2 GPU slots (sits_lora.AdapterPool): each
+               generate call is a request for the next of adapters 0 and 1 in turn, all samples on it (both stay
+               resident: no copy)
+  sits+stream  the same pool, requests for all 8 adapters in turn: each request's adapter was prefetched (side
+               stream) while the one before it decoded. request_ms against sits+pooled's is what streaming costs
 Every arm runs --repeats rounds after a warm-up round, arms in turn; the median round. Writes OUT/serve.json, .csv
 and serve.png.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import os
 import statistics
 import sys
@@ -35,8 +41,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_model import MODELS, TARGETS  # noqa: E402
 from harness import png, print_table, write_results  # noqa: E402
 
-ARMS = ["base", "merged", "peft", "sits", "peft+mixed8", "sits+mixed8"]
+ARMS = ["base", "merged", "peft", "sits", "peft+mixed8", "sits+mixed8", "sits+pooled", "sits+stream"]
 ADAPTERS = [f"adapter{i}" for i in range(8)]
+# the pool arms: the adapters their requests take in turn (2 slots: sits+pooled's two stay resident, sits+stream's
+# eight do not)
+STREAM_ARMS = {"sits+pooled": ADAPTERS[:2], "sits+stream": ADAPTERS}
 
 
 def build(shape: str, layers: int | None, device: str, dtype):
@@ -72,6 +81,26 @@ def build(shape: str, layers: int | None, device: str, dtype):
     return models
 
 
+def build_pool(sits, shape: str, layers: int | None, device: str, dtype):
+    """A third copy of the base with sits_lora's default adapter and an AdapterPool of 2 slots holding the 8
+    adapters of ``sits`` in host memory."""
+    from peft import get_peft_model
+    from peft.utils import get_peft_model_state_dict
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sits_lora import AdapterPool, SitsLoraConfig
+
+    config = LlamaConfig(**{**MODELS[shape], **({"num_hidden_layers": layers} if layers else {})})
+    with torch.device(device):
+        base = LlamaForCausalLM(config).to(dtype).eval()
+    host = get_peft_model(base, SitsLoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS)).eval()
+    pool = AdapterPool(host, capacity=2, max_rank=16)
+    for name in ADAPTERS:
+        state = {k: v.cpu() for k, v in get_peft_model_state_dict(sits, adapter_name=name).items()}
+        pool.add(name, state, config=sits.peft_config[name])
+    return host, pool
+
+
 def generate_seconds(model, ids, new_tokens: int, adapter_names, device: str) -> float:
     kwargs = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
     if adapter_names is not None:
@@ -86,10 +115,13 @@ def generate_seconds(model, ids, new_tokens: int, adapter_names, device: str) ->
     return time.perf_counter() - start
 
 
-def per_token_seconds(model, arm: str, ids, new_tokens: int, device: str) -> float:
-    """Seconds per decoded token of ``arm`` on ``model`` (set up and undone here)."""
+def timed_arm(model, arm: str, ids, new_tokens: int, device: str, pool=None, turn=None) -> tuple[float, float]:
+    """(seconds per decoded token, seconds of the request of ``new_tokens`` tokens) of ``arm`` on ``model`` (set up
+    and undone here). A pool arm: each of the two requests takes the next adapter of ``turn`` (an iterator over
+    STREAM_ARMS[arm]) and prefetches the one after it."""
     names = [ADAPTERS[i % len(ADAPTERS)] for i in range(ids.shape[0])] if arm.endswith("mixed8") else None
-    model.set_adapter(ADAPTERS[0])
+    if arm not in STREAM_ARMS:
+        model.set_adapter(ADAPTERS[0])
     if arm == "merged":
         model.merge_adapter([ADAPTERS[0]])
 
@@ -97,10 +129,19 @@ def per_token_seconds(model, arm: str, ids, new_tokens: int, device: str) -> flo
         if arm == "base":
             with model.disable_adapter():
                 return generate_seconds(model, ids, n, None, device)
+        if arm in STREAM_ARMS:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            name, order = next(turn), STREAM_ARMS[arm]
+            slots = pool.slots_for([name] * ids.shape[0])   # a copy unless the last request prefetched it
+            pool.prefetch(order[(order.index(name) + 1) % len(order)])
+            return time.perf_counter() - start + generate_seconds(model, ids, n, slots, device)
         return generate_seconds(model, ids, n, names, device)
 
     try:
-        return (run(new_tokens) - run(1)) / (new_tokens - 1)
+        request = run(new_tokens)
+        return (request - run(1)) / (new_tokens - 1), request
     finally:
         if arm == "merged":
             model.unmerge_adapter()
@@ -136,26 +177,36 @@ def main(argv=None) -> int:
     rows = []
     for shape in shapes:
         sits, peft_model = build(shape, args.layers, device, dtype)
+        streamed = [a for a in args.arms if a in STREAM_ARMS]
+        pooled, pool = build_pool(sits, shape, args.layers, device, dtype) if streamed else (None, None)
+        turns = {arm: itertools.cycle(STREAM_ARMS[arm]) for arm in streamed}
         for batch in args.batches:
             gen = torch.Generator().manual_seed(2)
             ids = torch.randint(3, MODELS[shape]["vocab_size"], (batch, args.prompt), generator=gen).to(device)
             times = {arm: [] for arm in args.arms}
+            requests = {arm: [] for arm in args.arms}
             for round_ in range(repeats + 1):     # round 0 warms up (autotuning, allocator, the mixed-batch plans)
                 for arm in args.arms:
-                    model = peft_model if arm.startswith("peft") else sits
-                    seconds = per_token_seconds(model, arm, ids, new_tokens, device)
+                    model = peft_model if arm.startswith("peft") else pooled if arm in STREAM_ARMS else sits
+                    seconds, request = timed_arm(model, arm, ids, new_tokens, device, pool, turns.get(arm))
                     if round_:
                         times[arm].append(seconds)
+                        requests[arm].append(request)
             merged = statistics.median(times["merged"]) if "merged" in times else None
             for arm in args.arms:
                 seconds = statistics.median(times[arm])
                 rows.append({"shape": shape, "layers": args.layers, "batch": batch, "arm": arm,
                              "ms_per_token": seconds * 1000, "tokens_per_s": batch / seconds,
+                             "request_ms": statistics.median(requests[arm]) * 1000,
                              "vs_merged": seconds / merged if merged else None,
                              "rounds_ms": [t * 1000 for t in times[arm]], "prompt": args.prompt,
                              "new_tokens": new_tokens})
                 print(f"[{shape} bs{batch} {arm}] {seconds * 1000:.2f} ms per token", flush=True)
-        del sits, peft_model
+        if pool is not None:
+            for r in rows:
+                if r["shape"] == shape and r["arm"] in STREAM_ARMS:
+                    r["pool_stats"] = dict(pool.stats)   # both pool arms together
+        del sits, peft_model, pooled, pool
         if device == "cuda":
             torch.cuda.empty_cache()
     for shape in shapes:
@@ -167,7 +218,8 @@ def main(argv=None) -> int:
                     r["peft_mixed8_over_this"] = peft_mixed / r["ms_per_token"] if peft_mixed else None
     command = "python bench/serve.py " + " ".join(argv if argv is not None else sys.argv[1:])
     paths = write_results("serve", rows, args.out, {"command": command})
-    print_table(rows, ["shape", "batch", "arm", "ms_per_token", "tokens_per_s", "vs_merged", "peft_mixed8_over_this"])
+    print_table(rows, ["shape", "batch", "arm", "ms_per_token", "tokens_per_s", "request_ms", "vs_merged",
+                       "peft_mixed8_over_this"])
     with png(os.path.join(args.out, "serve.png"), figsize=(7, 3.5)) as ax:
         if ax is not None:
             groups = sorted({(r["shape"], r["batch"]) for r in rows})

@@ -15,6 +15,8 @@ def test_smoke_run_writes_every_arm(tmp_path):
     assert sorted((r["batch"], r["arm"]) for r in rows) == sorted((b, a) for b in (2, 3) for a in serve.ARMS)
     assert all(r["new_tokens"] == 3 and len(r["rounds_ms"]) == 1 for r in rows)
     assert (tmp_path / "serve.csv").is_file()
+    stream = next(r for r in rows if r["arm"] == "sits+stream")
+    assert stream["pool_stats"]["loads"] > 2 and stream["request_ms"] > 0   # 8 adapters through 2 slots
 
 
 def test_refusals_name_the_flag(capsys):
