@@ -52,8 +52,9 @@ def _reference(folders, dtype=torch.float32):
     return model.to(_device(), dtype).eval()
 
 
-def _pooled(folders, capacity=2, dtype=torch.float32):
-    host = get_peft_model(tiny_llama(0), SitsLoraConfig(r=4, target_modules=TARGETS)).to(_device(), dtype).eval()
+def _pooled(folders, capacity=2, dtype=torch.float32, kernel="auto"):
+    host = get_peft_model(tiny_llama(0), SitsLoraConfig(r=4, target_modules=TARGETS, kernel=kernel))
+    host = host.to(_device(), dtype).eval()
     pool = AdapterPool(host, capacity=capacity, max_rank=16)
     for name, folder in folders.items():
         pool.add(name, folder)
@@ -69,13 +70,20 @@ def _close(a, b, tol):
     return ((a - b).norm() / b.norm()).item() < tol
 
 
-def test_pooled_adapters_give_their_own_outputs(folders):
+@pytest.mark.parametrize("kernel", ["auto", "triton"])   # on the CPU: PEFT's loop, and the mixed-batch kernels
+def test_pooled_adapters_give_their_own_outputs(folders, kernel, monkeypatch):
+    from sits_lora.ops import mixed_batch as mb
+
+    calls = []
+    real = mb.lora_mixed_batch_triton
+    monkeypatch.setattr(mb, "lora_mixed_batch_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
     reference = _reference(folders)
-    model, pool = _pooled(folders)
+    model, pool = _pooled(folders, kernel=kernel)
     ids = torch.randint(0, 97, (3, 7), generator=torch.Generator().manual_seed(1)).to(_device())
     for names in (["r4", "__base__", "r16"], ["r8", "r8", "r4"], ["r16", "r8", "__base__"]):
         assert _close(_logits(model, ids, pool.slots_for(names)), _logits(reference, ids, names), 1e-5), names
     assert pool.stats["evictions"] >= 2 and pool.stats["bytes_copied"] > 0
+    assert bool(calls) == (kernel == "triton")      # fp32 with kernel="auto" is the reference path anywhere
 
 
 def test_the_least_recently_used_slot_is_taken_and_a_prefetch_keeps_the_batch_handed_out(folders):
