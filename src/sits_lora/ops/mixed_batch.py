@@ -42,7 +42,6 @@ class MixedBatchPlan:
     order: torch.Tensor
     blocks: torch.Tensor
     row_adapter: torch.Tensor
-    rows: int
 
 
 def mixed_batch_plan(sample_adapter: Sequence[int], rows_per_sample: int, device) -> MixedBatchPlan:
@@ -61,7 +60,6 @@ def mixed_batch_plan(sample_adapter: Sequence[int], rows_per_sample: int, device
         order=(order if order.numel() else torch.zeros(1, dtype=torch.int64)).to(torch.int32).to(device),
         blocks=torch.tensor(blocks or [(0, 0, 0)], dtype=torch.int32).reshape(-1, 3).to(device),
         row_adapter=row_adapter.to(device),
-        rows=row_adapter.numel(),
     )
 
 

@@ -68,9 +68,7 @@ class AdapterPool:
         with torch.no_grad():
             for layer in self.layers.values():
                 for slot in self.slots:
-                    layer.lora_A[slot].weight.zero_()
-                    layer.lora_B[slot].weight.zero_()
-                    layer.scaling[slot] = 0.0
+                    _clear(layer, slot)
         self.device = next(iter(self.layers.values())).lora_A[self.slots[0]].weight.device
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._host: dict[str, dict] = {}                  # name -> {layer name: (A, B, scaling)} in host memory
@@ -210,13 +208,11 @@ class AdapterPool:
         copied = 0
         with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
             for key, layer in self.layers.items():
-                A_slot, B_slot = layer.lora_A[slot].weight, layer.lora_B[slot].weight
                 entry = host.get(key)
                 if entry is None:                      # a layer this adapter does not adapt
-                    A_slot.zero_()
-                    B_slot.zero_()
-                    layer.scaling[slot] = 0.0
+                    _clear(layer, slot)
                     continue
+                A_slot, B_slot = layer.lora_A[slot].weight, layer.lora_B[slot].weight
                 A, B, scaling = entry
                 r = A.shape[0]
                 A_slot[:r].copy_(A, non_blocking=True)
@@ -237,3 +233,9 @@ class AdapterPool:
             raise KeyError(f"AdapterPool: no adapter named {missing[0]!r} in the pool (it holds "
                            f"{sorted(self._host) or 'none'}); pool.add({missing[0]!r}, folder) first")
 
+
+def _clear(layer, slot: str) -> None:
+    """The slot adds nothing on this layer: A, B and the scaling zero."""
+    layer.lora_A[slot].weight.zero_()
+    layer.lora_B[slot].weight.zero_()
+    layer.scaling[slot] = 0.0

@@ -236,7 +236,6 @@ class GraphedTrainStep:
         """(graph, static inputs, static output) of this signature: the call recorded (nothing runs while recording)."""
         static_inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
         static_args, static_kwargs = substitute((args, kwargs), iter(static_inputs))
-        self._prepare_optimizers()
         # the warm-up steps left their activations' blocks cached; free them so the recording's own pool can
         # take that memory (a recording holds one step's activations for as long as it lives)
         torch.cuda.synchronize()
