@@ -21,7 +21,11 @@ decode steps without the prefill. Arms, each on the same prompts:
                resident: no copy)
   sits+stream  the same pool, requests for all 8 adapters in turn: each request's adapter was prefetched (side
                stream) while the one before it decoded. request_ms against sits+pooled's is what streaming costs
-Every arm runs --repeats rounds after a warm-up round, arms in turn; the median round. Writes OUT/serve.json, .csv
+  X+graph      arm X with its decode steps replayed as CUDA graphs (sits_lora.graph_decode, installed on every
+               model; off for the other arms) into one transformers StaticCache per model and batch, reset between
+               requests (what a server does); columns graph_replays / graph_recordings count what it did
+Every arm runs --repeats rounds after a warm-up round, arms in turn; the median round. vs_merged: against merged, a
+graph arm against merged+graph when that ran. Writes OUT/serve.json, .csv
 and serve.png.
 """
 
@@ -42,6 +46,7 @@ from bench_model import MODELS, TARGETS  # noqa: E402
 from harness import png, print_table, write_results  # noqa: E402
 
 ARMS = ["base", "merged", "peft", "sits", "peft+mixed8", "sits+mixed8", "sits+pooled", "sits+stream"]
+ALL_ARMS = ARMS + [f"{arm}+graph" for arm in ARMS]
 ADAPTERS = [f"adapter{i}" for i in range(8)]
 # the pool arms: the adapters their requests take in turn (2 slots: sits+pooled's two stay resident, sits+stream's
 # eight do not)
@@ -101,10 +106,28 @@ def build_pool(sits, shape: str, layers: int | None, device: str, dtype):
     return host, pool
 
 
-def generate_seconds(model, ids, new_tokens: int, adapter_names, device: str) -> float:
+def static_cache(model, batch: int, length: int, caches: dict):
+    """(keyword, cache): one transformers StaticCache per model and batch, reset for each request (its keyword is
+    ``cache`` in newer transformers, ``past_key_values`` in older)."""
+    import inspect
+
+    from transformers import StaticCache
+
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    key = (id(model), batch)
+    if key not in caches:
+        caches[key] = StaticCache(config=lm.config, max_cache_len=length)
+    keyword = "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
+    caches[key].reset()
+    return keyword, caches[key]
+
+
+def generate_seconds(model, ids, new_tokens: int, adapter_names, device: str, cache=None) -> float:
     kwargs = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
     if adapter_names is not None:
         kwargs["adapter_names"] = adapter_names
+    if cache is not None:
+        kwargs[cache[0]] = cache[1]
     if device == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -115,10 +138,15 @@ def generate_seconds(model, ids, new_tokens: int, adapter_names, device: str) ->
     return time.perf_counter() - start
 
 
-def timed_arm(model, arm: str, ids, new_tokens: int, device: str, pool=None, turn=None) -> tuple[float, float]:
+def timed_arm(model, arm: str, ids, new_tokens: int, device: str, pool=None, turn=None,
+              caches: dict | None = None) -> tuple[float, float]:
     """(seconds per decoded token, seconds of the request of ``new_tokens`` tokens) of ``arm`` on ``model`` (set up
     and undone here). A pool arm: each of the two requests takes the next adapter of ``turn`` (an iterator over
-    STREAM_ARMS[arm]) and prefetches the one after it."""
+    STREAM_ARMS[arm]) and prefetches the one after it. A graph arm decodes into a static cache of ``caches``."""
+    graphed = arm.endswith("+graph")
+    arm = arm.removesuffix("+graph")
+    length = ids.shape[1] + new_tokens
+    cache = (lambda: static_cache(model, ids.shape[0], length, caches)) if graphed else (lambda: None)
     names = [ADAPTERS[i % len(ADAPTERS)] for i in range(ids.shape[0])] if arm.endswith("mixed8") else None
     if arm not in STREAM_ARMS:
         model.set_adapter(ADAPTERS[0])
@@ -128,7 +156,7 @@ def timed_arm(model, arm: str, ids, new_tokens: int, device: str, pool=None, tur
     def run(n):
         if arm == "base":
             with model.disable_adapter():
-                return generate_seconds(model, ids, n, None, device)
+                return generate_seconds(model, ids, n, None, device, cache())
         if arm in STREAM_ARMS:
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -136,8 +164,8 @@ def timed_arm(model, arm: str, ids, new_tokens: int, device: str, pool=None, tur
             name, order = next(turn), STREAM_ARMS[arm]
             slots = pool.slots_for([name] * ids.shape[0])   # a copy unless the last request prefetched it
             pool.prefetch(order[(order.index(name) + 1) % len(order)])
-            return time.perf_counter() - start + generate_seconds(model, ids, n, slots, device)
-        return generate_seconds(model, ids, n, names, device)
+            return time.perf_counter() - start + generate_seconds(model, ids, n, slots, device, cache())
+        return generate_seconds(model, ids, n, names, device, cache())
 
     try:
         request = run(new_tokens)
@@ -153,7 +181,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", nargs="+", choices=["1b", "8b"], default=["1b"])
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's all)")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 32])
-    parser.add_argument("--arms", nargs="+", choices=ARMS, default=ARMS)
+    parser.add_argument("--arms", nargs="+", choices=ALL_ARMS, default=ARMS)
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -171,50 +199,72 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if device == "cpu" and not args.smoke:
         parser.error("the 1B / 8B shapes need a CUDA GPU; --smoke runs a tiny config on a CPU")
+    if device == "cpu" and any(a.endswith("+graph") for a in args.arms):
+        parser.error("the +graph arms record CUDA graphs: they need a CUDA GPU (drop them from --arms on a CPU)")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes = ["tiny"] if args.smoke else args.shapes
     new_tokens, repeats = (3, 1) if args.smoke else (args.new_tokens, args.repeats)
     rows = []
     for shape in shapes:
         sits, peft_model = build(shape, args.layers, device, dtype)
-        streamed = [a for a in args.arms if a in STREAM_ARMS]
+        streamed = [a for a in args.arms if a.removesuffix("+graph") in STREAM_ARMS]
         pooled, pool = build_pool(sits, shape, args.layers, device, dtype) if streamed else (None, None)
-        turns = {arm: itertools.cycle(STREAM_ARMS[arm]) for arm in streamed}
+        turns = {arm: itertools.cycle(STREAM_ARMS[arm.removesuffix("+graph")]) for arm in streamed}
+        graphs, caches = {}, {}
+        if any(a.endswith("+graph") for a in args.arms):
+            from sits_lora import graph_decode
+
+            # one recorder per model, replaying only for the graph arms; each (arm, batch) records its own step
+            graphs = {id(m): graph_decode(m, max_graphs=4 * len(args.arms) * len(args.batches))
+                      for m in (sits, peft_model, pooled) if m is not None}
         for batch in args.batches:
             gen = torch.Generator().manual_seed(2)
             ids = torch.randint(3, MODELS[shape]["vocab_size"], (batch, args.prompt), generator=gen).to(device)
             times = {arm: [] for arm in args.arms}
             requests = {arm: [] for arm in args.arms}
+            counts = {arm: [0, 0] for arm in args.arms}      # graph replays, recordings in the timed rounds
             for round_ in range(repeats + 1):     # round 0 warms up (autotuning, allocator, the mixed-batch plans)
                 for arm in args.arms:
-                    model = peft_model if arm.startswith("peft") else pooled if arm in STREAM_ARMS else sits
-                    seconds, request = timed_arm(model, arm, ids, new_tokens, device, pool, turns.get(arm))
+                    kind = arm.removesuffix("+graph")
+                    model = peft_model if arm.startswith("peft") else pooled if kind in STREAM_ARMS else sits
+                    for recorder in graphs.values():
+                        recorder.active = arm.endswith("+graph")
+                    before = {k: (g.replays, g.recordings) for k, g in graphs.items()}
+                    seconds, request = timed_arm(model, arm, ids, new_tokens, device, pool, turns.get(arm), caches)
                     if round_:
                         times[arm].append(seconds)
                         requests[arm].append(request)
-            merged = statistics.median(times["merged"]) if "merged" in times else None
+                        if id(model) in graphs:
+                            g = graphs[id(model)]
+                            counts[arm][0] += g.replays - before[id(model)][0]
+                            counts[arm][1] += g.recordings - before[id(model)][1]
             for arm in args.arms:
+                held_to = "merged+graph" if arm.endswith("+graph") and "merged+graph" in times else "merged"
+                merged = statistics.median(times[held_to]) if held_to in times else None
                 seconds = statistics.median(times[arm])
                 rows.append({"shape": shape, "layers": args.layers, "batch": batch, "arm": arm,
                              "ms_per_token": seconds * 1000, "tokens_per_s": batch / seconds,
                              "request_ms": statistics.median(requests[arm]) * 1000,
                              "vs_merged": seconds / merged if merged else None,
                              "rounds_ms": [t * 1000 for t in times[arm]], "prompt": args.prompt,
-                             "new_tokens": new_tokens})
+                             "new_tokens": new_tokens, "graph_replays": counts[arm][0] if graphs else None,
+                             "graph_recordings": counts[arm][1] if graphs else None})
                 print(f"[{shape} bs{batch} {arm}] {seconds * 1000:.2f} ms per token", flush=True)
         if pool is not None:
             for r in rows:
-                if r["shape"] == shape and r["arm"] in STREAM_ARMS:
+                if r["shape"] == shape and r["arm"].removesuffix("+graph") in STREAM_ARMS:
                     r["pool_stats"] = dict(pool.stats)   # both pool arms together
-        del sits, peft_model, pooled, pool
+        for recorder in graphs.values():
+            recorder.release()
+        del sits, peft_model, pooled, pool, graphs, caches
         if device == "cuda":
             torch.cuda.empty_cache()
     for shape in shapes:
         for batch in args.batches:
-            peft_mixed = next((r["ms_per_token"] for r in rows if (r["shape"], r["batch"], r["arm"]) ==
-                               (shape, batch, "peft+mixed8")), None)
+            ms = {r["arm"]: r["ms_per_token"] for r in rows if (r["shape"], r["batch"]) == (shape, batch)}
+            peft_mixed = min((ms[a] for a in ("peft+mixed8", "peft+mixed8+graph") if a in ms), default=None)
             for r in rows:
-                if (r["shape"], r["batch"]) == (shape, batch):
+                if (r["shape"], r["batch"]) == (shape, batch):   # against PEFT's faster mixed batch
                     r["peft_mixed8_over_this"] = peft_mixed / r["ms_per_token"] if peft_mixed else None
     command = "python bench/serve.py " + " ".join(argv if argv is not None else sys.argv[1:])
     paths = write_results("serve", rows, args.out, {"command": command})

@@ -33,6 +33,7 @@ _EXPORTS = {
     "plan_memory": ".training",
     "graph_train_step": ".training",
     "AdapterPool": ".serving",
+    "graph_decode": ".serving",
 }
 
 register_when_peft_loads()
@@ -69,6 +70,7 @@ __all__ = [
     "apply_native_lora",
     "export_diffusers_lora",
     "export_peft_lora",
+    "graph_decode",
     "graph_train_step",
     "plan_memory",
     "truncate_rank",

@@ -16,7 +16,7 @@ from test_diffusers_models import ATTENTION, tiny_pipeline, tiny_unet  # noqa: E
 
 from sits_lora import SitsLoraConfig  # noqa: E402
 from sits_lora.diffusion import graph_denoiser  # noqa: E402
-from sits_lora.training.graphs import NotGraphable, copy_output  # noqa: E402
+from sits_lora.utils.cuda_graphs import NotGraphable, copy_output  # noqa: E402
 
 
 def test_a_cpu_denoiser_is_refused_with_the_fix():

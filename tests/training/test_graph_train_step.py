@@ -14,8 +14,8 @@ import torch
 from conftest import randomize_lora_weights, tiny_llama
 
 from sits_lora import SitsLoraConfig
-from sits_lora.training.graphs import (GraphCaptureError, GraphedTrainStep, NotGraphable, copy_output, describe_call,
-                                       graph_train_step, substitute)
+from sits_lora.training.graphs import GraphCaptureError, GraphedTrainStep, graph_train_step
+from sits_lora.utils.cuda_graphs import NotGraphable, copy_output, describe_call, substitute
 
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..training.graphs import NotGraphable, adapter_state, copy_output, describe_call, substitute
+from ..utils.cuda_graphs import NotGraphable, adapter_state, copy_output, describe_call, substitute
 from .reuse import cross_attention_groups, denoiser_of
 
 logger = logging.getLogger("sits_lora")

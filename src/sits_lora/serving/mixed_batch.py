@@ -6,9 +6,12 @@ merged), the base is a plain ``nn.Linear`` and the input resolves to the Triton 
 a CUDA GPU in bf16 / fp16, or the interpreter under kernel="triton"). Then the base layer runs once and
 ``sits_lora.ops.mixed_batch`` adds every sample's adapter in one segmented shrink and one segmented expand.
 
-Two things are made once and reused: the adapters' stacked A / B per layer (rebuilt when an adapter is added or
+Two things are made once and reused: the adapters' stacked A / B per layer (made again when an adapter is added or
 removed, or a weight is written: their version counters), and the batch's row plan, per adapter names, shared by
-every layer whose adapters are stacked in the same order (a model's layers all are, as a rule).
+every layer whose adapters are stacked in the same order (a model's layers all are, as a rule). A stack made again
+in the same shape is written into the old one's memory, so that a CUDA graph recorded over this layer
+(``sits_lora.serving.graphs``) reads the new weights once an eager call (a prefill) has refreshed them;
+:func:`buffers_in_use` names what such a recording must keep alive.
 """
 
 from __future__ import annotations
@@ -51,9 +54,22 @@ def _stacks(layer, adapters: tuple):
         with torch.no_grad():
             A, B, scalings = stack_adapters([a for a, _ in weights], [b for _, b in weights],
                                                [layer.scaling[a] for a in adapters])
+            if cached is not None and all(old.shape == new.shape and old.dtype == new.dtype
+                                          for old, new in zip(cached[1:], (A, B, scalings))):
+                for old, new in zip(cached[1:], (A, B, scalings)):
+                    old.copy_(new)
+                A, B, scalings = cached[1:]
         cached = (key, A, B, scalings)
         layer.__dict__["_mixed_batch_stacks"] = cached   # not a buffer: no state dict entry, no .to()
     return cached[1:]
+
+
+def buffers_in_use(layers) -> list:
+    """The row plans and the ``layers``' stacks the mixed-batch path holds now: a CUDA graph recorded over these
+    layers reads them, so it keeps them alive (a plan dropped from the cache or a stack made in another shape would
+    otherwise free memory the graph still reads)."""
+    return list(_PLANS.values()) + [layer.__dict__["_mixed_batch_stacks"] for layer in layers
+                                    if "_mixed_batch_stacks" in layer.__dict__]
 
 
 def mixed_batch_forward(layer, x: torch.Tensor, adapter_names: list) -> Optional[torch.Tensor]:

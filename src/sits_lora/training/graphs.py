@@ -43,86 +43,19 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from ..utils.cuda_graphs import (NotGraphable, adapter_state, copy_output, describe_call, first_line,
+                                 run_on_side_stream, substitute)
+
 logger = logging.getLogger("sits_lora")
 
-_LEAF_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
 # Optimizer settings that change more often than this (a scheduler writing a float learning rate into an optimizer
 # that bakes it in) make the step run eagerly: recording at every change costs more than it saves.
 _MAX_SETTING_CHANGES = 3
 
 
-class NotGraphable(Exception):
-    """An argument or output a recorded call cannot stand for (the call runs eagerly)."""
-
-
 class GraphCaptureError(RuntimeError):
     """A step function could not be recorded as a CUDA graph (a host sync, a data-dependent shape, an optimizer
     that cannot step inside a graph)."""
-
-
-def describe_call(obj: Any, tensors: list) -> Any:
-    """A hashable description of ``obj`` (arguments: tensors, numbers, strings, nested tuples / lists / dicts), its
-    tensors described by shape / dtype / device and appended to ``tensors`` in order; NotGraphable for a CPU
-    tensor or an object of another type."""
-    if isinstance(obj, torch.Tensor):
-        if not obj.is_cuda:
-            raise NotGraphable(f"a tensor on {obj.device}")
-        tensors.append(obj)
-        return ("tensor", tuple(obj.shape), obj.dtype, obj.device, obj.requires_grad)
-    if isinstance(obj, (tuple, list)):
-        return (type(obj), tuple(describe_call(item, tensors) for item in obj))
-    if isinstance(obj, dict):
-        return (type(obj), tuple((key, describe_call(value, tensors)) for key, value in obj.items()))
-    if isinstance(obj, _LEAF_TYPES):
-        return obj
-    raise NotGraphable(f"an argument of type {type(obj).__name__}")
-
-
-def substitute(obj: Any, tensors) -> Any:
-    """``obj`` with its tensors replaced, in order, by those of the iterator ``tensors``."""
-    if isinstance(obj, torch.Tensor):
-        return next(tensors)
-    if isinstance(obj, (tuple, list)):
-        items = [substitute(item, tensors) for item in obj]
-        return type(obj)(items) if type(obj) in (tuple, list) else type(obj)(*items)   # namedtuples
-    if isinstance(obj, dict):
-        return type(obj)({key: substitute(value, tensors) for key, value in obj.items()})
-    return obj
-
-
-def copy_output(out: Any) -> Any:
-    """A copy of a recorded output (its buffers are overwritten by the next replay)."""
-    if isinstance(out, torch.Tensor):
-        return out.detach().clone()
-    if isinstance(out, (tuple, list)) and type(out) in (tuple, list):
-        return type(out)(copy_output(item) for item in out)
-    if isinstance(out, dict):   # diffusers' BaseOutput is an OrderedDict whose fields are keyword arguments
-        return type(out)(**{key: copy_output(value) for key, value in out.items()})
-    if out is None or isinstance(out, _LEAF_TYPES):
-        return out
-    raise NotGraphable(f"an output of type {type(out).__name__}")
-
-
-def adapter_state(model: Optional[nn.Module]) -> tuple:
-    """What each adapter layer of ``model`` does in a call, as far as Python decides it, and the modules' train /
-    eval modes (a recording stands for one such state)."""
-    if model is None:
-        return ()
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    state = []
-    for module in model.modules():
-        state.append(module.training)
-        if isinstance(module, BaseTunerLayer):
-            scaling = getattr(module, "scaling", {})
-            state.append((module.merged, module.disable_adapters, tuple(module.active_adapters),
-                          tuple(scaling.items()) if isinstance(scaling, dict) else scaling))
-    return tuple(state)
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0][:300]}" if lines else type(error).__name__
 
 
 class GraphedTrainStep:
@@ -224,13 +157,7 @@ class GraphedTrainStep:
         """One step as written, on a side stream ordered with the current one both ways, as PyTorch asks of the
         calls before a recording (lazy initialization then happens off the stream a graph records)."""
         self.eager_calls += 1
-        current = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            out = self.step_fn(*args, **kwargs)
-        current.wait_stream(side)
-        return out
+        return run_on_side_stream(self.step_fn, args, kwargs)
 
     def _record(self, args: tuple, kwargs: dict, tensors: list):
         """(graph, static inputs, static output) of this signature: the call recorded (nothing runs while recording)."""
@@ -250,7 +177,7 @@ class GraphedTrainStep:
             return None
         except Exception as error:   # noqa: BLE001 (re-raised with the fix)
             raise GraphCaptureError(
-                f"graph_train_step: the step function could not be recorded as a CUDA graph ({_first_line(error)}). "
+                f"graph_train_step: the step function could not be recorded as a CUDA graph ({first_line(error)}). "
                 "Nothing of this step was applied. A recorded step may not wait for the GPU: remove .item(), "
                 ".cpu(), printing or comparing CUDA tensors in Python, and ops whose output shape depends on values "
                 "(torch.nonzero, boolean indexing) from the step, or call the step function directly (eagerly)."

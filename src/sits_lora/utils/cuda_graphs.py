@@ -1,0 +1,106 @@
+"""Recording a call as a CUDA graph and replaying it: the pieces shared by the training step
+(``sits_lora.training.graphs``), the denoiser (``sits_lora.diffusion.graphs``) and decoding
+(``sits_lora.serving.graphs``).
+
+A recording stands for one *signature* of a call: the shapes, dtypes and devices of its tensor arguments, its
+Python values, and what Python decides inside it (each adapter layer's state, train / eval mode). A replay copies
+the call's tensors into the recorded inputs, replays, and returns a copy of the recorded outputs."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+_LEAF_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+class NotGraphable(Exception):
+    """An argument or output a recorded call cannot stand for (the call runs eagerly)."""
+
+
+def describe_call(obj: Any, tensors: list) -> Any:
+    """A hashable description of ``obj`` (arguments: tensors, numbers, strings, nested tuples / lists / dicts), its
+    tensors described by shape / dtype / device and appended to ``tensors`` in order; NotGraphable for a CPU
+    tensor or an object of another type."""
+    if isinstance(obj, torch.Tensor):
+        if not obj.is_cuda:
+            raise NotGraphable(f"a tensor on {obj.device}")
+        tensors.append(obj)
+        return ("tensor", tuple(obj.shape), obj.dtype, obj.device, obj.requires_grad)
+    if isinstance(obj, (tuple, list)):
+        return (type(obj), tuple(describe_call(item, tensors) for item in obj))
+    if isinstance(obj, dict):
+        return (type(obj), tuple((key, describe_call(value, tensors)) for key, value in obj.items()))
+    if isinstance(obj, _LEAF_TYPES):
+        return obj
+    raise NotGraphable(f"an argument of type {type(obj).__name__}")
+
+
+def substitute(obj: Any, tensors) -> Any:
+    """``obj`` with its tensors replaced, in order, by those of the iterator ``tensors``."""
+    if isinstance(obj, torch.Tensor):
+        return next(tensors)
+    if isinstance(obj, (tuple, list)):
+        items = [substitute(item, tensors) for item in obj]
+        return type(obj)(items) if type(obj) in (tuple, list) else type(obj)(*items)   # namedtuples
+    if isinstance(obj, dict):
+        return type(obj)({key: substitute(value, tensors) for key, value in obj.items()})
+    return obj
+
+
+def copy_output(out: Any, replace: Optional[dict] = None) -> Any:
+    """A copy of a recorded output (its buffers are overwritten by the next replay). ``replace``: {id(object):
+    substitute} for objects the output returns as they are (a KV cache the call was given)."""
+    if replace and id(out) in replace:
+        return replace[id(out)]
+    if isinstance(out, torch.Tensor):
+        return out.detach().clone()
+    if isinstance(out, (tuple, list)) and type(out) in (tuple, list):
+        return type(out)(copy_output(item, replace) for item in out)
+    if isinstance(out, dict):   # diffusers' BaseOutput is an OrderedDict whose fields are keyword arguments
+        return type(out)(**{key: copy_output(value, replace) for key, value in out.items()})
+    if out is None or isinstance(out, _LEAF_TYPES):
+        return out
+    raise NotGraphable(f"an output of type {type(out).__name__}")
+
+
+def adapter_state(model: Optional[nn.Module]) -> tuple:
+    """What each adapter layer of ``model`` does in a call, as far as Python decides it, and the modules' train /
+    eval modes (a recording stands for one such state)."""
+    if model is None:
+        return ()
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    state = []
+    for module in model.modules():
+        state.append(module.training)
+        if isinstance(module, BaseTunerLayer):
+            scaling = getattr(module, "scaling", {})
+            state.append((module.merged, module.disable_adapters, tuple(module.active_adapters),
+                          tuple(scaling.items()) if isinstance(scaling, dict) else scaling))
+    return tuple(state)
+
+
+def first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:300]}" if lines else type(error).__name__
+
+
+def run_on_side_stream(fn: Callable, args: tuple, kwargs: dict, times: int = 1) -> Any:
+    """``fn(*args, **kwargs)`` ``times`` times on a side stream ordered with the current one both ways, as PyTorch
+    asks of the calls before a recording (lazy initialization and autotuning then happen off the recorded stream);
+    the last output."""
+    current = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        for _ in range(times):
+            out = fn(*args, **kwargs)
+    current.wait_stream(side)
+    return out
+
+
+__all__ = ["NotGraphable", "adapter_state", "copy_output", "describe_call", "first_line", "run_on_side_stream",
+           "substitute"]
