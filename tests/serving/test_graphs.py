@@ -173,11 +173,11 @@ def test_on_a_gpu_a_pool_slot_filled_between_requests_is_seen_by_the_replays(tmp
     from sits_lora import AdapterPool
 
     source = _two_adapters(torch.float32)
-    source.save_pretrained(tmp_path)                 # folders tmp_path (adapter one) and tmp_path / "two"
+    source.save_pretrained(tmp_path)                 # PEFT writes each named adapter in its own folder
     reference = _two_adapters(torch.bfloat16, "cuda")
     host = get_peft_model(tiny_llama(0), SitsLoraConfig(r=4, target_modules=TARGETS)).to("cuda", torch.bfloat16)
     pool = AdapterPool(host.eval(), capacity=1, max_rank=8)
-    pool.add("one", tmp_path)
+    pool.add("one", tmp_path / "one")
     pool.add("two", tmp_path / "two")
     ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(6)).cuda()
     cache = _static_cache(max_len=16)

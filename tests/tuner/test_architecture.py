@@ -29,6 +29,7 @@ DEFERRED_IMPORTS = {
     "sits_lora.registry": "registration runs when peft is imported, by whoever imports it",
     "sits_lora.model": "a feature (fp8, INT4: Triton; dynamic rank) loads when an adapter asks for it",
     "sits_lora.fp8.model": "the 4-bit layers (bitsandbytes) load only for a model that already holds them",
+    "sits_lora.ops": "Triton is optional: the decode kernel loads on its first call",
     "sits_lora.ops.linear": "Triton is optional: the PyTorch reference runs without it",
     "sits_lora.ops.siblings": "Triton is optional",
     "sits_lora.ops.dynamic_rank": "Triton is optional",

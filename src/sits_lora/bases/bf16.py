@@ -50,6 +50,9 @@ class Bf16Base:
     fuses_siblings = True
 
     def fused_forward(self, layer, adapter: str, x: torch.Tensor) -> torch.Tensor:
+        out = self._decode_forward(layer, adapter, x)
+        if out is not None:
+            return out
         if layer._sibling_group is not None:
             out = layer._sibling_group.forward(layer, x)
             if out is not None:
@@ -69,6 +72,26 @@ class Bf16Base:
                 x, x_lora, weight, bias, layer.lora_A[adapter].weight, layer.lora_B[adapter].weight,
                 layer.scaling[adapter], kernel,
             )
+
+    @staticmethod
+    def _decode_forward(layer, adapter: str, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """A decode step's call (a few rows, nothing to differentiate) as one kernel (ops.decode), or None. Ahead
+        of the sibling group: a projection's one kernel is the merged model's count of launches, where the
+        group's shared shrink adds its own."""
+        if not ops.decode_call(x, layer.in_features):
+            return None
+        dropout = layer.lora_dropout[adapter]
+        if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0:
+            return None
+        if ops.resolve_kernel(layer.sits_kernel[adapter], x, layer.out_features) != "triton":
+            return None
+        base = layer.base_layer
+        x, weight, bias, autocast_off = autocast_inputs(x, base.weight, base.bias)
+        if weight.dtype != x.dtype:
+            return None
+        with autocast_off:
+            return ops.lora_linear_decode(x, weight, bias, layer.lora_A[adapter].weight, layer.lora_B[adapter].weight,
+                                          layer.scaling[adapter])
 
     def __repr__(self) -> str:
         return "BF16_BASE"

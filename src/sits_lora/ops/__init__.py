@@ -5,27 +5,40 @@ share (shrink, expand, the dy and x passes, partial sums, the GEMM with a low-ra
 launchers (``launch``) and tuned configurations (``tuning``); ``linear``, ``siblings``,
 ``dynamic_rank`` and ``fp8`` each drive them for one op, with its autograd Function (and, for the layer,
 its ``torch.library`` custom op); ``aten`` is the layer's op as few ATen matmuls, for calls too small for
-the kernels' launches to pay; ``choice`` resolves ``SitsLoraConfig.kernel`` and picks between those two. Importing this package
+the kernels' launches to pay; ``decode`` the whole op in one kernel for the few rows of a decode step (forward
+only); ``choice`` resolves ``SitsLoraConfig.kernel`` and picks between those paths. Importing this package
 imports torch only: the Triton kernels load when an op first runs on them.
 """
 
 from __future__ import annotations
 
 from .aten import lora_linear_aten
-from .choice import (KERNELS, KernelUnavailableError, aten_below_flops, gemm_backend, resolve_kernel,
-                     set_aten_below_flops, set_gemm_backend, small_call, tensor_too_large, triton_interpreter_on)
+from .choice import (DECODE_MAX_ROWS, KERNELS, KernelUnavailableError, aten_below_flops, decode_call, gemm_backend,
+                     resolve_kernel, set_aten_below_flops, set_decode_kernel, set_gemm_backend, small_call,
+                     tensor_too_large, triton_interpreter_on)
 from .dynamic_rank import lora_linear_dynamic_rank_triton
 from .linear import lora_linear, lora_linear_triton
 from .reference import lora_linear_reference, lora_linear_torch
 from .siblings import lora_siblings_triton
 
+
+def lora_linear_decode(x, weight, bias, lora_A, lora_B, scaling: float, config=None):
+    """y = x Wᵀ + b + s·(x Aᵀ) Bᵀ in one Triton kernel for at most DECODE_MAX_ROWS rows, forward only
+    (sits_lora.ops.decode; Triton loads on the first call)."""
+    from .decode import lora_linear_decode as run
+
+    return run(x, weight, bias, lora_A, lora_B, scaling, config)
+
 __all__ = [
+    "DECODE_MAX_ROWS",
     "KERNELS",
     "KernelUnavailableError",
     "aten_below_flops",
+    "decode_call",
     "gemm_backend",
     "lora_linear",
     "lora_linear_aten",
+    "lora_linear_decode",
     "lora_linear_dynamic_rank_triton",
     "lora_linear_reference",
     "lora_linear_torch",
@@ -33,6 +46,7 @@ __all__ = [
     "lora_siblings_triton",
     "resolve_kernel",
     "set_aten_below_flops",
+    "set_decode_kernel",
     "set_gemm_backend",
     "small_call",
     "tensor_too_large",

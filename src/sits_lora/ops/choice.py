@@ -102,6 +102,26 @@ def small_call(requested: str, x: Tensor, in_features: int, out_features: int) -
     return 2.0 * tokens * in_features * out_features < _ATEN_BELOW_FLOPS
 
 
+# Calls of at most this many rows with nothing to differentiate run the one-kernel decode path (ops.decode).
+DECODE_MAX_ROWS = 64
+_DECODE_KERNEL = os.environ.get("SITS_LORA_DECODE_KERNEL", "1") != "0"
+
+
+def set_decode_kernel(enabled: bool) -> None:
+    """Whether no-grad calls of at most DECODE_MAX_ROWS rows take the one-kernel decode path (default on;
+    SITS_LORA_DECODE_KERNEL=0 turns it off)."""
+    global _DECODE_KERNEL
+    _DECODE_KERNEL = bool(enabled)
+
+
+def decode_call(x: Tensor, in_features: int) -> bool:
+    """Whether a call that resolved to the Triton path runs the one-kernel decode path: nothing to differentiate
+    (torch.no_grad / inference mode), eager (torch.compile schedules the custom op), at most DECODE_MAX_ROWS rows.
+    Under either kernel setting ("auto" or "triton"): the decode kernel is a Triton kernel too."""
+    return (_DECODE_KERNEL and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and x.numel() // max(in_features, 1) <= DECODE_MAX_ROWS)
+
+
 # Which GEMM carries the base product: "cublas" (addmm epilogue) or "triton" (our GEMM with a fused
 # low-rank epilogue). Chosen per GPU by measurement; see bench/NOTES.md.
 GEMM_BACKENDS = ("cublas", "triton")

@@ -43,6 +43,12 @@ CONFIG_SPACE: dict[str, list[dict]] = {
         *[dict(BLOCK_T=bt, BLOCK_K=bk, num_warps=w, num_stages=3)
           for bt in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8)],
     ],
+    # the one-kernel decode path (ops.decode): dims (row block, K, N, rank block)
+    "decode": [
+        dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4),
+        *[dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
+          for bn in (16, 32, 64) for bk in (128, 256, 512) for w, s in ((4, 3), (4, 5), (8, 4))],
+    ],
 }
 
 # Small blocks for the Triton interpreter and fp32 (tests): one config, no tuning.
@@ -51,6 +57,7 @@ INTERPRETER_CONFIG = {
     "expand": dict(BLOCK_T=32, BLOCK_N=32, num_warps=4, num_stages=1),
     "dy_pass": dict(BLOCK_T=32, BLOCK_N=32, num_warps=4, num_stages=1),
     "x_pass": dict(BLOCK_T=32, BLOCK_K=32, num_warps=4, num_stages=1),
+    "decode": dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1),
 }
 
 _lock = threading.Lock()

@@ -1,0 +1,141 @@
+"""The decode path's kernel against the merged model's GEMM, per projection shape and row count, in GPU time.
+
+    python bench/decode_kernels.py --out OUT [--shapes 1b 8b] [--rows 1 8 32 64] [--cache PATH]
+
+For each Llama-3 projection shape (K -> N) of --shapes, LoRA r16, bf16 activations and weights with fp32 adapters
+(PEFT's default over a bf16 base), and each row count (the batch of a decode step), times one call of:
+  merged    F.linear(x, W): the merged model's projection (the floor)
+  aten      sits_lora.ops.lora_linear_aten without gradients: the small-call path (3 matmuls)
+  default   sits_lora.ops.lora_linear_decode at the first configuration of ops.tuning's "decode" space
+  tuned     the same at the fastest configuration of that space, measured here
+Each time is the GPU's: 20 calls recorded as one CUDA graph, replayed --replays times between CUDA events, the
+median replay / 20 (launch costs left out, as under sits_lora.graph_decode). The fastest configurations are
+written in the tuning cache format to --cache (default OUT/decode_configs.json): run later scripts with
+SITS_LORA_TUNING_CACHE=that file to use them, or merge them into src/sits_lora/ops/tuned_configs.json.
+Writes OUT/decode_kernels.json, .csv and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_model import MODELS  # noqa: E402
+from harness import png, print_table, write_results  # noqa: E402
+
+CALLS = 20
+
+
+def projection_shapes(shape: str) -> dict[str, tuple[int, int]]:
+    c = MODELS[shape]
+    hidden, inter = c["hidden_size"], c["intermediate_size"]
+    kv = hidden // c["num_attention_heads"] * c["num_key_value_heads"]
+    return {"q/o": (hidden, hidden), "k/v": (hidden, kv), "gate/up": (hidden, inter), "down": (inter, hidden)}
+
+
+def graph_us(fn, replays: int) -> float:
+    """GPU microseconds of one fn() call: CALLS calls recorded as one graph, the median of ``replays`` replays."""
+    for _ in range(2):
+        fn()                                       # compile and autotune off the recording
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / CALLS)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--shapes", nargs="+", choices=["1b", "8b"], default=["1b", "8b"])
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 32, 64])
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--replays", type=int, default=10)
+    parser.add_argument("--cache", default=None, help="tuning cache to write (default OUT/decode_configs.json)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("this benchmark times CUDA graphs: it needs a CUDA GPU")
+    if any(not 1 <= r <= 64 for r in args.rows):
+        parser.error(f"--rows must be within 1..64 (the decode kernel's limit), got {args.rows}")
+    if args.rank < 1 or args.replays < 1:
+        parser.error("--rank and --replays must be >= 1")
+    from sits_lora import ops
+    from sits_lora.ops.decode import rows_block
+    from sits_lora.ops.fused import block_rank
+    from sits_lora.ops.tuning import CONFIG_SPACE, config_key
+
+    device = torch.device("cuda")
+    space = CONFIG_SPACE["decode"]
+    cache_path = args.cache or os.path.join(args.out, "decode_configs.json")
+    best_configs: dict = {}
+    rows_out = []
+    gen = torch.Generator(device=device).manual_seed(0)
+    for shape in args.shapes:
+        for name, (K, N) in projection_shapes(shape).items():
+            W = torch.randn(N, K, device=device, dtype=torch.bfloat16, generator=gen) / K**0.5
+            A = torch.randn(args.rank, K, device=device, generator=gen) / K**0.5
+            B = torch.randn(N, args.rank, device=device, generator=gen) * 0.01
+            for rows in args.rows:
+                x = torch.randn(rows, K, device=device, dtype=torch.bfloat16, generator=gen)
+                with torch.no_grad():
+                    merged = graph_us(lambda: F.linear(x, W), args.replays)
+                    aten = graph_us(lambda: ops.lora_linear_aten(x, x, W, None, A, B, 2.0), args.replays)
+                    timings = []
+                    for cfg in space:
+                        try:
+                            us = graph_us(lambda: ops.lora_linear_decode(x, W, None, A, B, 2.0, config=cfg),
+                                          args.replays)
+                        except Exception as error:   # noqa: BLE001 (a config this GPU cannot run: too much smem)
+                            print(f"  skipped {cfg}: {type(error).__name__}", flush=True)
+                            torch.cuda.synchronize()
+                            continue
+                        timings.append((us, cfg))
+                default = next((us for us, cfg in timings if cfg is space[0]), None)
+                tuned, best = min(timings, key=lambda t: t[0])
+                dims = (rows_block(rows), K, N, block_rank(args.rank))
+                best_configs[config_key("decode", device, dims, torch.bfloat16)] = best
+                rows_out.append({"shape": shape, "projection": name, "K": K, "N": N, "rows": rows,
+                                 "merged_us": merged, "aten_us": aten, "default_us": default, "tuned_us": tuned,
+                                 "tuned_over_merged": tuned / merged, "aten_over_merged": aten / merged,
+                                 "config": best})
+                print(f"[{shape} {name} {K}->{N} rows {rows}] merged {merged:.2f} µs, aten {aten:.2f}, "
+                      f"decode default {default if default is None else round(default, 2)}, tuned {tuned:.2f} "
+                      f"{best}", flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
+    with open(cache_path, "w") as f:
+        json.dump(best_configs, f, indent=1, sort_keys=True)
+    command = "python bench/decode_kernels.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    paths = write_results("decode_kernels", rows_out, args.out, {"command": command})
+    print_table(rows_out, ["shape", "projection", "rows", "merged_us", "aten_us", "default_us", "tuned_us",
+                           "tuned_over_merged"])
+    with png(os.path.join(args.out, "decode_kernels.png"), figsize=(8, 3.5)) as ax:
+        if ax is not None:
+            labels = [f"{r['shape']} {r['projection']} x{r['rows']}" for r in rows_out]
+            xs = range(len(rows_out))
+            for offset, key in ((-0.27, "merged_us"), (0, "aten_us"), (0.27, "tuned_us")):
+                ax.bar([i + offset for i in xs], [r[key] for r in rows_out], width=0.27, label=key[:-3])
+            ax.set_xticks(list(xs), labels, rotation=90, fontsize=5)
+            ax.set_ylabel("µs a call (GPU)")
+            ax.legend(fontsize=7)
+    print("wrote", *paths, cache_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

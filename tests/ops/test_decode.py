@@ -1,0 +1,127 @@
+"""The one-kernel decode path (sits_lora.ops.decode) against the fp64 reference on odd shapes (rows 1 to 64, ranks
+that are not powers of two, bias or none, fp32 adapters over fp16 activations), and the rule that sends a layer's
+call to it: no gradients, at most 64 rows, the Triton kernel setting, no active dropout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_llama
+from peft import LoraConfig, get_peft_model
+
+from sits_lora import SitsLoraConfig, ops
+from sits_lora.ops.reference import lora_linear_reference
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+def _problem(rows, d_in, d_out, r, dtype, bias, adapter_dtype=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, d_in, generator=g)
+    W = torch.randn(d_out, d_in, generator=g) / d_in**0.5
+    b = torch.randn(d_out, generator=g) if bias else None
+    A = torch.randn(r, d_in, generator=g) / d_in**0.5
+    B = torch.randn(d_out, r, generator=g) / r**0.5
+    cast = [t.to(DEVICE, dtype) if t is not None else None for t in (x, W, b)]
+    adapters = [t.to(DEVICE, adapter_dtype or dtype) for t in (A, B)]
+    return (*cast, *adapters)
+
+
+def _reference(x, W, b, A, B, s):
+    f = [t.double().cpu() if t is not None else None for t in (x, W, b, A, B)]
+    return lora_linear_reference(f[0], f[0], f[1], f[2], f[3], f[4], s)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+@pytest.mark.parametrize("shape", [(40, 24, 4), (72, 50, 20), (96, 33, 16)], ids=["r4", "r20", "r16-odd-out"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_decode_kernel_equals_the_reference_in_fp32(rows, shape, bias):
+    d_in, d_out, r = shape
+    x, W, b, A, B = _problem(rows, d_in, d_out, r, torch.float32, bias)
+    y = ops.lora_linear_decode(x, W, b, A, B, 1.7)
+    assert y.shape == (rows, d_out) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double().cpu(), _reference(x, W, b, A, B, 1.7), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("adapter_dtype", [torch.float16, torch.float32], ids=["fp16-adapters", "fp32-adapters"])
+def test_decode_kernel_in_fp16_with_any_leading_shape(adapter_dtype):
+    x, W, b, A, B = _problem(6, 64, 48, 8, torch.float16, True, adapter_dtype)
+    x3 = x.reshape(2, 3, 64)
+    y = ops.lora_linear_decode(x3, W, b, A, B, 0.5)
+    assert y.shape == (2, 3, 48) and y.dtype == torch.float16
+    torch.testing.assert_close(y.reshape(6, 48).double().cpu(), _reference(x, W, b, A, B, 0.5), rtol=2e-2, atol=2e-2)
+
+
+def test_more_rows_than_the_kernel_takes_are_refused():
+    x, W, b, A, B = _problem(65, 32, 16, 4, torch.float32, False)
+    with pytest.raises(ValueError, match="at most 64"):
+        ops.lora_linear_decode(x, W, b, A, B, 1.0)
+
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _models(dtype=torch.float32, dropout=0.0):
+    kernel = "auto" if ON_GPU else "triton"
+    ours = get_peft_model(tiny_llama(0), SitsLoraConfig(r=8, lora_alpha=16, lora_dropout=dropout,
+                                                        target_modules=TARGETS, kernel=kernel))
+    peft = get_peft_model(tiny_llama(0), LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, target_modules=TARGETS))
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        theirs = dict(peft.named_parameters())
+        for n, p in ours.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+                theirs[n].copy_(p)
+    return ours.to(DEVICE, dtype).eval(), peft.to(DEVICE, dtype).eval()
+
+
+def _counting(monkeypatch):
+    calls = []
+    real = ops.lora_linear_decode
+    monkeypatch.setattr(ops, "lora_linear_decode", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    return calls
+
+
+def test_a_decode_step_runs_one_kernel_per_projection_and_equals_peft(monkeypatch):
+    calls = _counting(monkeypatch)
+    ours, peft = _models()
+    ids = torch.randint(0, 97, (3, 1), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    with torch.no_grad():
+        got, want = ours(input_ids=ids).logits, peft(input_ids=ids).logits
+    assert len(calls) == 2 * len(TARGETS)                    # every projection of both layers, siblings included
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_calls_that_are_not_decode_steps_take_the_other_paths(monkeypatch):
+    calls = _counting(monkeypatch)
+    ours, _ = _models()
+    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(2)).to(DEVICE)   # 80 rows: a prefill
+    with torch.no_grad():
+        ours(input_ids=ids)
+    ours(input_ids=ids[:, :1])                               # gradients enabled (a training step's forward)
+    ops.set_decode_kernel(False)
+    try:
+        with torch.no_grad():
+            ours(input_ids=ids[:, :1])
+    finally:
+        ops.set_decode_kernel(True)
+    assert calls == []
+    ours, _ = _models(dropout=0.1)
+    ours.train()                                             # active dropout: the LoRA input is not x
+    with torch.no_grad():
+        ours(input_ids=ids[:, :1])
+    assert calls == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 32, 64])
+@pytest.mark.parametrize("shape", [(2048, 512, 16), (2048, 8192, 16), (8192, 2048, 16), (4096, 1024, 64)])
+def test_on_a_gpu_bf16_decode_kernel_at_llama_shapes(rows, shape):
+    d_in, d_out, r = shape
+    x, W, b, A, B = _problem(rows, d_in, d_out, r, torch.bfloat16, False, torch.float32)
+    y = ops.lora_linear_decode(x, W, b, A, B, 2.0)
+    want = _reference(x, W, b, A, B, 2.0)
+    err = (y.double().cpu() - want).norm() / want.norm()
+    assert err < 1e-2, err
