@@ -45,6 +45,7 @@ def _lora_decode_kernel(
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    dtype = x_ptr.dtype.element_ty     # the activation dtype: every product runs in it
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
@@ -61,13 +62,13 @@ def _lora_decode_kernel(
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)                          # (BM, BK)
         w = tl.load(w_ptr + offs_n[None, :] * stride_wn + k[:, None] * stride_wk,
                     mask=n_ok[None, :] & k_ok[:, None], other=0.0)                          # (BK, BN)
-        acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(x, w.to(dtype), acc, input_precision=DOT_PRECISION)
         a = tl.load(a_ptr + offs_r[None, :] * stride_ar + k[:, None] * stride_ak,
                     mask=r_ok[None, :] & k_ok[:, None], other=0.0)                          # (BK, BR)
-        h = tl.dot(x, a.to(x.dtype), h, input_precision=DOT_PRECISION)
+        h = tl.dot(x, a.to(dtype), h, input_precision=DOT_PRECISION)
     b = tl.load(b_ptr + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
                 mask=r_ok[:, None] & n_ok[None, :], other=0.0)                              # (BR, BN)
-    acc = tl.dot((h * scaling).to(x.dtype), b.to(x.dtype), acc, input_precision=DOT_PRECISION)
+    acc = tl.dot((h * scaling).to(dtype), b.to(dtype), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
