@@ -102,10 +102,12 @@ def main(argv=None) -> int:
                             us = graph_us(lambda: ops.lora_linear_decode(x, W, None, A, B, 2.0, config=cfg),
                                           args.replays)
                         except Exception as error:   # noqa: BLE001 (a config this GPU cannot run: too much smem)
-                            print(f"  skipped {cfg}: {type(error).__name__}", flush=True)
+                            print(f"  skipped {cfg}: {type(error).__name__}: {str(error)[:200]}", flush=True)
                             torch.cuda.synchronize()
                             continue
                         timings.append((us, cfg))
+                if not timings:
+                    raise SystemExit(f"no decode configuration ran at {K}->{N}, {rows} rows (see the skips above)")
                 default = next((us for us, cfg in timings if cfg is space[0]), None)
                 tuned, best = min(timings, key=lambda t: t[0])
                 dims = (rows_block(rows), K, N, block_rank(args.rank))
