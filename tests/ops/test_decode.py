@@ -115,6 +115,16 @@ def test_calls_that_are_not_decode_steps_take_the_other_paths(monkeypatch):
     assert calls == []
 
 
+def test_a_configuration_is_cut_to_the_shared_memory_budget():
+    from sits_lora.ops.decode import fitted
+
+    big = dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
+    assert fitted(big, 16, 16, 2, 4) == big                                  # 16 rows, r16, fp32 adapters: fits
+    cut = fitted(big, 64, 64, 2, 4)                                           # 64 rows, r64: what failed on the H200
+    assert cut["BLOCK_K"] * (64 * 2 + 32 * 2 + 64 * 4) * cut["num_stages"] <= 160 * 1024
+    assert cut["BLOCK_N"] == 32 and cut["num_warps"] == 4 and big["BLOCK_K"] == 256
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 8, 32, 64])
 @pytest.mark.parametrize("shape", [(2048, 512, 16), (2048, 8192, 16), (8192, 2048, 16), (4096, 1024, 64)])

@@ -187,5 +187,7 @@ def test_on_a_gpu_a_pool_slot_filled_between_requests_is_seen_by_the_replays(tmp
         host.set_adapter(slot)
         reference.set_adapter(name)
         assert torch.equal(_generate(host, ids, cache)[0], _generate(reference, ids, cache)[0]), name
-    assert graphs.replays > 0 and graphs.recordings == 1
+    # the two adapters' scalings differ (16 / 8, 16 / 4): a scaling is a Python number baked into a recording, so
+    # each has its own, and the alternating requests replay both
+    assert graphs.replays > 0 and graphs.recordings == 2
     graphs.release()

@@ -76,6 +76,24 @@ def _lora_decode_kernel(
 
 
 _DECODE = TritonLauncher(_lora_decode_kernel)
+# Shared memory a configuration may plan for: under the H200's 227 KiB a block (and under the A100's 163 KiB)
+_SMEM_BUDGET = 160 * 1024
+
+
+def fitted(cfg: dict, block_m: int, block_r: int, x_bytes: int, adapter_bytes: int) -> dict:
+    """``cfg`` with BLOCK_K, then num_stages, lowered until one pipeline of x, W and A tiles fits the shared memory
+    budget (a tuned configuration was measured at one row block and rank; a call may bring larger ones)."""
+    cfg = dict(cfg)
+
+    def need(c):
+        per_stage = c["BLOCK_K"] * (block_m * x_bytes + c["BLOCK_N"] * x_bytes + block_r * adapter_bytes)
+        return per_stage * c["num_stages"]
+
+    while need(cfg) > _SMEM_BUDGET and cfg["BLOCK_K"] > 32:
+        cfg["BLOCK_K"] //= 2
+    while need(cfg) > _SMEM_BUDGET and cfg["num_stages"] > 1:
+        cfg["num_stages"] -= 1
+    return cfg
 
 
 def lora_linear_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_A: Tensor, lora_B: Tensor,
@@ -90,7 +108,8 @@ def lora_linear_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_A
         raise ValueError(f"lora_linear_decode: {M} rows; the decode kernel takes at most {MAX_ROWS}")
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
     BLOCK_M, BLOCK_R = rows_block(M), block_rank(R)
-    cfg = config or config_for("decode", x.device, (BLOCK_M, K, N, BLOCK_R), x.dtype)
+    cfg = config or fitted(config_for("decode", x.device, (BLOCK_M, K, N, BLOCK_R), x.dtype), BLOCK_M, BLOCK_R,
+                           x.element_size(), lora_A.element_size())
     BLOCK_N = cfg["BLOCK_N"]
     _DECODE((cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)), x2, weight, bias if bias is not None else weight, lora_A, lora_B,
             y, M, N, K, R, float(scaling),
@@ -101,4 +120,4 @@ def lora_linear_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_A
     return y.view(*x.shape[:-1], N)
 
 
-__all__ = ["MAX_ROWS", "lora_linear_decode", "rows_block"]
+__all__ = ["MAX_ROWS", "fitted", "lora_linear_decode", "rows_block"]
