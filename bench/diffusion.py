@@ -25,9 +25,9 @@ Arms, each on a copy of the same U-Net with the same LoRA weights (B drawn non-z
   X+compile      arm X with the U-Net's forward compiled (torch.compile, default mode; the first image compiles)
   X+rcompile     arm X with the U-Net's transformer blocks compiled one by one (diffusers' compile_repeated_blocks:
                  a few block shapes to compile instead of the whole U-Net)
-  X+bcompile     arm X with every block compiled one by one: the U-Net's transformer blocks, ResNet blocks, down-
-                 and upsamplers (GroupNorm, SiLU and the residual adds fused by inductor around cuDNN's
-                 convolutions), and the VAE's decoder as a whole
+  X+bcompile     arm X with every block compiled one by one (sits_lora.diffusion.compile_blocks): the U-Net's
+                 transformer blocks, ResNet blocks, down- and upsamplers (GroupNorm, SiLU and the residual adds fused
+                 by inductor around cuDNN's convolutions), and the VAE's decoder as a whole
   Any kind (base, peft, sits) takes any of these modifiers, e.g. sits+fp8+cl+compile+graph.
   X+fp8          arm X with the U-Net's linear layers fed >= 256 rows a call in e4m3 with static input scales
                  (sits_lora.diffusion.calibrate on two other prompts at the same settings, then quantize_fp8);
@@ -193,28 +193,15 @@ def pipeline(name: str, unet, vae, arm: str = "base", calibration_calls: list | 
     if "rcompile" in arm.split("+"):
         pipe.unet.compile_repeated_blocks()   # diffusers' regional compilation: each transformer block alone
     if "bcompile" in arm.split("+"):
-        compile_blocks(pipe)
+        from sits_lora.diffusion import compile_blocks
+
+        pipe.vae = copy.deepcopy(pipe.vae)   # the VAE is shared by the arms: this one compiles its own
+        compile_blocks(pipe, channels_last="cl" in arm.split("+"))
     if "graph" in arm.split("+") and torch.cuda.is_available() and next(unet.parameters()).is_cuda:
         from sits_lora.diffusion import graph_denoiser
 
         graph_denoiser(pipe)
     return pipe
-
-
-def compile_blocks(pipe) -> None:
-    """The U-Net's blocks compiled one by one (transformer, ResNet, down / upsampling) and the VAE's decoder as a
-    whole (the VAE is shared by the arms: this arm gets its own copy)."""
-    from diffusers.models.attention import BasicTransformerBlock
-    from diffusers.models.downsampling import Downsample2D
-    from diffusers.models.resnet import ResnetBlock2D
-    from diffusers.models.upsampling import Upsample2D
-
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)  # a shape per level
-    for module in pipe.unet.modules():
-        if isinstance(module, (BasicTransformerBlock, ResnetBlock2D, Downsample2D, Upsample2D)):
-            module.compile()
-    pipe.vae = copy.deepcopy(pipe.vae)
-    pipe.vae.decoder.compile()
 
 
 def prompt(shape: dict, device: str, dtype, seed: int = 2) -> dict:

@@ -8,14 +8,17 @@ text encoder's states are the same tensor (on by default: every denoising step a
 sequence instead of issuing a few thousand kernels from Python).
 ``calibrate`` / ``quantize_fp8``: the denoiser's big linear layers in fp8 with static input scales measured on a few
 generations (``dequantize_fp8`` undoes it, lossily).
+``compile_blocks``: every block of the denoiser and the VAE's decoder compiled alone (GroupNorm, SiLU and residual
+adds fused around the convolutions; seconds to compile where the whole U-Net takes minutes).
 The adapter itself needs nothing from here: ``unet.add_adapter(SitsLoraConfig(...))`` and
 ``sits_lora.export_diffusers_lora`` (see docs/usage.md).
 """
 
+from .compile import compile_blocks
 from .fp8 import Fp8Calibration, Fp8Report, StaticFp8Linear, calibrate, dequantize_fp8, fp8_layers, quantize_fp8
 from .graphs import DenoiserGraphs, graph_denoiser
 from .guards import LatentGuard, NonFiniteLatentsError
 from .reuse import reuse_cross_attention_kv
 
 __all__ = ["DenoiserGraphs", "Fp8Calibration", "Fp8Report", "LatentGuard", "NonFiniteLatentsError", "StaticFp8Linear",
-           "calibrate", "dequantize_fp8", "fp8_layers", "graph_denoiser", "quantize_fp8", "reuse_cross_attention_kv"]
+           "calibrate", "compile_blocks", "dequantize_fp8", "fp8_layers", "graph_denoiser", "quantize_fp8", "reuse_cross_attention_kv"]

@@ -1,0 +1,49 @@
+"""compile_blocks: every block of a tiny U-Net (with a sits_lora adapter) and the VAE's decoder compiled alone give
+the eager pipeline's image; what it compiles, and its refusals."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_diffusers_models import ATTENTION, tiny_pipeline, tiny_unet  # noqa: E402
+
+from sits_lora import SitsLoraConfig  # noqa: E402
+from sits_lora.diffusion import compile_blocks  # noqa: E402
+
+
+def _image(pipe, seed=5):
+    text = torch.randn(1, 7, 24, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        return pipe(prompt_embeds=text, negative_prompt_embeds=torch.zeros_like(text), num_inference_steps=2,
+                    height=16, width=16, output_type="pt", generator=torch.Generator().manual_seed(seed)).images
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+def test_compiled_blocks_give_the_eager_image(channels_last):
+    torch.manual_seed(0)
+    unet = tiny_unet()
+    unet.add_adapter(SitsLoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, init_lora_weights=False))
+    eager = tiny_pipeline(unet.eval())
+    compiled = copy.deepcopy(eager)
+    names = compile_blocks(compiled, channels_last=channels_last)
+    kinds = {type(compiled.unet.get_submodule(n)).__name__ for n in names if n != "vae.decoder"}
+    assert "vae.decoder" in names and {"ResnetBlock2D", "BasicTransformerBlock"} <= kinds
+    assert not any(a.startswith(b + ".") for a in names for b in names)      # no block inside a compiled one
+    torch.testing.assert_close(_image(compiled), _image(eager), rtol=1e-4, atol=1e-4)
+
+
+def test_refusals_name_the_fix():
+    with pytest.raises(ValueError, match="graph_denoiser"):
+        compile_blocks(tiny_unet(), mode="reduce-overhead")
+    with pytest.raises(ValueError, match=r"torch.compile\(model\)"):
+        compile_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    with pytest.raises(TypeError, match=".unet or .transformer"):
+        compile_blocks(object())
