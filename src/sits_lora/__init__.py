@@ -34,6 +34,7 @@ _EXPORTS = {
     "graph_train_step": ".training",
     "AdapterPool": ".serving",
     "graph_decode": ".serving",
+    "serving_plan": ".serving",
 }
 
 register_when_peft_loads()
@@ -73,6 +74,7 @@ __all__ = [
     "graph_decode",
     "graph_train_step",
     "plan_memory",
+    "serving_plan",
     "truncate_rank",
     "__version__",
 ]
