@@ -24,6 +24,9 @@ decode steps without the prefill. Arms, each on the same prompts:
   X+graph      arm X with its decode steps replayed as CUDA graphs (sits_lora.graph_decode, installed on every
                model; off for the other arms) into one transformers StaticCache per model and batch, reset between
                requests (what a server does); columns graph_replays / graph_recordings count what it did
+The pool arms also report stall_ms_per_request (how long the GPU waited for adapter copies, AdapterPool's CUDA
+events) and copy_ms_predicted (one adapter's bytes over the measured pinned bandwidth: the stall of a swap that was
+not prefetched).
 Every arm runs --repeats rounds after a warm-up round, arms in turn; the median round. vs_merged: against merged, a
 graph arm against merged+graph when that ran. Writes OUT/serve.json, .csv
 and serve.png.
@@ -223,6 +226,7 @@ def main(argv=None) -> int:
             times = {arm: [] for arm in args.arms}
             requests = {arm: [] for arm in args.arms}
             counts = {arm: [0, 0] for arm in args.arms}      # graph replays, recordings in the timed rounds
+            stalls = {arm: 0.0 for arm in args.arms}         # ms the GPU waited for adapter copies, timed rounds
             for round_ in range(repeats + 1):     # round 0 warms up (autotuning, allocator, the mixed-batch plans)
                 for arm in args.arms:
                     kind = arm.removesuffix("+graph")
@@ -230,10 +234,13 @@ def main(argv=None) -> int:
                     for recorder in graphs.values():
                         recorder.active = arm.endswith("+graph")
                     before = {k: (g.replays, g.recordings) for k, g in graphs.items()}
+                    stall_before = pool.measured_stall_ms() if kind in STREAM_ARMS else 0.0
                     seconds, request = timed_arm(model, arm, ids, new_tokens, device, pool, turns.get(arm), caches)
                     if round_:
                         times[arm].append(seconds)
                         requests[arm].append(request)
+                        if kind in STREAM_ARMS:
+                            stalls[arm] += pool.measured_stall_ms() - stall_before
                         if id(model) in graphs:
                             g = graphs[id(model)]
                             counts[arm][0] += g.replays - before[id(model)][0]
@@ -248,7 +255,12 @@ def main(argv=None) -> int:
                              "vs_merged": seconds / merged if merged else None,
                              "rounds_ms": [t * 1000 for t in times[arm]], "prompt": args.prompt,
                              "new_tokens": new_tokens, "graph_replays": counts[arm][0] if graphs else None,
-                             "graph_recordings": counts[arm][1] if graphs else None})
+                             "graph_recordings": counts[arm][1] if graphs else None,
+                             # two requests per round (new_tokens, then 1 token)
+                             "stall_ms_per_request": stalls[arm] / (2 * repeats)
+                             if arm.removesuffix("+graph") in STREAM_ARMS else None,
+                             "copy_ms_predicted": pool.predicted_stall_ms(ADAPTERS[0])
+                             if arm.removesuffix("+graph") in STREAM_ARMS and device == "cuda" else None})
                 print(f"[{shape} bs{batch} {arm}] {seconds * 1000:.2f} ms per token", flush=True)
         if pool is not None:
             for r in rows:

@@ -149,3 +149,28 @@ def test_on_a_gpu_pooled_bf16_batches_run_the_mixed_kernels_and_match(folders, m
     for names in (["r16", "r4", "__base__", "r16"], ["r8", "r16", "r8", "__base__"]):
         assert _close(_logits(model, ids, pool.slots_for(names)), _logits(reference, ids, names), 2e-2), names
     assert calls
+
+
+def test_a_swaps_stall_is_predicted_from_its_bytes_and_measured_as_zero_on_the_cpu(folders):
+    model, pool = _pooled(folders)
+    r, K_N = SAVED["r8"][0], 0
+    for layer in pool.layers.values():
+        K_N += layer.in_features + layer.out_features
+    assert pool.adapter_bytes("r8") == r * K_N * 4                       # fp32 A (r, K) and B (N, r) on every layer
+    copy_ms = pool.adapter_bytes("r8") / 1e9 * 1e3                        # at 1 GB/s
+    assert pool.predicted_stall_ms("r8", bandwidth=1e9) == pytest.approx(copy_ms)
+    assert pool.predicted_stall_ms("r8", overlap_ms=copy_ms / 2, bandwidth=1e9) == pytest.approx(copy_ms / 2)
+    assert pool.predicted_stall_ms("r8", overlap_ms=10 * copy_ms, bandwidth=1e9) == 0.0
+    with pytest.raises(ValueError, match="pass bandwidth="):
+        pool.predicted_stall_ms("r8")
+    pool.slots_for(["r8", "r4"])
+    assert pool.measured_stall_ms() == 0.0 and pool.stats["stall_ms"] == 0.0
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_an_unprefetched_swap_is_measured_and_predicted(folders):
+    model, pool = _pooled(folders, capacity=1, dtype=torch.bfloat16)
+    pool.slots_for(["r4"])
+    pool.slots_for(["r16"])                       # not prefetched: the current stream waits for the copy
+    assert pool.measured_stall_ms() >= 0.0 and "stall_ms" in pool.stats
+    assert pool.predicted_stall_ms("r16") > 0.0   # the measured pinned bandwidth

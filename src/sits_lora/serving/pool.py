@@ -17,6 +17,11 @@ An adapter of rank r sits in the first r rows of its slot's A and columns of its
 adapter's own scaling (alpha / r, or alpha / sqrt(r) with rsLoRA) in the slot: outputs are the adapter's. Copies go
 on a side stream that waits for the work already queued (which may still read the slot's previous adapter); the
 slot's next use waits for the copy. ``pool.stats`` counts hits, loads, evictions and bytes copied.
+
+The stall a swap costs is measured and predicted: ``slots_for`` brackets each wait for a copy with CUDA events on
+the current stream, and ``pool.measured_stall_ms()`` sums how long the GPU waited (0 when every copy was prefetched
+early enough); ``pool.predicted_stall_ms(name, overlap_ms)`` is the guard rails' PCIe accounting for one adapter: its
+bytes over the measured pinned host-to-device bandwidth, less the compute it overlaps.
 """
 
 from __future__ import annotations
@@ -75,6 +80,9 @@ class AdapterPool:
         self._resident: "OrderedDict[str, str]" = OrderedDict()   # name -> slot, least recently used first
         self._ready: dict[str, Optional[torch.cuda.Event]] = {}   # slot -> the event its copy recorded
         self._last_batch: tuple = ()
+        self._waits: list = []                            # (before, after) CUDA events around a wait for a copy
+        self._stall_ms = 0.0
+        self._bandwidth: Optional[float] = None           # pinned host->device bytes/s, measured on first use
         self.stats = {"hits": 0, "loads": 0, "evictions": 0, "bytes_copied": 0, "prefetch_skipped": 0}
 
     # ------------------------------------------------------------------ adapters in host memory
@@ -174,10 +182,49 @@ class AdapterPool:
         if self._stream is not None:
             current = torch.cuda.current_stream(self.device)
             for slot in slots.values():
-                event = self._ready.get(slot)
+                event = self._ready.pop(slot, None)   # once waited for, later work on this stream is after it
                 if event is not None:
+                    before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    before.record(current)
                     current.wait_event(event)
+                    after.record(current)
+                    self._waits.append((before, after))
         return [slots.get(n, "__base__") for n in names]
+
+    # ------------------------------------------------------------------ stalls
+    def measured_stall_ms(self) -> float:
+        """Milliseconds the GPU has waited for adapter copies in ``slots_for`` batches so far (waits until the
+        last batch's wait is over; 0.0 on the CPU)."""
+        for before, after in self._waits:
+            after.synchronize()
+            self._stall_ms += before.elapsed_time(after)
+        self._waits.clear()
+        self.stats["stall_ms"] = self._stall_ms
+        return self._stall_ms
+
+    def adapter_bytes(self, name: str) -> int:
+        """Bytes one copy of adapter ``name`` moves (its A and B on every layer it adapts)."""
+        self._check_known([name])
+        return sum(A.numel() * A.element_size() + B.numel() * B.element_size() for A, B, _ in self._host[name].values())
+
+    def predicted_stall_ms(self, name: str, overlap_ms: float = 0.0, bandwidth: Optional[float] = None) -> float:
+        """The stall a copy of ``name`` costs when ``overlap_ms`` of compute runs between its prefetch and the batch
+        that needs it (0: not prefetched): its bytes over ``bandwidth`` (bytes/s; default the pinned host->device
+        bandwidth measured once on this GPU, as the guard rails' PCIe check measures it) less the overlap."""
+        if not overlap_ms >= 0:
+            raise ValueError(f"AdapterPool.predicted_stall_ms: overlap_ms must be >= 0, got {overlap_ms!r}")
+        if bandwidth is None:
+            if self.device.type != "cuda":
+                raise ValueError("AdapterPool.predicted_stall_ms: the pool is on the CPU (no PCIe copy to predict); "
+                                 "pass bandwidth= to compute one")
+            if self._bandwidth is None:
+                from ..utils.device_probe import pinned_bandwidth
+
+                self._bandwidth = pinned_bandwidth(self.device, 64 * 2**20, "host->device")[0]
+            bandwidth = self._bandwidth
+        if not bandwidth > 0:
+            raise ValueError(f"AdapterPool.predicted_stall_ms: bandwidth must be > 0 bytes/s, got {bandwidth!r}")
+        return max(0.0, self.adapter_bytes(name) / bandwidth * 1e3 - overlap_ms)
 
     def _claim(self, name: str, protect) -> str:
         if name in self._resident:
