@@ -434,7 +434,8 @@ def test_profile_keeps_sibling_fusion_and_removes_its_hooks():
 
 def test_packaged_tuning_versions_are_those_of_their_run():
     """tuned_configs.json holds run2's kernel_configs.json (its keys then carried versions), for which autotune
-    names run2's torch / triton, and the fp8-vs-bf16 layer measurements of a later H200 run (fp8_layers="auto")."""
+    names run2's torch / triton, the fp8-vs-bf16 layer measurements of a later H200 run (fp8_layers="auto"), and the
+    decode kernel's configurations of a later H200 run under the same torch / triton (bench/decode_kernels.py)."""
     from sits_lora.cli.compile import _PACKAGED_VERSIONS
 
     run = os.path.join(REPO_ROOT, "bench", "results", "2026-11-30-h200-run2")
@@ -445,13 +446,20 @@ def test_packaged_tuning_versions_are_those_of_their_run():
     with open(os.path.join(run, "tuning.json")) as f:
         environment = json.load(f)["environment"]
     suffix = f"|torch{environment['torch'].split('+')[0]}|triton{environment['triton']}"
-    kernels = {k: v for k, v in packaged.items() if "|fp8_layer|" not in k}
+    kernels = {k: v for k, v in packaged.items() if "|fp8_layer|" not in k and "|decode|" not in k}
     assert {k.removesuffix(suffix): v for k, v in measured.items() if k.endswith(suffix)} == kernels
     assert _PACKAGED_VERSIONS == {"torch": environment["torch"], "triton": environment["triton"]}
     fp8_run = os.path.join(REPO_ROOT, "bench", "results", "2026-12-01-h200-session8", "call4_gate_8b", "tune")
     with open(os.path.join(fp8_run, "kernel_configs.json")) as f:
         fp8_measured = {k: v for k, v in json.load(f).items() if "|fp8_layer|" in k}
     assert len(fp8_measured) == 8 and {k: v for k, v in packaged.items() if "|fp8_layer|" in k} == fp8_measured
+    decode_run = os.path.join(REPO_ROOT, "bench", "results", "2026-12-03-h200-session19", "call3")
+    with open(os.path.join(decode_run, "decode", "decode_configs.json")) as f:
+        decode_measured = json.load(f)
+    with open(os.path.join(decode_run, "serve", "serve.json")) as f:
+        decode_environment = json.load(f)["environment"]
+    assert {k: v for k, v in packaged.items() if "|decode|" in k} == decode_measured
+    assert {k: decode_environment[k] for k in ("torch", "triton")} == _PACKAGED_VERSIONS
 
 
 def test_compile_report_names_the_versions_that_measured_each_entry(tmp_path):

@@ -34,8 +34,9 @@ class GpuRequiredError(CheckError):
     """compile needs a GPU."""
 
 
-# The versions of the H200 run that src/sits_lora/ops/tuned_configs.json copies
-# (bench/results/2026-11-30-h200-run2/tuning.json; tests/cli/test_cli.py checks that the two agree).
+# The versions of the H200 runs that src/sits_lora/ops/tuned_configs.json copies
+# (bench/results/2026-11-30-h200-run2/tuning.json, and the decode kernel's entries from
+# bench/results/2026-12-03-h200-session19/call3; tests/cli/test_cli.py checks that they agree).
 _PACKAGED_VERSIONS = {"torch": "2.11.0+cu130", "triton": "3.6.0"}
 CACHE_KEY_FIELDS = ("gpu", "kernel", "dims", "dtype")
 
