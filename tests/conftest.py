@@ -127,3 +127,16 @@ def tiny_model_dir(tmp_path_factory):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture
+def no_decode_kernel():
+    """No-grad calls of <= 64 rows take the one-kernel decode path (sits_lora.ops.decode, tested in
+    tests/ops/test_decode.py); tests of the sibling-group and ATen paths at tiny sizes turn it off."""
+    from sits_lora import ops
+
+    ops.set_decode_kernel(False)
+    try:
+        yield
+    finally:
+        ops.set_decode_kernel(True)

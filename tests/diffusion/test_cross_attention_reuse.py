@@ -20,8 +20,12 @@ from test_diffusers_models import ATTENTION, tiny_pipeline, tiny_unet, unet_call
 from sits_lora import SitsLoraConfig, ops  # noqa: E402
 from sits_lora.diffusion import reuse_cross_attention_kv  # noqa: E402
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                                reason="sibling fusion runs the Triton kernels: a GPU or TRITON_INTERPRET=1")
+pytestmark = [
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                       reason="sibling fusion runs the Triton kernels: a GPU or TRITON_INTERPRET=1"),
+    # these tests count the sibling-group paths at sizes the decode path would take (tests/ops/test_decode.py)
+    pytest.mark.usefixtures("no_decode_kernel"),
+]
 STEPS = 4
 
 

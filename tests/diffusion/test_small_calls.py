@@ -21,6 +21,9 @@ from conftest import rel_err  # noqa: E402
 from sits_lora import SitsLoraConfig, ops  # noqa: E402
 from sits_lora.diffusion import reuse_cross_attention_kv  # noqa: E402
 
+# these tests count the sibling-group / ATen paths at sizes the decode path would take (tests/ops/test_decode.py)
+pytestmark = pytest.mark.usefixtures("no_decode_kernel")
+
 
 @pytest.fixture
 def gpu_choice(monkeypatch):

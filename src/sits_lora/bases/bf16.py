@@ -77,8 +77,12 @@ class Bf16Base:
     def _decode_forward(layer, adapter: str, x: torch.Tensor) -> Optional[torch.Tensor]:
         """A decode step's call (a few rows, nothing to differentiate) as one kernel (ops.decode), or None. Ahead
         of the sibling group: a projection's one kernel is the merged model's count of launches, where the
-        group's shared shrink adds its own."""
+        group's shared shrink adds its own; but not ahead of a group that keeps its outputs across calls (a
+        cross-attention to_k / to_v pair: answering from what it kept costs nothing)."""
         if not ops.decode_call(x, layer.in_features):
+            return None
+        group = layer._sibling_group
+        if group is not None and group.reuse_across_calls:
             return None
         dropout = layer.lora_dropout[adapter]
         if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0:
