@@ -35,8 +35,8 @@ class GpuRequiredError(CheckError):
 
 
 # The versions of the H200 runs that src/sits_lora/ops/tuned_configs.json copies
-# (bench/results/2026-11-30-h200-run2/tuning.json, and the decode kernel's entries from
-# bench/results/2026-12-03-h200-session19/call3; tests/cli/test_cli.py checks that they agree).
+# (bench/results/2026-11-30-h200-run2/tuning.json, and the decode kernel's entries from a later run of
+# bench/decode_kernels.py under the same versions; tests/cli/test_cli.py checks that they agree).
 _PACKAGED_VERSIONS = {"torch": "2.11.0+cu130", "triton": "3.6.0"}
 CACHE_KEY_FIELDS = ("gpu", "kernel", "dims", "dtype")
 

@@ -14,7 +14,7 @@ SiLU kernels for it (eager GroupNorm is slower in that layout: compile and chann
 
 Measured on the H200 at the SD1.5 shape (30 steps, CFG, VAE decode, base model with fp8 linears and CUDA graphs):
 0.473 s an image without, 0.409 s with the blocks compiled, 0.324 s with the blocks compiled in channels_last
-(bench/results/2026-12-03-h200-session19, call 6). Not yet measured at the SDXL shape.
+(bench/NOTES.md, "Every diffusion block compiled"). Not yet measured at the SDXL shape.
 """
 
 from __future__ import annotations
