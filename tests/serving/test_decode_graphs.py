@@ -14,7 +14,7 @@ from peft import get_peft_model
 
 from sits_lora import SitsLoraConfig, graph_decode
 from sits_lora.serving import mixed_batch
-from sits_lora.serving.graphs import _batch_adapter_names, _cache_key, _new_tokens
+from sits_lora.serving.graphs import _CACHE, _batch_adapter_names, _cache_key, _new_tokens, _without_cache
 from sits_lora.utils.cuda_graphs import NotGraphable, copy_output
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -82,6 +82,19 @@ def test_a_returned_cache_is_the_callers_not_the_recorded_one():
     assert copied["cache"] is current and copied["logits"] is not out["logits"]
     with pytest.raises(NotGraphable):
         copy_output(out)
+
+
+def test_a_recorded_output_holds_a_marker_not_the_cache():
+    """A recording that held the cache would keep its memory taken: the next request's cache would land elsewhere
+    and record again."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    cache, other = _static_cache(), _static_cache()
+    out = CausalLMOutputWithPast(logits=torch.ones(1, 1, 4), past_key_values=cache)
+    stored = _without_cache(out, cache)
+    assert stored.past_key_values is _CACHE and stored.logits is out.logits
+    assert copy_output(stored, {id(_CACHE): other}).past_key_values is other
+    assert _without_cache((out.logits, cache), cache)[1] is _CACHE
 
 
 def test_mixed_batch_stacks_are_refreshed_in_place_and_kept_by_a_recording():
@@ -164,6 +177,15 @@ def test_on_a_gpu_replayed_decoding_gives_eager_tokens_and_scores(caplog):
         with torch.no_grad():
             model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert 'cache_implementation="static"' in caplog.text
+    import gc
+    import weakref
+
+    own = _static_cache(max_len=16)
+    _generate(model, ids, own)
+    gone = weakref.ref(own)
+    del own
+    gc.collect()
+    assert gone() is None                                    # no recording keeps a request's cache alive
     graphs.release()
     assert "forward" not in model.get_base_model().__dict__
 

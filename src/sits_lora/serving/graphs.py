@@ -44,10 +44,25 @@ logger = logging.getLogger("sits_lora")
 
 
 class _Recording:
-    __slots__ = ("graph", "inputs", "output", "cache", "kept")
+    __slots__ = ("graph", "inputs", "output", "kept")
 
-    def __init__(self, graph, inputs: list, output: Any, cache: Any, kept: list) -> None:
-        self.graph, self.inputs, self.output, self.cache, self.kept = graph, inputs, output, cache, kept
+    def __init__(self, graph, inputs: list, output: Any, kept: list) -> None:
+        self.graph, self.inputs, self.output, self.kept = graph, inputs, output, kept
+
+
+# Stands for the KV cache in a recorded output: a recording must not hold the cache itself (its memory would stay
+# taken, so the next request's cache would land at another address and record again); a replay returns the
+# caller's cache in its place.
+_CACHE = object()
+
+
+def _without_cache(out: Any, cache: Any) -> Any:
+    """``out`` (a transformers ModelOutput or a tuple) with ``cache`` replaced by the _CACHE marker."""
+    if isinstance(out, dict):
+        return type(out)(**{k: _CACHE if v is cache else v for k, v in out.items()})
+    if type(out) in (tuple, list):
+        return type(out)(_CACHE if v is cache else v for v in out)
+    return out
 
 
 def _is_cache(value: Any) -> bool:
@@ -167,7 +182,7 @@ class DecodeGraphs:
                 static.copy_(given)
         entry.graph.replay()
         self.replays += 1
-        return copy_output(entry.output, {id(entry.cache): cache})
+        return copy_output(entry.output, {id(_CACHE): cache})
 
     def _eager(self, args: tuple, kwargs: dict) -> Any:
         self.eager_calls += 1
@@ -181,8 +196,8 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                static_output = self._eager_forward(*static_args, **static_kwargs)
-            copy_output(static_output, {id(cache): cache})
+                static_output = _without_cache(self._eager_forward(*static_args, **static_kwargs), cache)
+            copy_output(static_output, {id(_CACHE): cache})
         except NotGraphable as reason:
             self._note_eager(str(reason))
             return None
@@ -191,7 +206,7 @@ class DecodeGraphs:
                              "forward?)")
             return None
         self.recordings += 1
-        return _Recording(graph, static_inputs, static_output, cache, buffers_in_use(self._layers))
+        return _Recording(graph, static_inputs, static_output, buffers_in_use(self._layers))
 
     def _note_eager(self, reason: str) -> None:
         if reason not in self._eager_reasons:   # once per reason: generate makes this call every token
