@@ -78,6 +78,7 @@ def _lora_decode_kernel(
 _DECODE = TritonLauncher(_lora_decode_kernel)
 # Shared memory a configuration may plan for: under the H200's 227 KiB a block (and under the A100's 163 KiB)
 _SMEM_BUDGET = 160 * 1024
+_FITTED: dict = {}   # (the tuned configuration's items, row block, rank block, dtype sizes) -> the fitted one
 
 
 def fitted(cfg: dict, block_m: int, block_r: int, x_bytes: int, adapter_bytes: int) -> dict:
@@ -108,8 +109,13 @@ def lora_linear_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_A
         raise ValueError(f"lora_linear_decode: {M} rows; the decode kernel takes at most {MAX_ROWS}")
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
     BLOCK_M, BLOCK_R = rows_block(M), block_rank(R)
-    cfg = config or fitted(config_for("decode", x.device, (BLOCK_M, K, N, BLOCK_R), x.dtype), BLOCK_M, BLOCK_R,
-                           x.element_size(), lora_A.element_size())
+    if config is None:   # a decode step makes this call per projection: the fitting is looked up, not redone
+        tuned = config_for("decode", x.device, (BLOCK_M, K, N, BLOCK_R), x.dtype)
+        key = (tuple(tuned.items()), BLOCK_M, BLOCK_R, x.element_size(), lora_A.element_size())
+        config = _FITTED.get(key)
+        if config is None:
+            config = _FITTED[key] = fitted(tuned, BLOCK_M, BLOCK_R, x.element_size(), lora_A.element_size())
+    cfg = config
     BLOCK_N = cfg["BLOCK_N"]
     _DECODE((cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)), x2, weight, bias if bias is not None else weight, lora_A, lora_B,
             y, M, N, K, R, float(scaling),
