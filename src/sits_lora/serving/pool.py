@@ -36,6 +36,8 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from ..utils.device_probe import pinned_bandwidth
+
 SLOT_PREFIX = "pool_slot"
 
 
@@ -218,8 +220,6 @@ class AdapterPool:
                 raise ValueError("AdapterPool.predicted_stall_ms: the pool is on the CPU (no PCIe copy to predict); "
                                  "pass bandwidth= to compute one")
             if self._bandwidth is None:
-                from ..utils.device_probe import pinned_bandwidth
-
                 self._bandwidth = pinned_bandwidth(self.device, 64 * 2**20, "host->device")[0]
             bandwidth = self._bandwidth
         if not bandwidth > 0:
