@@ -18,13 +18,13 @@ forwards as replayed CUDA graphs). Pass ``costs=`` to use costs measured elsewhe
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
+
+from ..utils.timing import gpu_seconds, host_seconds
 
 BASE = "__base__"
 
@@ -116,22 +116,11 @@ def _why_not_mergeable(model: nn.Module, adapter: str) -> Optional[str]:
 
 
 def _time_ms(fn, device: torch.device, repeats: int) -> float:
-    """Median milliseconds of fn() (CUDA events on a GPU, the host clock otherwise), after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    """Median milliseconds of fn() with the project's timer (utils.timing: CUDA events on a GPU, the host clock
+    otherwise, at most ``repeats`` timed calls there)."""
+    if device.type == "cuda":
+        return gpu_seconds(fn) * 1e3
+    return host_seconds(fn, reps=repeats) * 1e3
 
 
 def _step(model: nn.Module, ids: torch.Tensor, graphs: bool):
