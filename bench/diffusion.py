@@ -378,6 +378,9 @@ def main(argv=None) -> int:
                 if round_:
                     times[arm].append(seconds)
                 images[(name, arm)] = image
+                # each image as it comes: a run cut short by a time limit still says what it measured
+                print(f"[{name} {arm}] round {round_}{' (warm-up)' if not round_ else ''}: {seconds:.3f} s",
+                      flush=True)
         for arm in inference:
             seconds = statistics.median(times[arm])
             reference = images[(name, arm)] if arm == reference_arm else reference
