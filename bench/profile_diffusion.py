@@ -3,10 +3,12 @@
     python bench/profile_diffusion.py --out OUT                 # on a GPU: the SD1.5 U-Net shape
     python bench/profile_diffusion.py --out OUT --smoke         # tiny config on a CPU (checks the script)
     python bench/profile_diffusion.py --out OUT --shape sdxl --denoise-only --arms base base+fp8
+    python bench/profile_diffusion.py --out OUT --shape sdxl --denoise-only --vae --arms base+fp8+cl+bcompile
 
 An arm "X+fp8" is arm X with the U-Net's big linears in fp8 (sits_lora.diffusion.calibrate on one call with other
 inputs, then quantize_fp8). Each profile also sums the GPU time by kind of kernel (GEMM, convolution, attention,
-fp8 cast, the rest), to tell what a faster GEMM can save.
+fp8 cast, the rest), to tell what a faster GEMM can save. "+cl": the U-Net in channels_last; "+bcompile": every block
+compiled alone (sits_lora.diffusion.compile_blocks; the profile then counts the graph breaks dynamo made).
 
 For each arm of bench/diffusion.py given in --arms: the training step (bs 8, 64² latents) and one no-grad U-Net call
 at batch 2 (a denoising step with guidance): wall time, the host's time to issue the call (until it returns, without
@@ -16,6 +18,7 @@ waiting for the GPU), and the top kernels by GPU time. Writes OUT/profile_diffus
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -89,6 +92,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", choices=sorted(bench.SHAPES), default="sd15",
                         help="U-Net shape (the training step is SD1.5's: --denoise-only for others)")
     parser.add_argument("--denoise-only", action="store_true", help="profile the no-grad denoising call only")
+    parser.add_argument("--vae", action="store_true",
+                        help="also profile one VAE decode of one image (compiled whole with the +bcompile arms)")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     if args.shape != "sd15" and not args.denoise_only:
@@ -96,7 +101,7 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shape = bench.SMOKE_SHAPES["tiny"] if args.smoke else bench.SHAPES[args.shape]
-    unet, _ = bench.build_base(shape, device, dtype)
+    unet, vae_model = bench.build_base(shape, device, dtype)
     latent, batch = shape["resolution"] // 8, 2 if args.smoke else 8
     gen = torch.Generator().manual_seed(4)
 
@@ -112,6 +117,7 @@ def main(argv=None) -> int:
         return inputs
 
     denoise_inputs, calibration_inputs = unet_inputs(), unet_inputs()
+    latents = torch.randn(1, 4, latent, latent, generator=gen).to(device, dtype)
     report, lines = {}, []
     for arm in args.arms:
         model = bench.adapt(unet, arm, bench.TRAIN_TARGETS if not arm.startswith("base") else [])
@@ -120,6 +126,17 @@ def main(argv=None) -> int:
 
             fp8 = quantize_fp8(model, calibrate(model, [calibration_inputs]), min_rows=0 if args.smoke else 256)
             lines.append(f"== {arm}: {fp8.summary()}")
+        vae = vae_model
+        if "bcompile" in arm.split("+"):   # every block compiled alone (bench/diffusion.py's arm of that name)
+            from sits_lora.diffusion import compile_blocks
+
+            compile_blocks(model, vae=False, channels_last="cl" in arm.split("+"))
+            if args.vae:
+                vae = copy.deepcopy(vae_model).to(memory_format=torch.channels_last if "cl" in arm.split("+")
+                                                  else torch.contiguous_format)
+                vae.decoder.compile()
+        elif "cl" in arm.split("+"):
+            model.to(memory_format=torch.channels_last)
         from sits_lora import ops
 
         threshold = ops.aten_below_flops()
@@ -132,8 +149,14 @@ def main(argv=None) -> int:
             with torch.no_grad():
                 model(**denoise_inputs)
 
+        def decode():
+            with torch.no_grad():
+                vae.decode(latents)
+
         row, first_line = {}, max(len(lines) - 1, 0) if "fp8" in arm.split("+") else len(lines)
-        for name, fn in (("train", train), ("denoise", denoise)):
+        jobs = (("train", train), ("denoise", denoise)) + ((("vae_decode", decode),) if args.vae else ())
+        breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())
+        for name, fn in jobs:
             if fn is None:
                 continue
             for _ in range(3):
@@ -147,6 +170,10 @@ def main(argv=None) -> int:
                          f"{' '.join(adapter_dtypes) or '-'}")
             lines.append("   by kind: " + ", ".join(f"{k} {v:.2f} ms" for k, v in counts["ms_by_kind"].items()))
             lines += [f"   {k['ms']:8.2f} ms {k['calls']:5d}x  {k['name']}" for k in row[name]["top"]]
+        breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks_before
+        if "bcompile" in arm.split("+"):
+            lines.append(f"   graph breaks while compiling: {breaks} "
+                         f"({', '.join(sorted(torch._dynamo.utils.counters['graph_break'])[:5]) or '-'})")
         if arm in args.cprofile and train is not None:
             import cProfile
             import io
