@@ -47,3 +47,28 @@ def test_refusals_name_the_fix():
         compile_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))
     with pytest.raises(TypeError, match=".unet or .transformer"):
         compile_blocks(object())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_inference_traces_small_calls_as_matmuls():
+    """Under torch.compile with nothing to differentiate, a LoRA call as small as a tiny U-Net's (every one here)
+    is traced as plain matmuls, not the fused custom op, and gives the eager output."""
+    torch.manual_seed(0)
+    unet = tiny_unet().to("cuda", torch.bfloat16).eval()
+    unet.add_adapter(SitsLoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, init_lora_weights=False))
+    block = next(m for m in unet.modules() if type(m).__name__ == "BasicTransformerBlock")
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    x = torch.randn(2, 64, 32, device="cuda", dtype=torch.bfloat16)
+    text = torch.randn(2, 77, 24, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = block(x, encoder_hidden_states=text)
+        compiled = torch.compile(block, backend=backend, fullgraph=True)(x, encoder_hidden_states=text)
+    targets = {str(node.target) for gm in graphs for node in gm.graph.nodes}
+    assert graphs and not any("sits_lora" in t for t in targets), sorted(targets)
+    torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)

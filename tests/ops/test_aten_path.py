@@ -97,6 +97,12 @@ def test_small_call_rule(monkeypatch):
         assert ops.small_call("auto", x, 320, 640)
         assert not ops.small_call("auto", x, 320, 641)           # one feature more: at or above the threshold
         assert not ops.small_call("triton", x, 320, 640)         # an explicit kernel is honoured
+        # while torch.compile traces: a training call keeps the fused op, an inference call takes the matmuls
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert not ops.small_call("auto", x, 320, 640)
+        with torch.no_grad():
+            assert ops.small_call("auto", x, 320, 640)
+        monkeypatch.undo()
         ops.set_aten_below_flops(0)
         assert not ops.small_call("auto", x, 320, 1)
         with pytest.raises(ValueError, match="threshold must be >= 0, got -1"):

@@ -94,9 +94,12 @@ def aten_below_flops() -> float:
 
 def small_call(requested: str, x: Tensor, in_features: int, out_features: int) -> bool:
     """Whether a call that resolved to the Triton path runs the few-matmul ATen path instead: under
-    kernel="auto" (an explicit "triton" is honoured), eagerly (torch.compile schedules the custom op), when its
-    base GEMM has fewer FLOPs than :func:`aten_below_flops`."""
-    if requested != "auto" or torch.compiler.is_compiling():
+    kernel="auto" (an explicit "triton" is honoured), when its base GEMM has fewer FLOPs than
+    :func:`aten_below_flops`. Under torch.compile only with nothing to differentiate: a compiled training step
+    keeps the fused op (no host cost to save there, and its backward is one op), while an inference call as small
+    as a cross-attention's to_k / to_v on 77 text tokens is a few hundred rows, where cuBLAS's GEMMs, which
+    inductor then sees as plain matmuls, beat a fused kernel whose tiles are sized for thousands."""
+    if requested != "auto" or (torch.compiler.is_compiling() and torch.is_grad_enabled()):
         return False
     tokens = x.numel() // max(in_features, 1)
     return 2.0 * tokens * in_features * out_features < _ATEN_BELOW_FLOPS
