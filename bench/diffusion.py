@@ -19,6 +19,8 @@ Arms, each on a copy of the same U-Net with the same LoRA weights (B drawn non-z
   sits+noreuse   the same without keeping it (reuse_cross_attention_kv(unet, False)): every step computes K / V
   sits+fused     sits with every call on the fused Triton kernels (ops.set_aten_below_flops(0)); by default calls
                  below that threshold run as ATen matmuls (sits_lora.ops.aten)
+  X+fuseqkv      arm X with each attention's q / k / v (self-attention) and k / v (cross-attention) as one linear
+                 (diffusers' fuse_qkv_projections; before fp8: one cast and one GEMM instead of three); base or +merged
   X+graph        arm X with its U-Net's forward recorded as CUDA graphs (sits_lora.diffusion.graph_denoiser):
                  the first image records, the timed ones replay
   X+cl           arm X with the U-Net and the VAE in channels_last memory format (cuDNN's convolutions' own layout)
@@ -63,7 +65,7 @@ from harness import png, print_table, write_results  # noqa: E402
 INFERENCE_ARMS = ["base", "peft", "peft+merged", "sits", "sits+noreuse", "sits+fused", "base+graph", "peft+graph",
                   "sits+graph", "sits+fp8", "base+fp8+graph", "sits+fp8+graph"]
 ARM_KINDS = ("base", "peft", "sits")
-ARM_MODIFIERS = ("merged", "noreuse", "fused", "fp8", "cl", "compile", "rcompile", "bcompile", "graph")
+ARM_MODIFIERS = ("merged", "fuseqkv", "noreuse", "fused", "fp8", "cl", "compile", "rcompile", "bcompile", "graph")
 TRAIN_ARMS = ["train:frozen", "train:peft", "train:sits", "train:sits+fused", "train:frozen+graph", "train:peft+graph",
               "train:sits+graph"]
 TRAIN_KINDS = ("frozen", "peft", "sits")
@@ -179,6 +181,11 @@ def pipeline(name: str, unet, vae, arm: str = "base", calibration_calls: list | 
                                                  scheduler=scheduler, safety_checker=None, feature_extractor=None,
                                                  requires_safety_checker=False)
     pipe.set_progress_bar_config(disable=True)
+    if "fuseqkv" in arm.split("+"):
+        if any("lora_" in n for n, _ in pipe.unet.named_parameters()) and "merged" not in arm.split("+"):
+            raise SystemExit(f"arm {arm}: +fuseqkv replaces to_q / to_k / to_v by one linear made from their "
+                             "weights, which drops an unmerged LoRA; use it with +merged or on base")
+        pipe.unet.fuse_qkv_projections()   # diffusers': self-attention's q / k / v and cross-attention's k / v
     if "fp8" in arm.split("+"):
         from sits_lora.diffusion import calibrate, quantize_fp8
 

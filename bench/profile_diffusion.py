@@ -8,7 +8,8 @@
 An arm "X+fp8" is arm X with the U-Net's big linears in fp8 (sits_lora.diffusion.calibrate on one call with other
 inputs, then quantize_fp8). Each profile also sums the GPU time by kind of kernel (GEMM, convolution, attention,
 fp8 cast, the rest), to tell what a faster GEMM can save. "+cl": the U-Net in channels_last; "+bcompile": every block
-compiled alone (sits_lora.diffusion.compile_blocks; the profile then counts the graph breaks dynamo made).
+compiled alone (sits_lora.diffusion.compile_blocks; the profile then counts the graph breaks dynamo made);
+"+fuseqkv": diffusers' fuse_qkv_projections first (base arms).
 
 For each arm of bench/diffusion.py given in --arms: the training step (bs 8, 64² latents) and one no-grad U-Net call
 at batch 2 (a denoising step with guidance): wall time, the host's time to issue the call (until it returns, without
@@ -121,6 +122,8 @@ def main(argv=None) -> int:
     report, lines = {}, []
     for arm in args.arms:
         model = bench.adapt(unet, arm, bench.TRAIN_TARGETS if not arm.startswith("base") else [])
+        if "fuseqkv" in arm.split("+"):   # bench/diffusion.py's arm of that name (base only: it drops a LoRA)
+            model.fuse_qkv_projections()
         if "fp8" in arm.split("+"):
             from sits_lora.diffusion import calibrate, quantize_fp8
 
