@@ -239,6 +239,27 @@ def time_image(pipe, kwargs: dict, steps: int, resolution: int, device: str):
     return seconds, out.images[0].float().cpu()
 
 
+def merge_costs(pipe, shape: dict, kwargs: dict, steps: int) -> dict:
+    """sits_lora.diffusion.merge_plan's costs on this arm's pipeline as it is set up (fp8, compiled blocks, graphs):
+    one guided denoiser call unmerged and merged, one merge + unmerge, and the images from which merging pays."""
+    from sits_lora.diffusion import measure_denoiser_costs
+
+    unet = pipe.unet
+    latent = shape["resolution"] // 8
+    param = next(unet.parameters())
+    text = torch.cat([kwargs["negative_prompt_embeds"], kwargs["prompt_embeds"]])
+    inputs = dict(sample=torch.randn(2, 4, latent, latent, generator=torch.Generator().manual_seed(6)).to(
+        param.device, param.dtype), timestep=torch.full((2,), 500, device=param.device), encoder_hidden_states=text)
+    if shape["pooled_dim"]:
+        res = shape["resolution"]
+        inputs["added_cond_kwargs"] = {
+            "text_embeds": torch.cat([kwargs["negative_pooled_prompt_embeds"], kwargs["pooled_prompt_embeds"]]),
+            "time_ids": torch.tensor([[res, res, 0, 0, res, res]] * 2, device=param.device, dtype=param.dtype)}
+    costs = measure_denoiser_costs(unet, inputs=inputs)
+    return {"denoise_unmerged_ms": costs.unmerged_ms, "denoise_merged_ms": costs.merged_ms,
+            "merge_ms": costs.merge_ms, "merge_pays_after_images": costs.crossover_calls / steps}
+
+
 def fidelity(image: torch.Tensor, reference: torch.Tensor) -> dict:
     if not (torch.isfinite(image).all() and torch.isfinite(reference).all()):
         return {"psnr_db": None, "max_abs": None, "finite": False}
@@ -342,6 +363,9 @@ def main(argv=None) -> int:
                              f"{', '.join(ARM_MODIFIERS)} (see above); training arms {', '.join(TRAIN_ARMS)}")
     parser.add_argument("--train", action="store_true", help="add the training-step arms (SD1.5 shape)")
     parser.add_argument("--steps", type=int, default=30, help="denoising steps per image")
+    parser.add_argument("--merge-costs", action="store_true",
+                        help="after the timed images, time merge_plan's costs on each adapter arm as set up (one "
+                             "denoiser call unmerged / merged, one merge + unmerge): when merging pays")
     parser.add_argument("--repeats", type=int, default=3, help="images timed per arm, after one warm-up image")
     parser.add_argument("--train-batch", type=int, default=8)
     parser.add_argument("--train-rounds", type=int, default=4,
@@ -396,6 +420,12 @@ def main(argv=None) -> int:
                          "steps": steps, "lora_targets": " ".join(INFERENCE_TARGETS)})
             print(f"[{name} {arm}] {seconds:.3f} s per image ({' '.join(f'{t:.3f}' for t in times[arm])})",
                   flush=True)
+            parts = arm.split("+")
+            if args.merge_costs and parts[0] != "base" and "merged" not in parts:
+                rows[-1].update(merge_costs(pipes[arm], shape, kwargs, steps))
+                print(f"[{name} {arm}] merge_plan costs: {rows[-1]['denoise_unmerged_ms']:.2f} ms a call unmerged, "
+                      f"{rows[-1]['denoise_merged_ms']:.2f} merged, merge + unmerge {rows[-1]['merge_ms']:.1f} ms: "
+                      f"merging pays after {rows[-1]['merge_pays_after_images']:.1f} images", flush=True)
         del pipes
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -10,6 +10,8 @@ sequence instead of issuing a few thousand kernels from Python).
 generations (``dequantize_fp8`` undoes it, lossily).
 ``compile_blocks``: every block of the denoiser and the VAE's decoder compiled alone (GroupNorm, SiLU and residual
 adds fused around the convolutions; seconds to compile where the whole U-Net takes minutes).
+``merge_plan``: whether a run of generations should merge the LoRA or run it unmerged, from one denoiser call timed
+both ways and one merge + unmerge on the pipeline as it is set up (compiled blocks and graphs included).
 The adapter itself needs nothing from here: ``unet.add_adapter(SitsLoraConfig(...))`` and
 ``sits_lora.export_diffusers_lora`` (see docs/usage.md).
 """
@@ -18,7 +20,9 @@ from .compile import compile_blocks
 from .fp8 import Fp8Calibration, Fp8Report, StaticFp8Linear, calibrate, dequantize_fp8, fp8_layers, quantize_fp8
 from .graphs import DenoiserGraphs, graph_denoiser
 from .guards import LatentGuard, NonFiniteLatentsError
+from .plan import DenoiserCosts, DenoiserPlan, measure_denoiser_costs, merge_plan
 from .reuse import reuse_cross_attention_kv
 
-__all__ = ["DenoiserGraphs", "Fp8Calibration", "Fp8Report", "LatentGuard", "NonFiniteLatentsError", "StaticFp8Linear",
-           "calibrate", "compile_blocks", "dequantize_fp8", "fp8_layers", "graph_denoiser", "quantize_fp8", "reuse_cross_attention_kv"]
+__all__ = ["DenoiserCosts", "DenoiserGraphs", "DenoiserPlan", "Fp8Calibration", "Fp8Report", "LatentGuard",
+           "NonFiniteLatentsError", "StaticFp8Linear", "calibrate", "compile_blocks", "dequantize_fp8", "fp8_layers",
+           "graph_denoiser", "measure_denoiser_costs", "merge_plan", "quantize_fp8", "reuse_cross_attention_kv"]

@@ -24,7 +24,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..utils.timing import gpu_seconds, host_seconds
+from ..utils.merging import merged_adapters, time_ms, why_not_mergeable
 
 BASE = "__base__"
 
@@ -67,7 +67,7 @@ class ServingPlan:
         model = self.model
         if self.action != "base":
             model.base_model.enable_adapter_layers()
-        merged = _merged_adapters(model)
+        merged = merged_adapters(model)
         if self.action == "merge":
             if merged != {self.adapter}:
                 if merged:
@@ -84,43 +84,10 @@ class ServingPlan:
         return self
 
 
-def _merged_adapters(model: nn.Module) -> set:
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return {a for m in model.modules() if isinstance(m, BaseTunerLayer) for a in m.merged_adapters}
-
-
-def _tuner_layers(model: nn.Module) -> list:
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-
-
 def _check_model(model: nn.Module, caller: str) -> None:
     if not hasattr(model, "peft_config") or not hasattr(model, "merge_adapter"):
         raise TypeError(f"{caller} needs a PeftModel (get_peft_model(model, SitsLoraConfig(...))), got "
                         f"{type(model).__name__}")
-
-
-def _why_not_mergeable(model: nn.Module, adapter: str) -> Optional[str]:
-    """Why ``adapter`` cannot be merged into this model's weights, or None."""
-    for layer in _tuner_layers(model):
-        if adapter not in getattr(layer, "lora_A", {}):
-            continue
-        weight = getattr(layer.get_base_layer(), "weight", None)
-        if weight is None or weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            return f"its base weights are not plain floating point ({getattr(weight, 'dtype', None)})"
-        if weight.requires_grad:
-            return "the base weights are being trained"
-    return None
-
-
-def _time_ms(fn, device: torch.device, repeats: int) -> float:
-    """Median milliseconds of fn() with the project's timer (utils.timing: CUDA events on a GPU, the host clock
-    otherwise, at most ``repeats`` timed calls there)."""
-    if device.type == "cuda":
-        return gpu_seconds(fn) * 1e3
-    return host_seconds(fn, reps=repeats) * 1e3
 
 
 def _step(model: nn.Module, ids: torch.Tensor, graphs: bool):
@@ -161,10 +128,10 @@ def measure_serving_costs(model: nn.Module, adapter: str, batch_size: int = 1, g
     cache = model.__dict__.setdefault("_sits_serving_costs", {})
     if key in cache:
         return cache[key]
-    reason = _why_not_mergeable(model, adapter)
+    reason = why_not_mergeable(model, adapter)
     if reason is not None:
         raise ValueError(f"measure_serving_costs: adapter {adapter!r} cannot be merged: {reason}")
-    merged_before, active_before, training = _merged_adapters(model), list(model.active_adapters), model.training
+    merged_before, active_before, training = merged_adapters(model), list(model.active_adapters), model.training
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
     ids = torch.randint(0, vocab, (batch_size, 1), device=device, generator=torch.Generator().manual_seed(0)
                         if device.type == "cpu" else None)
@@ -173,15 +140,15 @@ def measure_serving_costs(model: nn.Module, adapter: str, batch_size: int = 1, g
         if merged_before:
             model.unmerge_adapter()
         model.set_adapter(adapter)
-        dispatch = _time_ms(_step(model, ids, graphs), device, repeats)
+        dispatch = time_ms(_step(model, ids, graphs), device, repeats)
 
         def merge_unmerge():
             model.merge_adapter([adapter])
             model.unmerge_adapter()
 
-        merge = _time_ms(merge_unmerge, device, max(1, repeats // 2))
+        merge = time_ms(merge_unmerge, device, max(1, repeats // 2))
         model.merge_adapter([adapter])
-        merged = _time_ms(_step(model, ids, graphs), device, repeats)
+        merged = time_ms(_step(model, ids, graphs), device, repeats)
         model.unmerge_adapter()
     finally:
         if len(active_before) == 1:
@@ -222,10 +189,10 @@ def serving_plan(model: nn.Module, adapter_names: Union[str, Sequence[str]], new
                            "the mixed batch runs them unmerged")
     else:
         adapter = distinct[0]
-        reason = _why_not_mergeable(model, adapter)
+        reason = why_not_mergeable(model, adapter)
         if reason is not None:
             plan = ServingPlan(model, "dispatch", adapter, None, f"adapter {adapter!r} cannot be merged: {reason}")
-        elif _merged_adapters(model) == {adapter}:
+        elif merged_adapters(model) == {adapter}:
             plan = ServingPlan(model, "merge", adapter, None, f"adapter {adapter!r} is merged already: nothing to pay")
         else:
             batch = len(names)
