@@ -109,3 +109,12 @@ def test_on_a_gpu_costs_are_timed_through_the_recorded_graphs():
     assert graphs.replays > 0 and graphs.recordings >= 2            # unmerged and merged: one recording each
     assert costs.merge_ms > 0 and not merged_adapters(unet)
     torch.testing.assert_close(_sample(unet, inputs), before)
+
+
+def test_timing_the_merges_leaves_bf16_base_weights_bit_identical():
+    """Each timed merge + unmerge rounds the bf16 weights (W + sBA - sBA != W): the measurement restores them."""
+    unet = _adapted().to(torch.bfloat16)
+    before = {n: p.detach().clone() for n, p in unet.named_parameters() if "base_layer" in n}
+    measure_denoiser_costs(unet, repeats=3)
+    after = dict(unet.named_parameters())
+    assert before and all(torch.equal(after[n], w) for n, w in before.items())

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..utils.merging import merged_adapters, time_ms, tuner_layers, why_not_mergeable
+from ..utils.merging import base_weights_kept, merged_adapters, time_ms, tuner_layers, why_not_mergeable
 from .reuse import denoiser_of
 
 
@@ -142,14 +142,15 @@ def measure_denoiser_costs(pipe_or_model, adapter: Optional[str] = None, inputs:
         _merge(model, adapter)
         _unmerge(model)
 
+    _unmerge(model)
     try:
-        _unmerge(model)
-        unmerged = time_ms(call, device, repeats)
-        merge = time_ms(merge_unmerge, device, max(1, repeats // 2))
-        _merge(model, adapter)
-        merged = time_ms(call, device, repeats)
+        with base_weights_kept(model, adapter):   # the timed merges' rounding undone
+            unmerged = time_ms(call, device, repeats)
+            merge = time_ms(merge_unmerge, device, max(1, repeats // 2))
+            _merge(model, adapter)
+            merged = time_ms(call, device, repeats)
+            _unmerge(model)
     finally:
-        _unmerge(model)
         for name in merged_before:
             _merge(model, name)
     return DenoiserCosts(unmerged_ms=unmerged, merged_ms=merged, merge_ms=merge)

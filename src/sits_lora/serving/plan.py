@@ -24,7 +24,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..utils.merging import merged_adapters, time_ms, why_not_mergeable
+from ..utils.merging import base_weights_kept, merged_adapters, time_ms, why_not_mergeable
 
 BASE = "__base__"
 
@@ -146,10 +146,11 @@ def measure_serving_costs(model: nn.Module, adapter: str, batch_size: int = 1, g
             model.merge_adapter([adapter])
             model.unmerge_adapter()
 
-        merge = time_ms(merge_unmerge, device, max(1, repeats // 2))
-        model.merge_adapter([adapter])
-        merged = time_ms(_step(model, ids, graphs), device, repeats)
-        model.unmerge_adapter()
+        with base_weights_kept(model, adapter):   # the timed merges' rounding undone
+            merge = time_ms(merge_unmerge, device, max(1, repeats // 2))
+            model.merge_adapter([adapter])
+            merged = time_ms(_step(model, ids, graphs), device, repeats)
+            model.unmerge_adapter()
     finally:
         if len(active_before) == 1:
             model.set_adapter(active_before[0])

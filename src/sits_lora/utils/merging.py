@@ -4,7 +4,8 @@ whether one can be merged, and the time of a call on the model's device."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -38,6 +39,25 @@ def why_not_mergeable(model: nn.Module, adapter: str) -> Optional[str]:
     return None
 
 
+@contextmanager
+def base_weights_kept(model: nn.Module, adapter: str) -> Iterator[None]:
+    """Inside: merge and unmerge ``adapter`` as often as a timer likes; after: the base weights of the layers
+    holding it hold exactly their values from before, in the same tensors (a recorded CUDA graph keeps reading
+    them). Merging adds s·BA into the weight and unmerging subtracts it, in the weight's dtype: in bf16 each
+    round trip leaves rounding behind, and a timer makes dozens."""
+    kept = []
+    for layer in tuner_layers(model):
+        if adapter in getattr(layer, "lora_A", {}):
+            weight = layer.get_base_layer().weight
+            kept.append((weight, weight.detach().clone()))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for weight, copy in kept:
+                weight.copy_(copy)
+
+
 def time_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
     """Median milliseconds of fn() with the project's timer (utils.timing: CUDA events on a GPU, the host clock
     otherwise, at most ``repeats`` timed calls there)."""
@@ -46,4 +66,4 @@ def time_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> flo
     return host_seconds(fn, reps=repeats) * 1e3
 
 
-__all__ = ["merged_adapters", "time_ms", "tuner_layers", "why_not_mergeable"]
+__all__ = ["base_weights_kept", "merged_adapters", "time_ms", "tuner_layers", "why_not_mergeable"]
