@@ -54,8 +54,13 @@ def top_kernels(fn, device: str, count: int = 12) -> list[dict]:
     attr = "device_time_total" if device == "cuda" else "cpu_time_total"
     averages = prof.key_averages()
     events = [e for e in averages if device != "cuda" or getattr(e, attr, 0) > 0]
-    if device == "cuda":   # kernels only: the aten ops' device time counts their kernels again
-        events = [e for e in events if not e.key.startswith(("aten::", "autograd::", "cudaLaunch", "Optimizer"))]
+    if device == "cuda":   # kernels only: the aten ops' device time counts their kernels again, and so do
+        # inductor's compiled-region and dynamo annotations, and a Triton kernel's host-side launch event of its name
+        from torch.autograd import DeviceType
+
+        kernels = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA]
+        events = kernels or [e for e in events if not e.key.startswith(
+            ("aten::", "autograd::", "cudaLaunch", "Optimizer", "Torch-Compiled Region", "## ", "TorchDynamo"))]
     events.sort(key=lambda e: getattr(e, attr), reverse=True)
     # the host's launches: CUDA runtime / driver launch calls (cuBLAS, ATen and Triton kernels alike)
     launches = sum(e.count for e in averages if e.key.startswith(("cudaLaunch", "cuLaunch")))
