@@ -140,3 +140,42 @@ def no_decode_kernel():
         yield
     finally:
         ops.set_decode_kernel(True)
+
+
+def _gloo_rank(rank: int, world: int, port: int, queue, body) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # the parent's intra-op thread pool does not survive fork: a parallel op would hang
+    # a rank left waiting in a collective fails after 30 s, not 30 minutes
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        queue.put((rank, body(rank, world)))
+    except Exception as error:  # reported, so that the parent does not wait for a result that never comes
+        import traceback
+
+        queue.put((rank, f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def on_gloo_ranks(body, world: int = 2, timeout: float = 120) -> list:
+    """``body(rank, world)`` on ``world`` gloo ranks (forked processes, torch.distributed initialized); what each
+    returned, in rank order (a rank that raised returns the error's text)."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("fork")  # forked children reuse the imported modules: ~1 s, not ~20 s
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_rank, args=(rank, world, port, queue, body)) for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    results = sorted((queue.get(timeout=timeout) for _ in procs), key=lambda item: item[0])
+    for proc in procs:
+        proc.join(timeout=timeout)
+    return [value for _, value in results]

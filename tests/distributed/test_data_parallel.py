@@ -1,0 +1,133 @@
+"""Data parallel training with sits_lora layers on two gloo ranks (CPU, forked processes): DDP and FSDP2 (the
+frozen base sharded, the adapters trained) give the adapters a single process gets from the same global batch, with
+the fused Triton path (under the interpreter) and sibling fusion in every layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import on_gloo_ranks, randomize_lora_weights, tiny_llama
+from peft import get_peft_model
+
+from sits_lora import SitsLoraConfig
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GLOBAL_BATCH, SEQ, STEPS = 4, 8, 3
+
+
+def _model():
+    model = get_peft_model(tiny_llama(0), SitsLoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
+                                                         kernel="triton", init_lora_weights=False))
+    randomize_lora_weights(model)
+    return model.train()
+
+
+def _batch():
+    return torch.randint(0, 97, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+
+
+def _train(model, ids, steps=STEPS) -> list:
+    """AdamW steps on ``ids``; the losses (each rank's own in data parallel)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _adapters(model) -> dict:
+    """The adapter weights by name, whole (an FSDP2 shard gathered), as numpy arrays: a tensor sent from a forked
+    rank through a queue is shared by a file descriptor that is gone once the rank exits."""
+    return {n.removeprefix("module."): (p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()).numpy()
+            for n, p in model.named_parameters() if "lora_" in n}
+
+
+def _single_process():
+    model = _model()
+    losses = _train(model, _batch())
+    return losses, _adapters(model)
+
+
+def _count_fused_calls() -> dict:
+    """Count the calls of the fused Triton ops (one layer alone, a sibling group) in this process from now on."""
+    from sits_lora import ops
+    from sits_lora.ops import linear
+
+    counts = {"layer": 0, "siblings": 0}
+
+    def counted(fn, key):
+        def wrapper(*args, **kwargs):
+            counts[key] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    linear.lora_linear_triton = counted(linear.lora_linear_triton, "layer")
+    ops.lora_siblings_triton = counted(ops.lora_siblings_triton, "siblings")
+    return counts
+
+
+def _ddp_rank(rank: int, world: int):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from sits_lora.siblings import SiblingGroup
+
+    counts = _count_fused_calls()   # a forked rank: the patch dies with it
+    model = _model()
+    groups = {id(m._sibling_group) for m in model.modules() if isinstance(getattr(m, "_sibling_group", None),
+                                                                        SiblingGroup)}
+    ddp = DistributedDataParallel(model)
+    share = GLOBAL_BATCH // world
+    losses = _train(ddp, _batch()[rank * share:(rank + 1) * share])
+    return losses, _adapters(model), len(groups), counts
+
+
+def _fsdp2_rank(rank: int, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    counts = _count_fused_calls()
+    model = _model()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    share = GLOBAL_BATCH // world
+    losses = _train(model, _batch()[rank * share:(rank + 1) * share])
+    return losses, _adapters(model), counts
+
+
+def _assert_same_adapters(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys() and len(got) == 2 * len(TARGETS) * 2
+    for name, value in expected.items():
+        torch.testing.assert_close(torch.from_numpy(got[name]), torch.from_numpy(value), rtol=1e-4, atol=1e-5,
+                                   msg=name)
+
+
+def test_ddp_on_two_ranks_trains_the_adapters_a_single_process_does():
+    losses, expected = _single_process()
+    ranks = on_gloo_ranks(_ddp_rank)
+    assert all(isinstance(r, tuple) for r in ranks), ranks
+    for rank_losses, adapters, groups, counts in ranks:
+        assert groups == 2 * 2                      # q / k / v and gate / up fused in each of the 2 layers
+        # per step and layer: the q / k / v and gate / up groups once each, o_proj and down_proj alone
+        assert counts == {"siblings": 2 * 2 * STEPS, "layer": 2 * 2 * STEPS}, counts
+        _assert_same_adapters(adapters, expected)
+    # the mean of the ranks' losses is the global batch's loss (equal token counts per rank), step by step
+    for step, loss in enumerate(losses):
+        assert sum(r[0][step] for r in ranks) / 2 == pytest.approx(loss, rel=1e-4)
+
+
+def test_fsdp2_on_two_ranks_trains_the_adapters_a_single_process_does():
+    _, expected = _single_process()
+    ranks = on_gloo_ranks(_fsdp2_rank)
+    if any(isinstance(r, str) and "NotImplementedError" in r for r in ranks):
+        pytest.skip(f"FSDP2 on the CPU is not supported by this torch: {ranks[0][:200]}")
+    assert all(isinstance(r, tuple) for r in ranks), ranks
+    for _, adapters, counts in ranks:
+        assert counts == {"siblings": 2 * 2 * STEPS, "layer": 2 * 2 * STEPS}, counts   # the fused path, sharded
+        _assert_same_adapters(adapters, expected)
