@@ -45,6 +45,33 @@ def test_recipe_end_to_end_tiny_model(tiny_model_dir, tmp_path):
     assert metrics["liger_kernel"] is expected and report["training"]["use_liger_kernel"] is expected
 
 
+@pytest.mark.slow
+def test_recipe_on_two_processes_saves_once_and_matches_one_process(tiny_model_dir, tmp_path):
+    """torchrun with 2 processes (DDP over gloo on the CPU): each rank trains on its own batches, rank 0 alone
+    clears the folder, prints and writes the adapter and metrics.json; with the per-rank batch halved, the run
+    sees the same global batches as one process and ends at its held-out perplexity."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"def f{i}(x): return x * {i} + {i % 7}\n" * 8}) + "\n"
+                              for i in range(40)))
+    common = ["--model", str(tiny_model_dir), "--dataset", str(corpus), "--max-steps", "4", "--seq-len", "32",
+              "--eval-blocks", "4", "--learning-rate", "0.01", "--logging-steps", "2", "--warmup-steps", "0",
+              "--overwrite", "true"]   # no --r: torchrun's own parser takes it for an abbreviation of its options
+    one = _train(*common, "--batch-size", "4", "--output-dir", str(tmp_path / "one"), cwd=tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          TRAIN, *common, "--batch-size", "2", "--output-dir", str(tmp_path / "two")],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout.count("adapter saved to") == 1 and two.stdout.count("held-out perplexity before") == 1
+    metrics = {name: json.loads((tmp_path / name / "metrics.json").read_text()) for name in ("one", "two")}
+    assert metrics["two"]["processes"] == 2 and metrics["two"]["tokens_trained"] == metrics["one"]["tokens_trained"]
+    # the same global batches: the same held-out perplexity after, up to the order of the gradient sums
+    assert metrics["two"]["heldout_perplexity_after"] == pytest.approx(metrics["one"]["heldout_perplexity_after"],
+                                                                      rel=1e-3)
+    assert (tmp_path / "two" / "adapter" / "adapter_model.safetensors").exists()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None
                     or importlib.util.find_spec("datasets") is None,

@@ -393,6 +393,11 @@ def run(recipe: TrainRecipe) -> dict:
     from ..training import NativeLoraTrainer
 
     t_start = time.perf_counter()
+    # Under `accelerate launch` / torchrun with several processes each rank runs this function; rank 0 alone
+    # clears the output folder, prints and writes the adapter and metrics.json (the Trainer saves the checkpoints).
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    say = print if main_process else (lambda *args, **kwargs: None)
     set_seed(recipe.seed)
     threads = _set_cpu_threads(recipe.cpu_threads) if not torch.cuda.is_available() else None
     dtype = torch_dtype_named(recipe.dtype)
@@ -411,14 +416,14 @@ def run(recipe: TrainRecipe) -> dict:
     # a group size that fits no layer is refused before any slow work
     int4 = int4_fields(recipe, model, source_block=source.quantized_block() if recipe.base_quant == "int4" else None)
     use_liger, liger_note = resolve_liger(recipe.liger, model.config.model_type)
-    print(f"[sits_lora] Liger-Kernel: {liger_note}")
-    print(f"[sits_lora] model: {source.describe()} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
+    say(f"[sits_lora] Liger-Kernel: {liger_note}")
+    say(f"[sits_lora] model: {source.describe()} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
           f"parameters, {dtype})" + (f", {threads} CPU threads" if threads else ""))
     train_text, heldout_text = load_text_splits(recipe.dataset)
-    needed = recipe.max_steps * recipe.batch_size * recipe.grad_accum
+    needed = recipe.max_steps * recipe.batch_size * recipe.grad_accum * world   # each rank takes its own batches
     train_blocks = pack_into_blocks(train_text, tokenizer, recipe.seq_len, max_blocks=max(needed, 1))
     heldout_blocks = pack_into_blocks(heldout_text, tokenizer, recipe.seq_len, max_blocks=recipe.eval_blocks)
-    print(f"[sits_lora] data: {len(train_blocks)} train blocks, {len(heldout_blocks)} held-out blocks of {recipe.seq_len} tokens")
+    say(f"[sits_lora] data: {len(train_blocks)} train blocks, {len(heldout_blocks)} held-out blocks of {recipe.seq_len} tokens")
     config = SitsLoraConfig(
         r=recipe.r, lora_alpha=recipe.lora_alpha, lora_dropout=recipe.lora_dropout,
         target_modules=list(recipe.target_modules), kernel=recipe.kernel, task_type="CAUSAL_LM",
@@ -432,11 +437,12 @@ def run(recipe: TrainRecipe) -> dict:
         model.cuda()
 
     ppl_before = heldout_perplexity(model, heldout_blocks, desc="held-out perplexity (before)")
-    print(f"[sits_lora] held-out perplexity before: {ppl_before:.3f}")
+    say(f"[sits_lora] held-out perplexity before: {ppl_before:.3f}")
 
     if not int4:
         model = get_peft_model(model, config)
-    model.print_trainable_parameters()
+    if main_process:
+        model.print_trainable_parameters()
 
     args = TrainingArguments(
         output_dir=recipe.output_dir,
@@ -457,28 +463,34 @@ def run(recipe: TrainRecipe) -> dict:
         use_cpu=not torch.cuda.is_available(),
         use_liger_kernel=use_liger,
     )
-    if recipe.overwrite:
+    if recipe.overwrite and main_process:
         _clear_run(recipe.output_dir)  # only now: a run that fails while loading leaves the old one whole
+    if world > 1:
+        from accelerate import PartialState
+
+        PartialState().wait_for_everyone()   # no rank writes into the folder before rank 0 has cleared it
     # NativeLoraTrainer: the guard rails (hardware report in output_dir/hardware_report.json, constraint
     # warnings, NaN/Inf steps skipped and counted in the logs).
     trainer = NativeLoraTrainer(model=model, args=args, train_dataset=train_blocks, data_collator=default_data_collator)
     t_train = time.perf_counter()
     resume_from = latest_checkpoint(recipe.output_dir) if recipe.resume else None
     if resume_from:
-        print(f"[sits_lora] resuming from {resume_from}")
+        say(f"[sits_lora] resuming from {resume_from}")
     train_output = trainer.train(resume_from_checkpoint=resume_from)
     train_seconds = time.perf_counter() - t_train
 
     ppl_after = heldout_perplexity(model, heldout_blocks, desc="held-out perplexity (after)")
     adapter_dir = os.path.join(recipe.output_dir, "adapter")
-    _save_adapter_atomically(model, adapter_dir)
+    if main_process:
+        _save_adapter_atomically(model, adapter_dir)
     metrics = {
         "heldout_perplexity_before": ppl_before,
         "heldout_perplexity_after": ppl_after,
         "train_loss": train_output.training_loss,
         "train_seconds": train_seconds,
         "wall_seconds": time.perf_counter() - t_start,
-        "tokens_trained": recipe.max_steps * recipe.batch_size * recipe.grad_accum * recipe.seq_len,
+        "tokens_trained": recipe.max_steps * recipe.batch_size * recipe.grad_accum * recipe.seq_len * world,
+        "processes": world,
         "heldout_tokens": len(heldout_blocks) * (recipe.seq_len - 1),
         "model": source.describe(),
         "adapter_dir": os.path.abspath(adapter_dir),
@@ -487,9 +499,10 @@ def run(recipe: TrainRecipe) -> dict:
         "recipe": dataclasses.asdict(recipe),
         "versions": _versions(),
     }
-    write_json_atomically(os.path.join(recipe.output_dir, "metrics.json"), metrics)
-    print(f"[sits_lora] held-out perplexity: {ppl_before:.3f} -> {ppl_after:.3f} "
+    if main_process:
+        write_json_atomically(os.path.join(recipe.output_dir, "metrics.json"), metrics)
+    say(f"[sits_lora] held-out perplexity: {ppl_before:.3f} -> {ppl_after:.3f} "
           f"({100 * (ppl_after / ppl_before - 1):+.1f} %), {train_seconds:.0f} s training, "
           f"{metrics['wall_seconds']:.0f} s in all")
-    print(f"[sits_lora] adapter saved to {metrics['adapter_dir']}")
+    say(f"[sits_lora] adapter saved to {metrics['adapter_dir']}")
     return metrics
