@@ -131,3 +131,17 @@ def test_fsdp2_on_two_ranks_trains_the_adapters_a_single_process_does():
     for _, adapters, counts in ranks:
         assert counts == {"siblings": 2 * 2 * STEPS, "layer": 2 * 2 * STEPS}, counts   # the fused path, sharded
         _assert_same_adapters(adapters, expected)
+
+
+@pytest.mark.parametrize("name, kind", [("ddp", "MULTI_GPU"), ("fsdp2", "FSDP")])
+def test_the_example_accelerate_configs_load(name, kind):
+    """accelerate reads the example configs (an unknown key or a wrong type stops it) and they say what they are."""
+    import os
+
+    from accelerate.commands.config.config_args import load_config_from_file
+    from conftest import REPO_ROOT
+
+    config = load_config_from_file(os.path.join(REPO_ROOT, "recipes", "configs", "accelerate", f"{name}.yaml"))
+    assert str(config.distributed_type).endswith(kind) and config.num_processes == 2
+    if kind == "FSDP":
+        assert config.fsdp_config["fsdp_version"] == 2
