@@ -6,6 +6,7 @@ import logging
 import warnings
 from typing import Optional
 
+import torch
 from peft.tuners.lora import LoraModel
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
@@ -90,6 +91,16 @@ class SitsLoraModel(LoraModel):
     """
 
     prefix: str = "lora_"
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
+        """Read by DistributedDataParallel on the module it wraps (a PeftModel hands the lookup on to its tuner):
+        the frozen fp8 weight codes. DDP broadcasts every parameter from rank 0 when it starts, and the gloo
+        backend cannot send fp8 (every rank built the same frozen base; no adapter is among them). Names under
+        both roots, the PeftModel's ("base_model." ...) and this tuner's."""
+        fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+        names = [n for n, t in (*self.named_parameters(), *self.named_buffers()) if t is not None and t.dtype in fp8]
+        return [f"base_model.{n}" for n in names] + names
 
     def inject_adapter(self, model: nn.Module, adapter_name: str, *args, **kwargs) -> None:
         check_target_modules_exist(model, self.peft_config[adapter_name])

@@ -145,3 +145,42 @@ def test_the_example_accelerate_configs_load(name, kind):
     assert str(config.distributed_type).endswith(kind) and config.num_processes == 2
     if kind == "FSDP":
         assert config.fsdp_config["fsdp_version"] == 2
+
+
+def _fp8_rank(rank: int, world: int):
+    """One emulated-fp8 DDP step on this rank's own batch, then the scaling update: the scales every rank takes,
+    and the amax this rank saw alone."""
+    from peft import get_peft_model
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sits_lora.fp8 import fp8_scaling_state, update_scaling
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = get_peft_model(LlamaForCausalLM(config), SitsLoraConfig(r=8, target_modules=TARGETS, fp8="hybrid",
+                                                                    fp8_emulate=True, fp8_layers="all"))
+    randomize_lora_weights(model)
+    ddp = DistributedDataParallel(model.train())
+    # rank 1's tokens scaled up: its activations' amax differ from rank 0's
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(10 + rank))
+    with torch.no_grad():
+        model.base_model.model.model.embed_tokens.weight.mul_(1.0 + 3.0 * rank)
+    state = fp8_scaling_state(model)
+    for _ in range(2):   # the first step casts with each tensor's own amax; the second records the delayed one
+        ddp(input_ids=ids, labels=ids).loss.backward()
+        own = state.amax.clone()
+        update_scaling(model)
+    return state.scale.numpy(), own.numpy()
+
+
+def test_fp8_scales_agree_on_every_rank():
+    """Each rank sees its own activations; the delayed scales come from the largest amax of all ranks, the same
+    on every rank (what one process with the whole batch would record). DDP starts at all: it leaves the fp8
+    weight codes out of its broadcast from rank 0 (gloo cannot send fp8; SitsLoraModel names them)."""
+    ranks = on_gloo_ranks(_fp8_rank)
+    assert all(isinstance(r, tuple) for r in ranks), ranks
+    (scale0, own0), (scale1, own1) = ranks
+    assert not (own0 == own1).all()                               # the ranks saw different amax
+    torch.testing.assert_close(torch.from_numpy(scale0), torch.from_numpy(scale1), rtol=0, atol=0)

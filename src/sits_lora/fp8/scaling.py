@@ -29,7 +29,8 @@ class Fp8ScalingState(nn.Module):
         saturated_steps, nonfinite_steps  (L, 2) int64: per slot, optimizer steps whose amax was
                                  beyond the representable range at the scale in use / NaN or Inf
 
-    :meth:`update` (Transformer Engine's DelayedScaling): the step's amax enters the history,
+    :meth:`update` (Transformer Engine's DelayedScaling): the step's amax (the largest over the ranks of a
+    distributed run) enters the history,
     amax_use = max over the history ("max") or this step's ("most_recent"),
     scale = (fp8_max / amax_use) / 2**margin, kept where amax_use is 0. A NaN / Inf amax enters the
     history as 2 · fp8_max / scale, so the next scale is at most half the one in use (the back-off),
@@ -102,7 +103,7 @@ class Fp8ScalingState(nn.Module):
     @torch.no_grad()
     def update(self) -> None:
         """Advance every layer's history and scales once: a dozen tensor ops for the whole model."""
-        new = self.amax                                                        # (L, 2)
+        new = _max_over_ranks(self.amax)                                       # (L, 2)
         finite = torch.isfinite(new)
         if self.steps > 0:
             saturated = finite & (new * self.scale > self.fp8_max)
@@ -188,6 +189,23 @@ class Fp8ScalingState(nn.Module):
     def extra_repr(self) -> str:
         return (f"layers={len(self.names)}, recipe={self.recipe!r}, history={self.history_len}, algo={self.algo!r}, "
                 f"margin={self.margin}, steps={self.steps}")
+
+
+def _max_over_ranks(amax: torch.Tensor) -> torch.Tensor:
+    """This step's amax, the largest over the ranks of a distributed run (DDP / FSDP feed each rank other data):
+    every rank then takes the same scales, as one process with the whole batch would. A NaN / Inf on any rank
+    becomes +inf on all (a max over NaN is not defined), so every rank backs off together. One all-reduce of
+    L x 2 floats a step; none in a single process or while a CUDA graph records (a collective there would need
+    the backend's graph support)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return amax
+    if amax.is_cuda and torch.cuda.is_current_stream_capturing():
+        return amax
+    reduced = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("inf")))
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+    return reduced
 
 
 def find_scaling_states(model: nn.Module) -> list[Fp8ScalingState]:
