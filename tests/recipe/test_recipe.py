@@ -45,6 +45,40 @@ def test_recipe_end_to_end_tiny_model(tiny_model_dir, tmp_path):
     assert metrics["liger_kernel"] is expected and report["training"]["use_liger_kernel"] is expected
 
 
+def _train_on_two_processes(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           TRAIN, *args], capture_output=True, text=True, cwd=cwd, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.slow
+def test_two_processes_resumed_from_a_checkpoint_repeat_the_uninterrupted_run(tiny_model_dir, tmp_path):
+    """2 processes, interrupted after the step-2 checkpoint (rank 0 wrote it; the RNG state of each rank is in
+    it) and resumed on 2 processes: the adapter and the held-out perplexity of the uninterrupted run."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"def f{i}(x): return x * {i} + {i % 7}\n" * 8}) + "\n"
+                              for i in range(40)))
+    common = ["--model", str(tiny_model_dir), "--dataset", str(corpus), "--max-steps", "4", "--save-steps", "2",
+              "--batch-size", "2", "--seq-len", "32", "--eval-blocks", "4", "--learning-rate", "0.01",
+              "--logging-steps", "2"]
+    whole, interrupted = tmp_path / "whole", tmp_path / "interrupted"
+    proc = _train_on_two_processes(*common, "--output-dir", str(whole), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    interrupted.mkdir()
+    shutil.copytree(whole / "checkpoint-2", interrupted / "checkpoint-2")   # what a run killed after step 2 leaves
+    proc = _train_on_two_processes(*common, "--output-dir", str(interrupted), "--resume", "true", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("resuming from") == 1 and "checkpoint-2" in proc.stdout
+    a, b = (json.loads((run / "metrics.json").read_text()) for run in (whole, interrupted))
+    assert b["heldout_perplexity_after"] == pytest.approx(a["heldout_perplexity_after"], rel=1e-5)
+    wa, wb = (load_file(str(run / "adapter" / "adapter_model.safetensors")) for run in (whole, interrupted))
+    assert wa.keys() == wb.keys() and all(rel_err(wb[k], wa[k]) < 1e-5 for k in wa)
+
+
 @pytest.mark.slow
 def test_recipe_on_two_processes_saves_once_and_matches_one_process(tiny_model_dir, tmp_path):
     """torchrun with 2 processes (DDP over gloo on the CPU): each rank trains on its own batches, rank 0 alone
@@ -58,10 +92,7 @@ def test_recipe_on_two_processes_saves_once_and_matches_one_process(tiny_model_d
               "--overwrite", "true"]   # no --r: torchrun's own parser takes it for an abbreviation of its options
     one = _train(*common, "--batch-size", "4", "--output-dir", str(tmp_path / "one"), cwd=tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          TRAIN, *common, "--batch-size", "2", "--output-dir", str(tmp_path / "two")],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    two = _train_on_two_processes(*common, "--batch-size", "2", "--output-dir", str(tmp_path / "two"), cwd=tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.count("adapter saved to") == 1 and two.stdout.count("held-out perplexity before") == 1
     metrics = {name: json.loads((tmp_path / name / "metrics.json").read_text()) for name in ("one", "two")}
