@@ -133,7 +133,8 @@ def test_fsdp2_on_two_ranks_trains_the_adapters_a_single_process_does():
         _assert_same_adapters(adapters, expected)
 
 
-@pytest.mark.parametrize("name, kind", [("ddp", "MULTI_GPU"), ("fsdp2", "FSDP")])
+@pytest.mark.parametrize("name, kind", [("ddp", "MULTI_GPU"), ("fsdp2", "FSDP"), ("deepspeed_zero2", "DEEPSPEED"),
+                                        ("deepspeed_zero3", "DEEPSPEED")])
 def test_the_example_accelerate_configs_load(name, kind):
     """accelerate reads the example configs (an unknown key or a wrong type stops it) and they say what they are."""
     import os
@@ -145,6 +146,8 @@ def test_the_example_accelerate_configs_load(name, kind):
     assert str(config.distributed_type).endswith(kind) and config.num_processes == 2
     if kind == "FSDP":
         assert config.fsdp_config["fsdp_version"] == 2
+    if kind == "DEEPSPEED":
+        assert config.deepspeed_config["zero_stage"] == int(name[-1])
 
 
 def _fp8_rank(rank: int, world: int):
