@@ -10,33 +10,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from conftest import randomize_lora_weights, tiny_llama
-from peft import get_peft_model
-
-from sits_lora import SitsLoraConfig
+from test_data_parallel import _batch, _model, _train
 
 pytest.importorskip("deepspeed")
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "deepspeed_worker.py")
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def _one_process_losses() -> list:
-    model = get_peft_model(tiny_llama(0), SitsLoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
-                                                         init_lora_weights=False))
-    randomize_lora_weights(model)
-    model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
-    ids = torch.randint(0, 97, (4, 8), generator=torch.Generator().manual_seed(3))
-    losses = []
-    for _ in range(3):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
 
 
 @pytest.mark.slow
@@ -49,5 +27,6 @@ def test_zero_stage_on_two_processes_trains_as_one_process(stage, tmp_path):
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["rank"] for r in ranks] == [0, 1]
     # each rank's loss is the mean over its half (equal token counts): their mean is the whole batch's, step by step
-    for step, expected in enumerate(_one_process_losses()):
+    # one process: the same model, batch and AdamW (lr 1e-2, torch's weight decay 0.01) as the worker's
+    for step, expected in enumerate(_train(_model(), _batch())):
         assert (ranks[0]["losses"][step] + ranks[1]["losses"][step]) / 2 == pytest.approx(expected, rel=1e-4)
