@@ -8,7 +8,7 @@ small kernels in the graph: unmerged then costs more than merged (bench/NOTES.md
 the SDXL shape"). Merging costs a pass over every adapted weight, and the same again to unmerge. So::
 
     plan = sits_lora.diffusion.merge_plan(pipe, images=20, steps=30)   # after compile_blocks / graph_denoiser
-    plan.action, plan.reason      # "merge", "20 images x 30 steps: merging (41.2 ms with the unmerge) pays after ..."
+    plan.action, plan.reason      # "merge", "20 images x 30 steps: merging (... ms with the unmerge) pays after ..."
     plan.apply()                  # merges (or unmerges, for "dispatch")
 
 :func:`measure_denoiser_costs` times one denoiser call (a guided step: batch 2, the same text states every call, as
