@@ -187,3 +187,35 @@ def test_fp8_scales_agree_on_every_rank():
     (scale0, own0), (scale1, own1) = ranks
     assert not (own0 == own1).all()                               # the ranks saw different amax
     torch.testing.assert_close(torch.from_numpy(scale0), torch.from_numpy(scale1), rtol=0, atol=0)
+
+
+def _plan_rank(rank: int, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from sits_lora.training.memory import plan_memory
+
+    model = _model()
+    whole = plan_memory(model, 2, 8)
+    layers = model.base_model.model.model.layers
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    root = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in in_layers)
+    layer = max(sum(p.numel() * p.element_size() for p in block.parameters()) for block in layers)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    sharded = plan_memory(model, 2, 8)
+    return (whole.frozen_weights, whole.adapter_weights, whole.optimizer_states, root, layer,
+            sharded.frozen_weights, sharded.adapter_weights, sharded.optimizer_states, sharded.notes)
+
+
+def test_the_memory_plan_counts_a_ranks_fsdp2_shards_and_the_gathered_layers():
+    """Under FSDP2 each rank holds half of every parameter (odd dims padded, so about half), plus whole copies of
+    the root's parameters and of two decoder layers at the peak; the adapters and their AdamW states are halved."""
+    for result in on_gloo_ranks(_plan_rank):
+        assert isinstance(result, tuple), result
+        frozen, adapters, states, root, layer, s_frozen, s_adapters, s_states, notes = result
+        assert s_adapters == pytest.approx(adapters / 2, rel=0.02) and s_states == pytest.approx(states / 2, rel=0.02)
+        assert s_frozen == pytest.approx(frozen / 2 + root / 2 + 2 * layer / 2, rel=0.01)   # counted whole: +6 %
+        assert any(note.startswith("FSDP2:") for note in notes)

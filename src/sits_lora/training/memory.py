@@ -3,7 +3,8 @@
 The cost model (every number is bytes; T = batch_size x seq_len tokens, h hidden size, I MLP
 size, V vocabulary, H / KV query / key-value heads of size d, a the activation element size):
 
-- frozen weights, adapters: the parameters as they are (tied weights once); 4-bit bases (sits_lora's INT4,
+- frozen weights, adapters: the parameters as they are (tied weights once; under FSDP2 the rank's shards, plus the
+  parameters outside the decoder layers and two decoder layers gathered whole at the peak); 4-bit bases (sits_lora's INT4,
   bitsandbytes under SitsLoraLinear4bit) add one dequantization buffer of the largest such layer's W.
 - optimizer states: AdamW keeps 2 tensors per trainable parameter (8-bit AdamW 2 bytes, SGD none).
 - adapter gradients: made during backward, after the peak, and set to None by ``zero_grad``; they
@@ -283,6 +284,26 @@ def _single_layer_key(module: nn.Module) -> tuple:
 # ----------------------------------------------------------------------------- the plan
 
 
+def _local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter sharded by FSDP2 (a DTensor), or the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) and type(t).__name__ == "DTensor" else t
+
+
+def _fsdp_gathered_bytes(model: nn.Module, blocks: Sequence[nn.Module]) -> int:
+    """Bytes FSDP2 adds to a rank's shards at the step's peak (the start of backward): the root's parameters (those
+    outside the decoder layers: embeddings, final norm, the head, which the loss still needs) gathered whole, and two
+    decoder layers whole (the one running backward and the next one, prefetched). 0 when nothing is sharded."""
+    def extra(params) -> int:
+        return sum(p.numel() * p.element_size() - stored_bytes(_local_shard(p)) for p in params
+                   if type(p).__name__ == "DTensor")
+
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    root = extra(p for p in model.parameters() if id(p) not in in_blocks)
+    per_block = sorted((extra(block.parameters()) for block in blocks), reverse=True)
+    return root + sum(per_block[:2])
+
+
 def _optimizer_bytes(optimizer: str, trainable: list[nn.Parameter]) -> int:
     if optimizer == "adafactor":
         # Factored second moment: a row and a column vector per matrix, a full one for vectors.
@@ -398,21 +419,28 @@ def plan_memory(
     if liger is not None:
         liger_norm = liger_mlp = liger_loss = liger
 
-    # Parameters, tied ones once.
+    # Parameters, tied ones once; under FSDP2 (fully_shard) the rank's own shards.
     seen: set[int] = set()
     frozen = adapters = 0
-    trainable: list[nn.Parameter] = []
+    trainable: list[torch.Tensor] = []
     for p in list(inner.parameters()) + list(inner.buffers()):
-        ptr = p.untyped_storage()._cdata
+        local = _local_shard(p)
+        ptr = local.untyped_storage()._cdata
         if ptr in seen:
             continue
         seen.add(ptr)
-        size = stored_bytes(p)   # a 4-bit weight's quantization state included
+        size = stored_bytes(local)   # a 4-bit weight's quantization state included
         if isinstance(p, nn.Parameter) and p.requires_grad:
             adapters += size
-            trainable.append(p)
+            trainable.append(local)
         else:
             frozen += size
+    gathered = _fsdp_gathered_bytes(inner, blocks)
+    if gathered:
+        frozen += gathered
+        notes.append(f"FSDP2: each rank holds its shards of the parameters; at the peak the parameters outside the "
+                     f"decoder layers and two decoder layers (the one running, the one prefetched) are gathered "
+                     f"whole: {format_bytes(gathered)} more, counted in the frozen weights")
     grads = sum(p.numel() * p.element_size() for p in trainable)
     # INT4 bases hold packed codes (counted above) and dequantize into one buffer per device, the size of the
     # largest such layer's W, for the GEMM of a training batch (sits_lora.ops.int4_linear)
