@@ -3,9 +3,10 @@
 The cost model (every number is bytes; T = batch_size x seq_len tokens, h hidden size, I MLP
 size, V vocabulary, H / KV query / key-value heads of size d, a the activation element size):
 
-- frozen weights, adapters: the parameters as they are (tied weights once; under FSDP2 the rank's shards, plus the
-  parameters outside the decoder layers and two decoder layers gathered whole at the peak); 4-bit bases (sits_lora's INT4,
-  bitsandbytes under SitsLoraLinear4bit) add one dequantization buffer of the largest such layer's W.
+- frozen weights, adapters: the parameters as they are (tied weights once; under FSDP2 the rank's shards, plus
+  the parameters outside the decoder layers and two decoder layers gathered whole at the peak); 4-bit bases
+  (sits_lora's INT4, bitsandbytes under SitsLoraLinear4bit) add one dequantization buffer of the largest such
+  layer's W.
 - optimizer states: AdamW keeps 2 tensors per trainable parameter (8-bit AdamW 2 bytes, SGD none).
 - adapter gradients: made during backward, after the peak, and set to None by ``zero_grad``; they
   are at the peak only with gradient accumulation (they live through the next forward).
