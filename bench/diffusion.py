@@ -29,7 +29,8 @@ Arms, each on a copy of the same U-Net with the same LoRA weights (B drawn non-z
                  a few block shapes to compile instead of the whole U-Net)
   X+bcompile     arm X with every block compiled one by one (sits_lora.diffusion.compile_blocks): the U-Net's
                  transformer blocks, ResNet blocks, down- and upsamplers (GroupNorm, SiLU and the residual adds fused
-                 by inductor around cuDNN's convolutions), and the VAE's decoder as a whole
+                 by inductor around cuDNN's convolutions), and the VAE's decoder as a whole; a sits arm's kept
+                 cross-attention to_k / to_v run outside the compiled graphs (sits+noreuse+...: inside, every step)
   Any kind (base, peft, sits) takes any of these modifiers, e.g. sits+fp8+cl+compile+graph.
   X+fp8          arm X with the U-Net's linear layers fed >= 256 rows a call in e4m3 with static input scales
                  (sits_lora.diffusion.calibrate on two other prompts at the same settings, then quantize_fp8);

@@ -21,7 +21,11 @@ tensors have no version counter to prove x unchanged.
 Calls too small for the fused kernels' launches to pay (``sits_lora.ops.choice.small_call``) run each layer alone on
 ATen matmuls (``sits_lora.ops.aten``); a cross-attention group still keeps their outputs across calls.
 
-Eager mode only: under torch.compile each layer is one custom op and Inductor schedules them.
+Eager mode only: under torch.compile each layer is one custom op and Inductor schedules them. The exception is a
+cross-attention group told to keep its outputs under compile as well (``keep_under_compile``, set by
+``sits_lora.diffusion.compile_blocks``): dynamo cannot trace the kept-outputs decision (tensor identity and version
+counters), so its to_k / to_v calls leave the graph (a graph break) and run the eager group, which answers from
+what it kept. A ``fullgraph=True`` compile must leave it off (the default).
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class SiblingGroup:
         self.out_features = sum(layer.out_features for layer in layers)  # the fused op's output width
         self.enabled = True
         self.reuse_across_calls = reuse_across_calls
+        self.keep_under_compile = False
         self._pending_x: Optional[torch.Tensor] = None
         self._pending_version: Optional[int] = -1
         self._pending: dict[int, torch.Tensor] = {}
@@ -105,7 +110,11 @@ class SiblingGroup:
 
     def forward(self, layer, x: torch.Tensor) -> Optional[torch.Tensor]:
         """layer's output through the group, or None when the layer must run on its own."""
-        if not self.enabled or torch.compiler.is_compiling():
+        if not self.enabled:
+            return None
+        if torch.compiler.is_compiling():
+            if self.keep_under_compile and self.keeps_now():
+                return _forward_outside_the_graph(self, layer, x)
             return None
         key = id(layer)
         if self._pending:
@@ -119,7 +128,7 @@ class SiblingGroup:
                 self.enabled = False
                 self._clear()
                 return None
-        keep = self.reuse_across_calls and not torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        keep = self.keeps_now()
         if keep:
             out = self._kept_output(layer, x)
             if out is not None:
@@ -150,6 +159,11 @@ class SiblingGroup:
         self._pending = {id(other): y for other, y in zip(self.layers, outputs) if other is not layer}
         return outputs[self.layers.index(layer)]
 
+    def keeps_now(self) -> bool:
+        """Whether a call now may keep its outputs or answer from kept ones: reuse on, nothing to differentiate,
+        not under inference mode (its tensors have no version counter)."""
+        return self.reuse_across_calls and not torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+
     def _plan(self, x: torch.Tensor, adapters: Optional[list] = None):
         """(weights, biases, As, Bs, scalings) when every sibling can take the fused path now; each layer's
         adapter appended to ``adapters`` when it is given."""
@@ -175,6 +189,10 @@ class SiblingGroup:
             Bs.append(layer.lora_B[adapter].weight)
             scalings.append(layer.scaling[adapter])
         return weights, biases, As, Bs, scalings
+
+
+# The group's eager forward, called from a compiled region: dynamo breaks the graph around the call and runs it as is.
+_forward_outside_the_graph = torch.compiler.disable(SiblingGroup.forward)
 
 
 def assign_sibling_groups(model: nn.Module, layer_cls, enabled: bool = True) -> int:

@@ -72,3 +72,28 @@ def test_compiled_inference_traces_small_calls_as_matmuls():
     targets = {str(node.target) for gm in graphs for node in gm.graph.nodes}
     assert graphs and not any("sits_lora" in t for t in targets), sorted(targets)
     torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_blocks_keep_cross_attention_kv_across_calls():
+    """compile_blocks leaves the cross-attention to_k / to_v outside the compiled graphs: a generation's calls with
+    the same text states compute them once (the groups keep them) and give the eager outputs."""
+    from sits_lora.diffusion.reuse import cross_attention_groups
+
+    torch.manual_seed(0)
+    unet = tiny_unet().to("cuda", torch.bfloat16).eval()
+    unet.add_adapter(SitsLoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, init_lora_weights=False))
+    eager = copy.deepcopy(unet)
+    compile_blocks(unet, vae=False)
+    groups = cross_attention_groups(unet)
+    assert groups and all(g.keep_under_compile for g in groups)
+    text = torch.randn(2, 7, 24, device="cuda", dtype=torch.bfloat16)
+    t = torch.tensor([10, 500], device="cuda")
+    with torch.no_grad():
+        for seed in range(3):
+            sample = torch.randn(2, 4, 8, 8, device="cuda", dtype=torch.bfloat16,
+                                 generator=torch.Generator("cuda").manual_seed(seed))
+            out = unet(sample.contiguous(memory_format=torch.channels_last), t, encoder_hidden_states=text).sample
+            torch.testing.assert_close(out, eager(sample, t, encoder_hidden_states=text).sample, rtol=2e-2, atol=2e-2)
+            assert all(g._kept is not None and g._kept[0] is text for g in groups)

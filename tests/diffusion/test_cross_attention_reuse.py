@@ -134,3 +134,40 @@ def test_a_mode_change_turning_dropout_on_is_not_answered_from_the_kept_outputs(
         unet(sample, t, encoder_hidden_states=text)
     assert kept_calls == len(cross_groups(unet)) and sibling_calls.count(2) == kept_calls
     assert all(g._kept is None for g in cross_groups(unet).values())
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["kept_under_compile", "compiled_into_the_graph"])
+def test_compiled_denoiser_keeps_cross_attention_kv_outside_its_graphs(sibling_calls, keep):
+    """Under torch.compile a group told to keep its outputs (compile_blocks does) runs to_k / to_v outside the graph
+    on the eager group, once for three calls with the same text states; left off, they are traced into the graph
+    and the group is not used. Both give the eager outputs."""
+    pipe = adapted_pipeline()
+    unet, groups = pipe.unet.eval(), cross_groups(pipe.unet)
+    text = torch.randn(2, 7, 24, generator=torch.Generator().manual_seed(4))
+    samples = [torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    t = torch.tensor([10, 500])
+    reference = copy.deepcopy(unet)
+    reuse_cross_attention_kv(reference, False)
+    with torch.no_grad():
+        expected = [reference(s, t, encoder_hidden_states=text).sample for s in samples]
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    for group in groups.values():
+        group.keep_under_compile = keep
+    sibling_calls.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(unet, backend=backend)
+    with torch.no_grad():
+        outputs = [compiled(s, t, encoder_hidden_states=text).sample for s in samples]
+    torch._dynamo.reset()
+    for out, ref in zip(outputs, expected):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    if keep:   # one fused call per group, on the first call; the others answered from what it kept
+        assert sibling_calls == [2] * len(groups)
+        assert all(g._kept is not None for g in groups.values())
+    else:
+        assert sibling_calls == [] and all(g._kept is None for g in groups.values())

@@ -15,9 +15,11 @@ SiLU kernels for it (eager GroupNorm is slower in that layout: compile and chann
 Measured on the H200 at the SD1.5 shape (30 steps, CFG, VAE decode, base model with fp8 linears and CUDA graphs):
 0.473 s an image without, 0.409 s with the blocks compiled, 0.324 s with the blocks compiled in channels_last
 (bench/NOTES.md, "Every diffusion block compiled"); at the SDXL shape 1.458 -> 1.108 s (bench/NOTES.md, "Every
-diffusion block compiled at the SDXL shape"). A LoRA's cross-attention K / V are not kept across steps inside a
-compiled block (that decision is Python, which dynamo does not trace): with one adapter over many images, merge it
-(``merge_plan``).
+diffusion block compiled at the SDXL shape"). A sits_lora adapter's cross-attention to_k / to_v keep their outputs
+across the steps of a generation (``reuse_cross_attention_kv``) inside compiled blocks too: that decision is Python
+(tensor identity and version counters), which dynamo does not trace, so those two calls run outside the block's
+graph (a graph break each; under ``graph_denoiser`` the breaks cost no host time). ``keep_cross_attention_kv=False``
+compiles them into the graph instead, recomputed every step as the base model's are.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .reuse import denoiser_of
+from .reuse import cross_attention_groups, denoiser_of
 
 # Blocks compiled one by one: those diffusers' models name as repeated (``_repeated_blocks``) plus these.
 BLOCK_CLASSES = ("BasicTransformerBlock", "JointTransformerBlock", "FluxTransformerBlock",
@@ -38,12 +40,14 @@ _MODES = (None, "default", "max-autotune-no-cudagraphs")
 
 
 def compile_blocks(pipe_or_model, vae: bool = True, channels_last: bool = True,
-                   mode: Optional[str] = None) -> list[str]:
+                   mode: Optional[str] = None, keep_cross_attention_kv: bool = True) -> list[str]:
     """Compile every block of the pipeline's denoiser (or of the denoiser given) alone with ``torch.compile`` and,
     with ``vae``, the pipeline's VAE decoder as a whole; ``channels_last``: the denoiser and the VAE in that memory
     format first (4-D weights: a DiT is unchanged). ``mode``: torch.compile's mode (None: the default; CUDA-graph
     modes would record inside each block, use ``graph_denoiser`` over the whole call instead). Returns the names of
-    the compiled modules. The first call of each block shape compiles (seconds each)."""
+    the compiled modules. The first call of each block shape compiles (seconds each). ``keep_cross_attention_kv``:
+    the adapter's cross-attention groups keep their K / V across calls under compile as they do eagerly (add the
+    adapter before this call; the groups that exist now are the ones set)."""
     model = denoiser_of(pipe_or_model, "compile_blocks")
     if mode not in _MODES:
         raise ValueError(f"compile_blocks: mode={mode!r} records CUDA graphs inside every block; use None, "
@@ -52,6 +56,8 @@ def compile_blocks(pipe_or_model, vae: bool = True, channels_last: bool = True,
     classes = set(BLOCK_CLASSES) | set(getattr(model, "_repeated_blocks", ()) or ())
     if channels_last:
         model.to(memory_format=torch.channels_last)
+    for group in cross_attention_groups(model):
+        group.keep_under_compile = keep_cross_attention_kv
     limit = torch._dynamo.config.cache_size_limit
     torch._dynamo.config.cache_size_limit = max(limit, _SHAPES_PER_BLOCK)
     compiled = []
