@@ -100,6 +100,10 @@ def test_recipe_on_two_processes_saves_once_and_matches_one_process(tiny_model_d
     # the same global batches: the same held-out perplexity after, up to the order of the gradient sums
     assert metrics["two"]["heldout_perplexity_after"] == pytest.approx(metrics["one"]["heldout_perplexity_after"],
                                                                       rel=1e-3)
+    # the logged losses (the mean over the ranks) step for step
+    steps_one, losses_one = zip(*metrics["one"]["loss_curve"])
+    steps_two, losses_two = zip(*metrics["two"]["loss_curve"])
+    assert steps_one == steps_two == (2, 4) and losses_two == pytest.approx(losses_one, rel=1e-3)
     assert (tmp_path / "two" / "adapter" / "adapter_model.safetensors").exists()
 
 

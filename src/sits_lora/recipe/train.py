@@ -487,6 +487,8 @@ def run(recipe: TrainRecipe) -> dict:
         "heldout_perplexity_before": ppl_before,
         "heldout_perplexity_after": ppl_after,
         "train_loss": train_output.training_loss,
+        # (step, loss) as the Trainer logged it every logging_steps: on several processes the mean over the ranks
+        "loss_curve": [[entry["step"], entry["loss"]] for entry in trainer.state.log_history if "loss" in entry],
         "train_seconds": train_seconds,
         "wall_seconds": time.perf_counter() - t_start,
         "tokens_trained": recipe.max_steps * recipe.batch_size * recipe.grad_accum * recipe.seq_len * world,

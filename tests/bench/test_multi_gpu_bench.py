@@ -1,0 +1,52 @@
+"""bench/multi_gpu.py on the CPU: --smoke (the tiny shape on 1 and 2 gloo processes, DDP and FSDP2), the loss
+curves of the recipe on 1 and 2 processes, and its refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import bench_module
+
+
+def test_smoke_run_measures_one_process_and_both_strategies(tmp_path):
+    bench = bench_module("multi_gpu")
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "multi_gpu.json").read_text())["rows"]
+    assert [(r["strategy"], r["processes"]) for r in rows] == [("one process", 1), ("ddp", 2), ("fsdp2", 2)]
+    for row in rows:
+        assert row["tokens_per_s"] == pytest.approx(row["processes"] * 2 * 32 / row["step_s"])
+        assert row["loss_first"] > 0 and len(row["peak_gib_per_rank"]) == row["processes"]
+    one, ddp, fsdp2 = rows
+    assert ddp["scaling_efficiency"] == pytest.approx(ddp["tokens_per_s"] / (2 * one["tokens_per_s"]))
+    # every run starts from the same weights and rank 0's batch: the first losses agree
+    assert ddp["loss_first"] == pytest.approx(one["loss_first"], rel=1e-5)
+    assert fsdp2["loss_first"] == pytest.approx(one["loss_first"], rel=1e-5)
+    assert (tmp_path / "multi_gpu.csv").is_file() and (tmp_path / "multi_gpu.png").is_file()
+
+
+def test_loss_curves_of_one_and_two_processes_agree(tmp_path, tiny_model_dir):
+    bench = bench_module("multi_gpu")
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"def f{i}(x): return x * {i} + {i % 7}\n" * 8}) + "\n"
+                              for i in range(40)))
+    assert bench.main(["--loss-curve", "--out", str(tmp_path / "out"), "--curve-steps", "3", "--curve-seq", "32",
+                       "--curve-model", str(tiny_model_dir), "--curve-dataset", str(corpus)]) == 0
+    result = json.loads((tmp_path / "out" / "multi_gpu_loss_curve.json").read_text())
+    assert [r["step"] for r in result["rows"]] == [1, 2, 3]
+    assert result["max_rel_diff"] < 1e-3, result["rows"]
+    assert result["runs"]["1"]["batch_per_process"] == 4 and result["runs"]["2"]["batch_per_process"] == 2
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--smoke", "--world", "1"], "--world must be >= 2"),
+    (["--smoke", "--settings", "70b:ddp"], "a setting is SHAPE:STRATEGY"),
+    pytest.param(["--settings", "1b:ddp"], "needs 2 GPUs", marks=pytest.mark.skipif(
+        torch.cuda.device_count() >= 2, reason="this machine has the GPUs: the run would start")),
+])
+def test_refusals_name_the_flag(args, needle, capsys, tmp_path):
+    bench = bench_module("multi_gpu")
+    with pytest.raises(SystemExit):
+        bench.main(args + ["--out", str(tmp_path)])
+    assert needle in capsys.readouterr().err
