@@ -8,6 +8,7 @@ For each Llama-3 projection shape (K -> N) of --shapes, LoRA r16, bf16 activatio
   aten      sits_lora.ops.lora_linear_aten without gradients: the small-call path (3 matmuls)
   default   sits_lora.ops.lora_linear_decode at the first configuration of ops.tuning's "decode" space
   tuned     the same at the fastest configuration of that space, measured here
+  unsplit   the fastest configuration that does not split K (SPLIT_K 1): tuned against it is what the split gains
 Each time is the GPU's: 20 calls recorded as one CUDA graph, replayed --replays times between CUDA events, the
 median replay / 20 (launch costs left out, as under sits_lora.graph_decode). The fastest configurations are
 written in the tuning cache format to --cache (default OUT/decode_configs.json): run later scripts with
@@ -110,10 +111,12 @@ def main(argv=None) -> int:
                     raise SystemExit(f"no decode configuration ran at {K}->{N}, {rows} rows (see the skips above)")
                 default = next((us for us, cfg in timings if cfg is space[0]), None)
                 tuned, best = min(timings, key=lambda t: t[0])
+                unsplit = min((us for us, cfg in timings if cfg.get("SPLIT_K", 1) == 1), default=None)
                 dims = (rows_block(rows), K, N, block_rank(args.rank))
                 best_configs[config_key("decode", device, dims, torch.bfloat16)] = best
                 rows_out.append({"shape": shape, "projection": name, "K": K, "N": N, "rows": rows,
                                  "merged_us": merged, "aten_us": aten, "default_us": default, "tuned_us": tuned,
+                                 "unsplit_us": unsplit,
                                  "tuned_over_merged": tuned / merged, "aten_over_merged": aten / merged,
                                  "config": best})
                 print(f"[{shape} {name} {K}->{N} rows {rows}] merged {merged:.2f} µs, aten {aten:.2f}, "
@@ -124,8 +127,8 @@ def main(argv=None) -> int:
         json.dump(best_configs, f, indent=1, sort_keys=True)
     command = "python bench/decode_kernels.py " + " ".join(argv if argv is not None else sys.argv[1:])
     paths = write_results("decode_kernels", rows_out, args.out, {"command": command})
-    print_table(rows_out, ["shape", "projection", "rows", "merged_us", "aten_us", "default_us", "tuned_us",
-                           "tuned_over_merged"])
+    print_table(rows_out, ["shape", "projection", "rows", "merged_us", "aten_us", "default_us", "unsplit_us",
+                           "tuned_us", "tuned_over_merged"])
     with png(os.path.join(args.out, "decode_kernels.png"), figsize=(8, 3.5)) as ax:
         if ax is not None:
             labels = [f"{r['shape']} {r['projection']} x{r['rows']}" for r in rows_out]

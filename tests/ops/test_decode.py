@@ -53,6 +53,22 @@ def test_decode_kernel_in_fp16_with_any_leading_shape(adapter_dtype):
     torch.testing.assert_close(y.reshape(6, 48).double().cpu(), _reference(x, W, b, A, B, 0.5), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("split_k", [2, 3, 8])
+@pytest.mark.parametrize("rows, bias", [(1, True), (17, False)], ids=["1-row-bias", "17-rows-nobias"])
+def test_split_k_equals_the_reference(split_k, rows, bias):
+    """K = 100 in slices of whole 32-blocks: 2 slices of 64 / 36, 3 of 64 / 36 / nothing (a plane of zeros), and
+    8 asked for, 4 taken (no more slices than K blocks); the bias added once; the sum rounded once."""
+    x, W, b, A, B = _problem(rows, 100, 40, 6, torch.float32, bias)
+    cfg = dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=split_k, num_warps=4, num_stages=1)
+    y = ops.lora_linear_decode(x, W, b, A, B, 1.3, config=cfg)
+    assert y.shape == (rows, 40) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double().cpu(), _reference(x, W, b, A, B, 1.3), rtol=1e-4, atol=1e-4)
+    x16, W16, b16, A16, B16 = (t.half() if t is not None else None for t in (x, W, b, A, B))
+    y16 = ops.lora_linear_decode(x16, W16, b16, A16, B16, 1.3, config=cfg)
+    assert y16.dtype == torch.float16
+    torch.testing.assert_close(y16.double().cpu(), _reference(x, W, b, A, B, 1.3), rtol=2e-2, atol=2e-2)
+
+
 def test_more_rows_than_the_kernel_takes_are_refused():
     x, W, b, A, B = _problem(65, 32, 16, 4, torch.float32, False)
     with pytest.raises(ValueError, match="at most 64"):

@@ -15,6 +15,13 @@ h is accumulated in fp32 and scaled before it is rounded to the activation dtype
 and the LoRA output separately: this path is at least as exact). Adapter weights in another dtype (PEFT keeps fp32
 adapters over a bf16 base) are cast to the activation dtype as they are loaded. Block sizes are measured per GPU
 and shape (``ops.tuning``, kernel "decode"; bench/decode_kernels.py).
+
+Split K (a configuration's ``SPLIT_K`` > 1): a long K (a down projection's 8192 or 14336) leaves N / BLOCK_N
+programs, too few to stream W at the GPU's bandwidth. Each of SPLIT_K programs per tile then takes one slice of K:
+its part of x Wᵀ and of h, and s·h_slice·B_tileᵀ (the LoRA term is linear in h, so the slices' terms add up to
+it), written in fp32 to its own plane of a (SPLIT_K, M, N) buffer; a second small kernel adds the planes in a fixed
+order (deterministic, unlike atomics) and rounds once. Two launches instead of one: it pays only where the tuning
+measured it faster, and the default configuration does not split.
 """
 
 from __future__ import annotations
@@ -40,12 +47,15 @@ def rows_block(rows: int) -> int:
 @triton.jit
 def _lora_decode_kernel(
     x_ptr, w_ptr, bias_ptr, a_ptr, b_ptr, y_ptr,
-    M, N, K, R, scaling,
+    M, N, K, R, scaling, k_per_split, stride_split,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ar, stride_ak, stride_bn, stride_br, stride_ym, stride_yn,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     dtype = x_ptr.dtype.element_ty     # the activation dtype: every product runs in it
+    split = tl.program_id(2)           # the slice of K (0 when the call does not split)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
@@ -55,9 +65,9 @@ def _lora_decode_kernel(
     r_ok = offs_r < R
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + offs_k
-        k_ok = k < K
+        k_ok = k < k_end
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)                          # (BM, BK)
         w = tl.load(w_ptr + offs_n[None, :] * stride_wn + k[:, None] * stride_wk,
@@ -69,13 +79,27 @@ def _lora_decode_kernel(
     b = tl.load(b_ptr + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
                 mask=r_ok[:, None] & n_ok[None, :], other=0.0)                              # (BR, BN)
     acc = tl.dot((h * scaling).to(dtype), b.to(dtype), acc, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    if HAS_BIAS:   # once: by the first slice
+        bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        acc += tl.where(split == 0, bias, 0.0)[None, :]
+    tl.store(y_ptr + split * stride_split + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
+             acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(parts_ptr, y_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """y = the sum of the SPLIT_K planes of ``parts`` (each ``size`` fp32 values), in plane order, rounded once."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < size
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        acc += tl.load(parts_ptr + split * size + offs, mask=ok, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 _DECODE = TritonLauncher(_lora_decode_kernel)
+_SUM_SPLITS = TritonLauncher(_sum_splits_kernel)
+_SUM_BLOCK = 1024
 # Shared memory a configuration may plan for: under the H200's 227 KiB a block (and under the A100's 163 KiB)
 _SMEM_BUDGET = 160 * 1024
 _FITTED: dict = {}   # (the tuned configuration's items, row block, rank block, dtype sizes) -> the fitted one
@@ -101,7 +125,7 @@ def lora_linear_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_A
                        scaling: float, config: Optional[dict] = None) -> Tensor:
     """y = x Wᵀ + b + s·(x Aᵀ) Bᵀ in one kernel for x of at most :data:`MAX_ROWS` rows (any leading shape), W in x's
     dtype; no autograd (a call that needs gradients takes the training path). ``config``: launch configuration
-    (BLOCK_N, BLOCK_K, num_warps, num_stages) instead of the tuned one (tuning, benchmarks)."""
+    (BLOCK_N, BLOCK_K, num_warps, num_stages, optionally SPLIT_K) instead of the tuned one (tuning, benchmarks)."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     M, N, R = x2.shape[0], weight.shape[0], lora_A.shape[0]
@@ -116,13 +140,19 @@ def lora_linear_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_A
         if config is None:
             config = _FITTED[key] = fitted(tuned, BLOCK_M, BLOCK_R, x.element_size(), lora_A.element_size())
     cfg = config
-    BLOCK_N = cfg["BLOCK_N"]
-    _DECODE((cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)), x2, weight, bias if bias is not None else weight, lora_A, lora_B,
-            y, M, N, K, R, float(scaling),
+    BLOCK_N, BLOCK_K = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    # a slice is whole K blocks; a split with nothing left of K writes zeros (its plane must still be written)
+    split_k = max(1, min(int(cfg.get("SPLIT_K", 1)), cdiv(K, BLOCK_K)))
+    k_per_split = cdiv(cdiv(K, split_k), BLOCK_K) * BLOCK_K
+    out = y if split_k == 1 else torch.empty((split_k, M, N), device=x.device, dtype=torch.float32)
+    _DECODE((cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), split_k), x2, weight, bias if bias is not None else weight, lora_A,
+            lora_B, out, M, N, K, R, float(scaling), k_per_split, M * N if split_k > 1 else 0,
             x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), lora_A.stride(0), lora_A.stride(1),
-            lora_B.stride(0), lora_B.stride(1), y.stride(0), y.stride(1),
-            HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=cfg["BLOCK_K"], BLOCK_R=BLOCK_R,
+            lora_B.stride(0), lora_B.stride(1), out.stride(-2), out.stride(-1),
+            HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_R=BLOCK_R,
             DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if split_k > 1:
+        _SUM_SPLITS((cdiv(M * N, _SUM_BLOCK),), out, y, M * N, SPLIT_K=split_k, BLOCK=_SUM_BLOCK, num_warps=4)
     return y.view(*x.shape[:-1], N)
 
 
