@@ -97,3 +97,28 @@ def test_compiled_blocks_keep_cross_attention_kv_across_calls():
             out = unet(sample.contiguous(memory_format=torch.channels_last), t, encoder_hidden_states=text).sample
             torch.testing.assert_close(out, eager(sample, t, encoder_hidden_states=text).sample, rtol=2e-2, atol=2e-2)
             assert all(g._kept is not None and g._kept[0] is text for g in groups)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_blocks_under_graph_denoiser_replay_the_kept_k_v():
+    """compile_blocks then graph_denoiser: the warm-up compiles the variant the recordings run (K / V reuse on), so
+    nothing compiles inside a recording; later steps replay the recording that reads the kept K / V and give the
+    eager outputs."""
+    from sits_lora.diffusion import graph_denoiser
+
+    torch.manual_seed(0)
+    unet = tiny_unet().to("cuda", torch.bfloat16).eval()
+    unet.add_adapter(SitsLoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, init_lora_weights=False))
+    eager = copy.deepcopy(unet)
+    compile_blocks(unet, vae=False)
+    graphs = graph_denoiser(unet)
+    text = torch.randn(2, 7, 24, device="cuda", dtype=torch.bfloat16)
+    t = torch.tensor([10, 500], device="cuda")
+    with torch.no_grad():
+        for seed in range(4):
+            sample = torch.randn(2, 4, 8, 8, device="cuda", dtype=torch.bfloat16,
+                                 generator=torch.Generator("cuda").manual_seed(seed))
+            out = unet(sample, t, encoder_hidden_states=text).sample
+            torch.testing.assert_close(out, eager(sample, t, encoder_hidden_states=text).sample, rtol=2e-2, atol=2e-2)
+    assert graphs.recordings == 1 and graphs.replays == 4 and graphs.kept_replays == 3

@@ -133,23 +133,28 @@ class DenoiserGraphs:
         """The recordings of this signature, or None when it cannot be recorded."""
         static_inputs = [t.clone() for t in tensors]
         static_args, static_kwargs = substitute((args, kwargs), iter(static_inputs))
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):   # first calls off the recording: autotuning, allocator growth, lazy init
-            for _ in range(self.warmup):
-                out = self._eager_forward(*static_args, **static_kwargs)
-        torch.cuda.current_stream().wait_stream(side)
-        try:
-            copy_output(out)
-        except NotGraphable as reason:
-            self._note_eager(str(reason))
-            return None
         inference = torch.is_inference_mode_enabled()
         groups = [] if inference else self._kv_groups
-        for group in groups:   # the computing recording keeps each group's K / V in its own memory
+        # K / V reuse on from the warm-up on: under compile_blocks the groups' setting is part of what dynamo
+        # compiled for (a graph break around a kept to_k / to_v), so the warm-up compiles what the recordings run
+        # (compiling inside a recording would fail)
+        for group in groups:
             group.release()
             group.reuse_across_calls = True
         try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):   # first calls off the recording: autotuning, allocator growth, lazy init
+                for _ in range(self.warmup):
+                    out = self._eager_forward(*static_args, **static_kwargs)
+            torch.cuda.current_stream().wait_stream(side)
+            try:
+                copy_output(out)
+            except NotGraphable as reason:
+                self._note_eager(str(reason))
+                return None
+            for group in groups:   # the computing recording keeps each group's K / V in its own memory
+                group.release()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 static_output = self._eager_forward(*static_args, **static_kwargs)
