@@ -95,11 +95,16 @@ class SitsLoraModel(LoraModel):
     @property
     def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
         """Read by DistributedDataParallel on the module it wraps (a PeftModel hands the lookup on to its tuner):
-        the frozen fp8 weight codes. DDP broadcasts every parameter from rank 0 when it starts, and the gloo
-        backend cannot send fp8 (every rank built the same frozen base; no adapter is among them). Names under
-        both roots, the PeftModel's ("base_model." ...) and this tuner's."""
+        the frozen fp8 weight codes, and the buffers of modules that keep them per rank (``rank_local_buffers``:
+        the fp8 scaling state, whose running amax DDP would otherwise overwrite with rank 0's before every
+        forward, losing this rank's earlier micro-batches). DDP broadcasts every parameter from rank 0 when it
+        starts, and the gloo backend cannot send fp8 (every rank built the same frozen base; no adapter is among
+        them). Names under both roots, the PeftModel's ("base_model." ...) and this tuner's."""
         fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
         names = [n for n, t in (*self.named_parameters(), *self.named_buffers()) if t is not None and t.dtype in fp8]
+        for prefix, module in self.named_modules():
+            if getattr(module, "rank_local_buffers", False):
+                names += [f"{prefix}.{n}" if prefix else n for n, _ in module.named_buffers()]
         return [f"base_model.{n}" for n in names] + names
 
     def inject_adapter(self, model: nn.Module, adapter_name: str, *args, **kwargs) -> None:

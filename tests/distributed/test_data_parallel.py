@@ -186,6 +186,35 @@ def test_fp8_scales_agree_on_every_rank():
     torch.testing.assert_close(torch.from_numpy(scale0), torch.from_numpy(scale1), rtol=0, atol=0)
 
 
+def _fp8_accumulation_rank(rank: int, world: int):
+    """Two micro-batches under DDP (the first under no_sync, as gradient accumulation runs them), rank 1's running
+    amax raised to a marker between them: what each rank's amax holds after the second."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from sits_lora.fp8 import fp8_scaling_state
+
+    model = _fp8_model()
+    ddp = DistributedDataParallel(model)
+    state = fp8_scaling_state(model)
+    ids = _batch()[rank * 2:(rank + 1) * 2]
+    with ddp.no_sync():
+        ddp(input_ids=ids, labels=ids).loss.backward()
+    with torch.no_grad():
+        state.amax.fill_(1e6 if rank == 1 else 0.0)   # as if rank 1's first micro-batch had seen 1e6
+    ddp(input_ids=ids, labels=ids).loss.backward()
+    return state.amax.numpy(), sorted(ddp.parameters_to_ignore)
+
+
+def test_ddp_leaves_each_ranks_running_amax_alone():
+    """DDP broadcasts rank 0's buffers before every forward unless told not to: the fp8 scaling state's running
+    amax must keep each rank's earlier micro-batches until update() reduces it over the ranks."""
+    ranks = on_gloo_ranks(_fp8_accumulation_rank)
+    assert all(isinstance(r, tuple) for r in ranks), ranks
+    (amax0, ignored), (amax1, _) = ranks
+    assert (amax1 == 1e6).all() and (amax0 < 1e6).all()
+    assert any(name.endswith("amax_history") for name in ignored)
+
+
 def _fp8_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -42,6 +42,11 @@ class Fp8ScalingState(nn.Module):
     from one continues with its history and scales (:meth:`sits_checkpoint_state`).
     """
 
+    # Each rank's buffers are its own: amax gathers this rank's micro-batches until update() reduces it over the
+    # ranks, after which every rank holds the same history and scales. DDP must not broadcast rank 0's before each
+    # forward (sits_lora.model.SitsLoraModel._ddp_params_and_buffers_to_ignore reads this).
+    rank_local_buffers = True
+
     def __init__(self, names: list[str], recipe: str, history_len: int, algo: str, margin: int, emulate: bool,
                  device: Optional[torch.device] = None):
         super().__init__()
