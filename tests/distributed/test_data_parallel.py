@@ -137,6 +137,33 @@ def test_fsdp2_on_two_ranks_trains_the_adapters_a_single_process_does():
         _assert_same_adapters(adapters, expected)
 
 
+def test_the_recipe_saves_an_fsdp2_sharded_adapter_whole(tmp_path):
+    """FSDP2 leaves the adapter as DTensor shards: every rank gathers them, rank 0 writes the PEFT adapter the
+    unsharded model writes (the recipe's save; accelerate's FSDP plugin does not run on CPU processes, so the
+    sharding here is fully_shard's own)."""
+    from safetensors.torch import load_file
+
+    from sits_lora.recipe.train import _save_adapter_atomically
+
+    def body(rank: int, world: int):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        model = _model()
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.base_model.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        _save_adapter_atomically(model, str(tmp_path / "sharded"), main_process=rank == 0)
+        return rank
+
+    assert on_gloo_ranks(body) == [0, 1]
+    _save_adapter_atomically(_model(), str(tmp_path / "single"))
+    sharded, single = (load_file(str(tmp_path / name / "adapter_model.safetensors")) for name in ("sharded", "single"))
+    assert sharded.keys() == single.keys() and len(single) == 2 * len(TARGETS) * 2
+    assert all(torch.equal(sharded[k], single[k]) for k in single)
+
+
 @pytest.mark.parametrize("name, kind", [("ddp", "MULTI_GPU"), ("fsdp2", "FSDP"), ("deepspeed_zero2", "DEEPSPEED"),
                                         ("deepspeed_zero3", "DEEPSPEED")])
 def test_the_example_accelerate_configs_load(name, kind):

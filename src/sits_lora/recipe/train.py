@@ -305,13 +305,34 @@ def write_json_atomically(path: str, payload: dict) -> None:
     os.replace(tmp, path)
 
 
-def _save_adapter_atomically(model, adapter_dir: str) -> None:
-    """save_pretrained into a fresh folder, then swap it in: an interrupted save leaves the old adapter whole."""
+def _whole_adapter_state(model) -> Optional[dict]:
+    """The trainable tensors of ``model`` by state-dict key, whole, where FSDP2 holds them as DTensor shards;
+    None where nothing is sharded (save_pretrained then reads the model itself). Gathering a shard is a
+    collective: every rank calls this, in the same order, before rank 0 saves."""
+    import torch
+
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    state = {key: value for key, value in model.state_dict().items() if key in trainable}
+    if not any(isinstance(value, DTensor) for value in state.values()):
+        return None
+    return {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in state.items()}
+
+
+def _save_adapter_atomically(model, adapter_dir: str, main_process: bool = True) -> None:
+    """save_pretrained into a fresh folder, then swap it in: an interrupted save leaves the old adapter whole.
+    Every rank of a distributed run calls it (FSDP2 shards are gathered by all); ``main_process`` writes."""
     import shutil
 
+    state = _whole_adapter_state(model)
+    if not main_process:
+        return
     tmp = adapter_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, **({} if state is None else {"state_dict": state}))
     if os.path.isdir(adapter_dir):
         shutil.rmtree(adapter_dir)
     os.replace(tmp, adapter_dir)
@@ -481,8 +502,7 @@ def run(recipe: TrainRecipe) -> dict:
 
     ppl_after = heldout_perplexity(model, heldout_blocks, desc="held-out perplexity (after)")
     adapter_dir = os.path.join(recipe.output_dir, "adapter")
-    if main_process:
-        _save_adapter_atomically(model, adapter_dir)
+    _save_adapter_atomically(model, adapter_dir, main_process)
     metrics = {
         "heldout_perplexity_before": ppl_before,
         "heldout_perplexity_after": ppl_after,
