@@ -68,16 +68,19 @@ def test_measured_costs_leave_the_denoiser_as_it_was():
     assert costs.unmerged_ms > 0 and costs.merged_ms > 0 and costs.merge_ms > 0
     assert not merged_adapters(unet)
     torch.testing.assert_close(_sample(unet, inputs), before)
-    plan = merge_plan(unet, images=1, steps=1)            # measures: one call cannot pay for merging a tiny model
-    assert plan.costs is not None and plan.action in ("merge", "dispatch")
+    plan = merge_plan(unet, images=1, steps=1)            # measures, and decides by the rule on what it measured
+    assert plan.costs is not None
+    assert plan.action == ("merge" if 1 > plan.costs.crossover_calls else "dispatch"), plan.reason
 
 
 def test_refusals_name_the_field_and_the_fix():
     unet = _adapted()
     with pytest.raises(ValueError, match="images must be an int >= 1, got 0"):
         merge_plan(unet, images=0)
-    with pytest.raises(ValueError, match="no adapter named 'other'"):
+    with pytest.raises(ValueError, match=r"no adapter named 'other'; it has \['default'\]"):
         merge_plan(unet, images=1, adapter="other")
+    with pytest.raises(ValueError, match="measure_denoiser_costs: the denoiser has no adapter named 'other'"):
+        measure_denoiser_costs(unet, adapter="other")
     with pytest.raises(ValueError, match="has no adapter; add one first"):
         merge_plan(tiny_unet(), images=1)
     with pytest.raises(TypeError, match="pass one denoising call's keyword arguments as inputs="):

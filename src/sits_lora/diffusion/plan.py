@@ -117,6 +117,12 @@ def example_inputs(model: nn.Module, batch: int = 2, text_tokens: int = 77) -> d
     return inputs
 
 
+def _check_adapter(model: nn.Module, adapter: str, caller: str) -> None:
+    names = sorted({name for layer in tuner_layers(model) for name in getattr(layer, "lora_A", {})})
+    if adapter not in names:
+        raise ValueError(f"{caller}: the denoiser has no adapter named {adapter!r}; it has {names or 'none'}")
+
+
 def measure_denoiser_costs(pipe_or_model, adapter: Optional[str] = None, inputs: Optional[dict] = None,
                            repeats: int = 5) -> DenoiserCosts:
     """Time one denoiser call with ``adapter`` (default: the active one) unmerged and merged, and one merge +
@@ -124,6 +130,7 @@ def measure_denoiser_costs(pipe_or_model, adapter: Optional[str] = None, inputs:
     not as it was. ``inputs``: one call's keyword arguments (default: :func:`example_inputs`)."""
     model = denoiser_of(pipe_or_model, "measure_denoiser_costs")
     adapter = adapter or _active_adapter(model, "measure_denoiser_costs")
+    _check_adapter(model, adapter, "measure_denoiser_costs")   # else every layer is skipped: costs of nothing
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"measure_denoiser_costs: repeats must be an int >= 1, got {repeats!r}")
     reason = why_not_mergeable(model, adapter)
@@ -167,8 +174,7 @@ def merge_plan(pipe_or_model, images: int, steps: int = 30, adapter: Optional[st
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"merge_plan: {name} must be an int >= 1, got {value!r}")
     adapter = adapter or _active_adapter(model, "merge_plan")
-    if not any(adapter in getattr(layer, "lora_A", {}) for layer in tuner_layers(model)):
-        raise ValueError(f"merge_plan: the denoiser has no adapter named {adapter!r}")
+    _check_adapter(model, adapter, "merge_plan")
     reason = why_not_mergeable(model, adapter)
     if reason is not None:
         plan = DenoiserPlan(model, "dispatch", adapter, f"adapter {adapter!r} cannot be merged: {reason} (merge "
