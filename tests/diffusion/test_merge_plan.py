@@ -60,6 +60,18 @@ def test_apply_merges_and_a_dispatch_unmerges_to_the_same_outputs():
     torch.testing.assert_close(_sample(unet, inputs), unmerged, rtol=1e-5, atol=1e-5)
 
 
+def test_measuring_a_merged_bf16_denoiser_leaves_its_weights_bit_identical():
+    """A denoiser merged before the measurement is unmerged for it and merged again after: in bf16 that round trip
+    rounds (W + sBA - sBA != W); the base weights come back exactly, and merged."""
+    unet = _adapted().to(torch.bfloat16)
+    DenoiserPlan(unet, "merge", "default", "merged for the test").apply()
+    before = {n: p.detach().clone() for n, p in unet.named_parameters() if "base_layer" in n}
+    measure_denoiser_costs(unet, repeats=2)
+    after = dict(unet.named_parameters())
+    assert merged_adapters(unet) == {"default"}
+    assert before and all(torch.equal(after[n], w) for n, w in before.items())
+
+
 def test_measured_costs_leave_the_denoiser_as_it_was():
     unet = _adapted()
     inputs = example_inputs(unet)

@@ -82,13 +82,19 @@ def test_costs_are_measured_once_and_the_model_is_left_as_it_was():
     assert plan.costs is costs and plan.action in ("merge", "dispatch")
 
 
-def test_timing_the_merges_leaves_bf16_base_weights_bit_identical():
-    """Each timed merge + unmerge rounds the bf16 weights (W + sBA - sBA != W): the measurement restores them."""
+@pytest.mark.parametrize("merged_before", [False, True], ids=["unmerged", "merged-before"])
+def test_timing_the_merges_leaves_bf16_base_weights_bit_identical(merged_before):
+    """Each timed merge + unmerge rounds the bf16 weights (W + sBA - sBA != W): the measurement restores them,
+    also where an adapter was merged before it (unmerged for the timing, merged again after)."""
     model = _model().to(torch.bfloat16)
+    if merged_before:
+        model.set_adapter("two")
+        model.merge_adapter(["two"])
     before = {n: p.detach().clone() for n, p in model.named_parameters() if "base_layer" in n}
     measure_serving_costs(model, "one", repeats=2)
     after = dict(model.named_parameters())
     assert before and all(torch.equal(after[n], w) for n, w in before.items())
+    assert any(getattr(m, "merged", False) for m in model.modules()) is merged_before
 
 
 def test_refusals_name_the_fix():

@@ -149,17 +149,17 @@ def measure_denoiser_costs(pipe_or_model, adapter: Optional[str] = None, inputs:
         _merge(model, adapter)
         _unmerge(model)
 
-    _unmerge(model)
-    try:
-        with base_weights_kept(model, adapter):   # the timed merges' rounding undone
+    with base_weights_kept(model, adapter, *merged_before):   # the timed merges' rounding undone, and ours
+        _unmerge(model)
+        try:
             unmerged = time_ms(call, device, repeats)
             merge = time_ms(merge_unmerge, device, max(1, repeats // 2))
             _merge(model, adapter)
             merged = time_ms(call, device, repeats)
             _unmerge(model)
-    finally:
-        for name in merged_before:
-            _merge(model, name)
+        finally:
+            for name in merged_before:
+                _merge(model, name)
     return DenoiserCosts(unmerged_ms=unmerged, merged_ms=merged, merge_ms=merge)
 
 

@@ -136,29 +136,29 @@ def measure_serving_costs(model: nn.Module, adapter: str, batch_size: int = 1, g
     ids = torch.randint(0, vocab, (batch_size, 1), device=device, generator=torch.Generator().manual_seed(0)
                         if device.type == "cpu" else None)
     model.eval()
-    try:
-        if merged_before:
-            model.unmerge_adapter()
-        model.set_adapter(adapter)
-        dispatch = time_ms(_step(model, ids, graphs), device, repeats)
 
-        def merge_unmerge():
-            model.merge_adapter([adapter])
-            model.unmerge_adapter()
+    def merge_unmerge():
+        model.merge_adapter([adapter])
+        model.unmerge_adapter()
 
-        with base_weights_kept(model, adapter):   # the timed merges' rounding undone
+    with base_weights_kept(model, adapter, *merged_before):   # the timed merges' rounding undone, and ours
+        try:
+            if merged_before:
+                model.unmerge_adapter()
+            model.set_adapter(adapter)
+            dispatch = time_ms(_step(model, ids, graphs), device, repeats)
             merge = time_ms(merge_unmerge, device, max(1, repeats // 2))
             model.merge_adapter([adapter])
             merged = time_ms(_step(model, ids, graphs), device, repeats)
             model.unmerge_adapter()
-    finally:
-        if len(active_before) == 1:
-            model.set_adapter(active_before[0])
-        else:
-            model.base_model.set_adapter(active_before)
-        for name in merged_before:
-            model.merge_adapter([name])
-        model.train(training)
+        finally:
+            if len(active_before) == 1:
+                model.set_adapter(active_before[0])
+            else:
+                model.base_model.set_adapter(active_before)
+            for name in merged_before:
+                model.merge_adapter([name])
+            model.train(training)
     cache[key] = costs = ServingCosts(dispatch_ms=dispatch, merged_ms=merged, merge_ms=merge)
     return costs
 

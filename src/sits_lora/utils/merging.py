@@ -40,14 +40,15 @@ def why_not_mergeable(model: nn.Module, adapter: str) -> Optional[str]:
 
 
 @contextmanager
-def base_weights_kept(model: nn.Module, adapter: str) -> Iterator[None]:
-    """Inside: merge and unmerge ``adapter`` as often as a timer likes; after: the base weights of the layers
-    holding it hold exactly their values from before, in the same tensors (a recorded CUDA graph keeps reading
-    them). Merging adds s·BA into the weight and unmerging subtracts it, in the weight's dtype: in bf16 each
-    round trip leaves rounding behind, and a timer makes dozens."""
+def base_weights_kept(model: nn.Module, *adapters: str) -> Iterator[None]:
+    """Inside: merge and unmerge the ``adapters`` as often as a timer likes; after: the base weights of the layers
+    holding any of them hold exactly their values from before, in the same tensors (a recorded CUDA graph keeps
+    reading them). Merging adds s·BA into the weight and unmerging subtracts it, in the weight's dtype: in bf16
+    each round trip leaves rounding behind, and a timer makes dozens (and a model merged before the timing is
+    unmerged for it and merged again after)."""
     kept = []
     for layer in tuner_layers(model):
-        if adapter in getattr(layer, "lora_A", {}):
+        if any(adapter in getattr(layer, "lora_A", {}) for adapter in adapters):
             weight = layer.get_base_layer().weight
             kept.append((weight, weight.detach().clone()))
     try:
