@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -151,12 +152,17 @@ def _launch(command: list, timeout: float, one_thread: bool = False) -> tuple[in
     ``one_thread``: one CPU thread per process (torch.distributed.run sets it for several processes; the
     one-process reference on the CPU must match, or it is timed against a different thread count)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"} if one_thread else None
+    # its own process group: on a timeout the ranks go too, not only torch.distributed.run (a rank left alive
+    # would hold its GPU through the next run)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
-    except subprocess.TimeoutExpired as e:
-        tail = (e.stderr or b"")[-1500:]
-        return 124, tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-    return proc.returncode, proc.stderr[-1500:]
+        _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        return 124, stderr[-1500:]
+    return proc.returncode, stderr[-1500:]
 
 
 def run_setting(shape: str, strategy: str, world: int, args) -> dict:
@@ -217,6 +223,25 @@ def throughput(args, argv) -> list[dict]:
     return rows
 
 
+def _curve_run(world: int, args, common: list, folder: str) -> dict:
+    """One recipe run for the loss curves: its curve and held-out perplexity, or its error."""
+    batch = args.curve_batch * (2 // world)
+    launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    "--nproc_per_node", "2"]
+    print(f"[multi_gpu] recipes/train.py on {world} process(es), batch {batch} each ...", flush=True)
+    start = time.perf_counter()
+    code, stderr = _launch(launcher + common + ["--batch-size", str(batch), "--output-dir", folder], args.run_timeout)
+    metrics_path = os.path.join(folder, "metrics.json")
+    if code != 0 or not os.path.exists(metrics_path):
+        return {"error": f"exited with {code}: {stderr.strip().splitlines()[-1] if stderr.strip() else ''}",
+                "stderr_tail": stderr}
+    with open(metrics_path) as f:
+        metrics = json.load(f)
+    shutil.copy(metrics_path, os.path.join(args.out, f"multi_gpu_loss_curve_{world}proc_metrics.json"))
+    return {"batch_per_process": batch, "loss_curve": metrics["loss_curve"],
+            "heldout_perplexity_after": metrics["heldout_perplexity_after"], "wall_s": time.perf_counter() - start}
+
+
 def loss_curve(args, argv) -> dict:
     """recipes/train.py on one process at batch 2B and on two at batch B; the two logged loss curves."""
     runs = {}
@@ -230,27 +255,11 @@ def loss_curve(args, argv) -> dict:
     if not torch.cuda.is_available():
         common += ["--cpu-threads", "1"]   # two processes share the cores
     scratch = tempfile.mkdtemp(prefix="multi_gpu_curve_")   # the runs' checkpoints and adapters: not results
-    for world in (1, 2):
-        folder = os.path.join(scratch, f"{world}proc")
-        batch = args.curve_batch * (2 // world)
-        launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                        "--standalone", "--nproc_per_node", "2"]
-        print(f"[multi_gpu] recipes/train.py on {world} process(es), batch {batch} each ...", flush=True)
-        start = time.perf_counter()
-        code, stderr = _launch(launcher + common + ["--batch-size", str(batch), "--output-dir", folder],
-                               args.run_timeout)
-        metrics_path = os.path.join(folder, "metrics.json")
-        if code != 0 or not os.path.exists(metrics_path):
-            runs[world] = {"error": f"exited with {code}: {stderr.strip().splitlines()[-1] if stderr else ''}",
-                           "stderr_tail": stderr}
-            continue
-        with open(metrics_path) as f:
-            metrics = json.load(f)
-        shutil.copy(metrics_path, os.path.join(args.out, f"multi_gpu_loss_curve_{world}proc_metrics.json"))
-        runs[world] = {"batch_per_process": batch, "loss_curve": metrics["loss_curve"],
-                       "heldout_perplexity_after": metrics["heldout_perplexity_after"],
-                       "wall_s": time.perf_counter() - start}
-    shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        for world in (1, 2):
+            runs[world] = _curve_run(world, args, common, os.path.join(scratch, f"{world}proc"))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     rows = []
     if all("loss_curve" in r for r in runs.values()):
         two = dict(map(tuple, runs[2]["loss_curve"]))

@@ -10,6 +10,7 @@ import torch
 from conftest import bench_module
 
 
+@pytest.mark.slow
 def test_smoke_run_measures_one_process_and_both_strategies(tmp_path):
     bench = bench_module("multi_gpu")
     assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
@@ -26,6 +27,7 @@ def test_smoke_run_measures_one_process_and_both_strategies(tmp_path):
     assert (tmp_path / "multi_gpu.csv").is_file() and (tmp_path / "multi_gpu.png").is_file()
 
 
+@pytest.mark.slow
 def test_loss_curves_of_one_and_two_processes_agree(tmp_path, tiny_model_dir):
     bench = bench_module("multi_gpu")
     corpus = tmp_path / "corpus.jsonl"
@@ -37,6 +39,13 @@ def test_loss_curves_of_one_and_two_processes_agree(tmp_path, tiny_model_dir):
     assert [r["step"] for r in result["rows"]] == [1, 2, 3]
     assert result["max_rel_diff"] < 1e-3, result["rows"]
     assert result["runs"]["1"]["batch_per_process"] == 4 and result["runs"]["2"]["batch_per_process"] == 2
+
+
+def test_a_run_past_its_time_limit_leaves_a_row_with_the_error(tmp_path):
+    bench = bench_module("multi_gpu")
+    assert bench.main(["--smoke", "--out", str(tmp_path), "--settings", "tiny:ddp", "--run-timeout", "0.5"]) == 1
+    rows = json.loads((tmp_path / "multi_gpu.json").read_text())["rows"]
+    assert len(rows) == 2 and all("ran out of its --run-timeout" in r["error"] for r in rows)
 
 
 @pytest.mark.parametrize("args, needle", [
