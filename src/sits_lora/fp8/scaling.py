@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..ops import fp8 as fp8_ops
+from ..utils.distributed import all_reduce_max, world_size
 
 logger = logging.getLogger("sits_lora")
 
@@ -200,17 +201,22 @@ def _max_over_ranks(amax: torch.Tensor) -> torch.Tensor:
     """This step's amax, the largest over the ranks of a distributed run (DDP / FSDP feed each rank other data):
     every rank then takes the same scales, as one process with the whole batch would. A NaN / Inf on any rank
     becomes +inf on all (a max over NaN is not defined), so every rank backs off together. One all-reduce of
-    L x 2 floats a step; none in a single process or while a CUDA graph records (a collective there would need
-    the backend's graph support)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    L x 2 floats a step; none in a single process. Not while a CUDA graph records (a collective there needs the
+    backend's graph support): the ranks' scales then drift apart, which is said once."""
+    if world_size() == 1:
         return amax
     if amax.is_cuda and torch.cuda.is_current_stream_capturing():
+        global _warned_capture
+        if not _warned_capture:
+            _warned_capture = True
+            logger.warning("fp8 scaling: the update runs inside a CUDA graph recording on several ranks; its amax "
+                           "is not reduced over them there, so the ranks' scales drift apart. Update the scales "
+                           "outside the recorded step.")
         return amax
-    reduced = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("inf")))
-    dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
-    return reduced
+    return all_reduce_max(torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("inf"))))
+
+
+_warned_capture = False
 
 
 def find_scaling_states(model: nn.Module) -> list[Fp8ScalingState]:

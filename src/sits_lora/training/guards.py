@@ -23,6 +23,8 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from ..utils.distributed import all_reduce_max
+
 logger = logging.getLogger("sits_lora")
 
 NAN_POLICIES = ("skip", "clamp", "raise", "off")
@@ -69,20 +71,6 @@ def max_abs_per_tensor(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[
         parts.append(torch.stack(norms).to(device=out_device, dtype=torch.float32))
         order.extend(indices)
     return (parts[0] if len(parts) == 1 else torch.cat(parts)), order
-
-
-def _all_reduce_max(flags: torch.Tensor) -> torch.Tensor:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        backend = dist.get_backend()
-        device = flags.device
-        # NCCL reduces CUDA tensors only; gloo CPU tensors only.
-        work = flags.to(torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu")
-        work = work.to(torch.int32)
-        dist.all_reduce(work, op=dist.ReduceOp.MAX)
-        return work.to(device=device, dtype=flags.dtype)
-    return flags
 
 
 def activation_message(step: int, name: Optional[str]) -> str:
@@ -139,7 +127,7 @@ class GradientGuard:
             flags = torch.stack([bad.any(), act_flag])
         else:
             flags = torch.stack([torch.zeros((), dtype=torch.bool), act_flag])
-        any_bad, any_act = (bool(v) for v in _all_reduce_max(flags).tolist())     # the one host read per step
+        any_bad, any_act = (bool(v) for v in all_reduce_max(flags, torch.int32).tolist())     # the one host read per step
         outcome.activation_nonfinite = any_act
         if any_act and self.policy == "raise":
             raise NonFiniteActivationError(activation_message(step, activation))
