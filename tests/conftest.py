@@ -173,9 +173,28 @@ def on_gloo_ranks(body, world: int = 2, timeout: float = 120) -> list:
     ctx = multiprocessing.get_context("fork")  # forked children reuse the imported modules: ~1 s, not ~20 s
     queue = ctx.Queue()
     procs = [ctx.Process(target=_gloo_rank, args=(rank, world, port, queue, body)) for rank in range(world)]
+    import queue as queues
+    import time
+
     for proc in procs:
         proc.start()
-    results = sorted((queue.get(timeout=timeout) for _ in procs), key=lambda item: item[0])
-    for proc in procs:
-        proc.join(timeout=timeout)
-    return [value for _, value in results]
+    results: dict = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world:
+            try:
+                rank, value = queue.get(timeout=1.0)
+                results[rank] = value
+            except queues.Empty:
+                # a rank that died without a word (killed, out of memory, a crash in C) leaves nothing to wait for
+                dead = [r for r, proc in enumerate(procs) if r not in results and proc.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    what = (f"rank {dead[0]} exited with {procs[dead[0]].exitcode}" if dead
+                            else f"no result in {timeout} s")
+                    raise RuntimeError(f"on_gloo_ranks: {what}; results so far: {sorted(results)}") from None
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
+    return [results[rank] for rank in range(world)]
