@@ -113,7 +113,9 @@ class SiblingGroup:
         if not self.enabled:
             return None
         if torch.compiler.is_compiling():
-            if self.keep_under_compile and self.keeps_now():
+            # not keeps_now(): dynamo cannot trace torch.is_inference_mode_enabled (a graph break of its own); the
+            # eager group checks it, and under inference mode computes the outputs without keeping them
+            if self.keep_under_compile and self.reuse_across_calls and not torch.is_grad_enabled():
                 return _forward_outside_the_graph(self, layer, x)
             return None
         key = id(layer)
