@@ -163,7 +163,7 @@ def main(argv=None) -> int:
 
         row, first_line = {}, max(len(lines) - 1, 0) if "fp8" in arm.split("+") else len(lines)
         jobs = (("train", train), ("denoise", denoise)) + ((("vae_decode", decode),) if args.vae else ())
-        breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())
+        breaks_before = dict(torch._dynamo.utils.counters["graph_break"])
         for name, fn in jobs:
             if fn is None:
                 continue
@@ -178,10 +178,13 @@ def main(argv=None) -> int:
                          f"{' '.join(adapter_dtypes) or '-'}")
             lines.append("   by kind: " + ", ".join(f"{k} {v:.2f} ms" for k, v in counts["ms_by_kind"].items()))
             lines += [f"   {k['ms']:8.2f} ms {k['calls']:5d}x  {k['name']}" for k in row[name]["top"]]
-        breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks_before
+        # this arm's breaks only: dynamo's counters run over the whole process
+        breaks = {reason: count - breaks_before.get(reason, 0)
+                  for reason, count in torch._dynamo.utils.counters["graph_break"].items()
+                  if count > breaks_before.get(reason, 0)}
         if "bcompile" in arm.split("+"):
-            lines.append(f"   graph breaks while compiling: {breaks} "
-                         f"({', '.join(sorted(torch._dynamo.utils.counters['graph_break'])[:5]) or '-'})")
+            lines.append(f"   graph breaks while compiling: {sum(breaks.values())} "
+                         f"({', '.join(sorted(breaks)[:5]) or '-'})")
         if arm in args.cprofile and train is not None:
             import cProfile
             import io
