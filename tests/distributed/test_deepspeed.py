@@ -27,6 +27,7 @@ def test_zero_stage_on_two_processes_trains_as_one_process(stage, tmp_path):
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["rank"] for r in ranks] == [0, 1]
     # each rank's loss is the mean over its half (equal token counts): their mean is the whole batch's, step by step
-    # one process: the same model, batch and AdamW (lr 1e-2, torch's weight decay 0.01) as the worker's
+    # one process: the same weights, batch and AdamW (lr 1e-2, torch's weight decay 0.01) as the worker's (the
+    # worker's layers take the default kernel, the plain PyTorch path on a CPU; this model the Triton one)
     for step, expected in enumerate(_train(_model(), _batch())):
         assert (ranks[0]["losses"][step] + ranks[1]["losses"][step]) / 2 == pytest.approx(expected, rel=1e-4)
