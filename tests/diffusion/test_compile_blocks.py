@@ -74,6 +74,29 @@ def test_compiled_inference_traces_small_calls_as_matmuls():
     torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
 
 
+def _compiled_gpu_unet():
+    """A tiny bf16 U-Net with a sits adapter on the GPU, its blocks compiled, and an eager copy made before."""
+    torch.manual_seed(0)
+    unet = tiny_unet().to("cuda", torch.bfloat16).eval()
+    unet.add_adapter(SitsLoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, init_lora_weights=False))
+    eager = copy.deepcopy(unet)
+    compile_blocks(unet, vae=False)
+    return unet, eager
+
+
+def _guided_calls(unet, eager, calls: int) -> torch.Tensor:
+    """``calls`` denoiser calls with one text-state tensor, each checked against the eager copy; the text states."""
+    text = torch.randn(2, 7, 24, device="cuda", dtype=torch.bfloat16)
+    t = torch.tensor([10, 500], device="cuda")
+    with torch.no_grad():
+        for seed in range(calls):
+            sample = torch.randn(2, 4, 8, 8, device="cuda", dtype=torch.bfloat16,
+                                 generator=torch.Generator("cuda").manual_seed(seed))
+            out = unet(sample.contiguous(memory_format=torch.channels_last), t, encoder_hidden_states=text).sample
+            torch.testing.assert_close(out, eager(sample, t, encoder_hidden_states=text).sample, rtol=2e-2, atol=2e-2)
+    return text
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_compiled_blocks_keep_cross_attention_kv_across_calls():
@@ -81,22 +104,11 @@ def test_compiled_blocks_keep_cross_attention_kv_across_calls():
     the same text states compute them once (the groups keep them) and give the eager outputs."""
     from sits_lora.diffusion.reuse import cross_attention_groups
 
-    torch.manual_seed(0)
-    unet = tiny_unet().to("cuda", torch.bfloat16).eval()
-    unet.add_adapter(SitsLoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, init_lora_weights=False))
-    eager = copy.deepcopy(unet)
-    compile_blocks(unet, vae=False)
+    unet, eager = _compiled_gpu_unet()
     groups = cross_attention_groups(unet)
     assert groups and all(g.keep_under_compile for g in groups)
-    text = torch.randn(2, 7, 24, device="cuda", dtype=torch.bfloat16)
-    t = torch.tensor([10, 500], device="cuda")
-    with torch.no_grad():
-        for seed in range(3):
-            sample = torch.randn(2, 4, 8, 8, device="cuda", dtype=torch.bfloat16,
-                                 generator=torch.Generator("cuda").manual_seed(seed))
-            out = unet(sample.contiguous(memory_format=torch.channels_last), t, encoder_hidden_states=text).sample
-            torch.testing.assert_close(out, eager(sample, t, encoder_hidden_states=text).sample, rtol=2e-2, atol=2e-2)
-            assert all(g._kept is not None and g._kept[0] is text for g in groups)
+    text = _guided_calls(unet, eager, 3)
+    assert all(g._kept is not None and g._kept[0] is text for g in groups)
 
 
 @pytest.mark.gpu
@@ -107,18 +119,7 @@ def test_compiled_blocks_under_graph_denoiser_replay_the_kept_k_v():
     eager outputs."""
     from sits_lora.diffusion import graph_denoiser
 
-    torch.manual_seed(0)
-    unet = tiny_unet().to("cuda", torch.bfloat16).eval()
-    unet.add_adapter(SitsLoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, init_lora_weights=False))
-    eager = copy.deepcopy(unet)
-    compile_blocks(unet, vae=False)
+    unet, eager = _compiled_gpu_unet()
     graphs = graph_denoiser(unet)
-    text = torch.randn(2, 7, 24, device="cuda", dtype=torch.bfloat16)
-    t = torch.tensor([10, 500], device="cuda")
-    with torch.no_grad():
-        for seed in range(4):
-            sample = torch.randn(2, 4, 8, 8, device="cuda", dtype=torch.bfloat16,
-                                 generator=torch.Generator("cuda").manual_seed(seed))
-            out = unet(sample, t, encoder_hidden_states=text).sample
-            torch.testing.assert_close(out, eager(sample, t, encoder_hidden_states=text).sample, rtol=2e-2, atol=2e-2)
+    _guided_calls(unet, eager, 4)
     assert graphs.recordings == 1 and graphs.replays == 4 and graphs.kept_replays == 3
