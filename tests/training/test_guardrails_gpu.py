@@ -3,6 +3,8 @@ fault-injection run in bf16. Skipped without CUDA; run on the GPU with `python -
 
 from __future__ import annotations
 
+import gc as python_gc
+
 import pytest
 import torch
 
@@ -68,15 +70,22 @@ def test_plan_within_15_percent_of_cuda_peak(tmp_path, gc):
             torch.cuda.synchronize()
             peaks.append(torch.cuda.max_memory_allocated())
 
+    # The allocator's peak counts every live tensor of the process: what earlier tests left (a recorded graph's
+    # pool, a cached buffer) is not this model's and is taken out.
+    python_gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     callback = SitsHardwareCallback(report=False)
     trainer = NativeLoraTrainer(model=_model(), args=_args(tmp_path, max_steps=3, gradient_checkpointing=gc),
                                 train_dataset=_dataset(), callbacks=[callback, Peak()])
     trainer.train()
     plan = callback.memory_plan
-    assert abs(plan.total / max(peaks) - 1) < 0.15, (plan.table(), max(peaks) / 2**30)
+    peak = max(peaks) - before
+    assert abs(plan.total / peak - 1) < 0.15, (plan.table(), peak / 2**30, before / 2**30)
     rank = next(r for r in callback.results if r.name == "rank")
     assert rank.status != "skipped" and all(row["fused"] and row["ceiling"] > 0 for row in rank.details["layers"])
-    print("\n" + plan.table() + f"\nmeasured peak {max(peaks) / 2**30:.2f} GiB; rank ceilings "
+    print("\n" + plan.table() + f"\nmeasured peak {peak / 2**30:.2f} GiB ({before / 2**30:.2f} GiB held before it); "
+          "rank ceilings "
           + ", ".join(f"{row['example'].rsplit('.', 1)[-1]} {row['ceiling']}" for row in rank.details["layers"]))
 
 
