@@ -69,6 +69,15 @@ def test_split_k_equals_the_reference(split_k, rows, bias):
     torch.testing.assert_close(y16.double().cpu(), _reference(x, W, b, A, B, 1.3), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_wide_tiles_equal_the_reference(split_k):
+    """The tuning space's widest tiles (BLOCK_N 128): N = 200 in a whole tile and a part one, K = 100 in 64-blocks."""
+    x, W, b, A, B = _problem(3, 100, 200, 16, torch.float32, True)
+    cfg = dict(BLOCK_N=128, BLOCK_K=64, SPLIT_K=split_k, num_warps=8, num_stages=1)
+    y = ops.lora_linear_decode(x, W, b, A, B, 0.7, config=cfg)
+    torch.testing.assert_close(y.double().cpu(), _reference(x, W, b, A, B, 0.7), rtol=1e-4, atol=1e-4)
+
+
 def test_more_rows_than_the_kernel_takes_are_refused():
     x, W, b, A, B = _problem(65, 32, 16, 4, torch.float32, False)
     with pytest.raises(ValueError, match="at most 64"):

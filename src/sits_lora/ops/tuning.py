@@ -48,9 +48,12 @@ CONFIG_SPACE: dict[str, list[dict]] = {
         dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4),
         *[dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
           for bn in (16, 32, 64) for bk in (128, 256, 512) for w, s in ((4, 3), (4, 5), (8, 4))],
+        # wider tiles: A (re-read by every output tile) is then a smaller share of what a program streams
+        *[dict(BLOCK_N=128, BLOCK_K=bk, num_warps=w, num_stages=s) for bk in (64, 128) for w, s in ((4, 3), (8, 4))],
         # K split over SPLIT_K programs per output tile, summed by a second kernel (ops.decode): for long K
         *[dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=4, num_stages=3)
           for sk in (2, 4, 8) for bn in (32, 64) for bk in (128, 256)],
+        *[dict(BLOCK_N=128, BLOCK_K=128, SPLIT_K=sk, num_warps=w, num_stages=3) for sk in (2, 4) for w in (4, 8)],
     ],
 }
 
