@@ -306,9 +306,9 @@ def write_json_atomically(path: str, payload: dict) -> None:
 
 
 def _whole_adapter_state(model) -> Optional[dict]:
-    """The trainable tensors of ``model`` by state-dict key, whole, where FSDP2 holds them as DTensor shards;
-    None where nothing is sharded (save_pretrained then reads the model itself). Gathering a shard is a
-    collective: every rank calls this, in the same order, before rank 0 saves."""
+    """The trainable tensors of ``model`` by state-dict key, whole, where FSDP2 holds them as DTensor shards or
+    DeepSpeed ZeRO-3 as partitions; None where nothing is sharded (save_pretrained then reads the model itself).
+    Gathering is a collective: every rank calls this, in the same order, before rank 0 saves."""
     import torch
 
     if not torch.distributed.is_available():
@@ -316,6 +316,12 @@ def _whole_adapter_state(model) -> Optional[dict]:
     from torch.distributed.tensor import DTensor
 
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    partitioned = [p for p in model.parameters() if p.requires_grad and hasattr(p, "ds_id")]
+    if partitioned:   # ZeRO-3: each rank holds 1 / world of every parameter; its state_dict tensors are empty
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+            return {key: value.detach().clone() for key, value in model.state_dict().items() if key in trainable}
     state = {key: value for key, value in model.state_dict().items() if key in trainable}
     if not any(isinstance(value, DTensor) for value in state.values()):
         return None

@@ -3,9 +3,9 @@
 The cost model (every number is bytes; T = batch_size x seq_len tokens, h hidden size, I MLP
 size, V vocabulary, H / KV query / key-value heads of size d, a the activation element size):
 
-- frozen weights, adapters: the parameters as they are (tied weights once; under FSDP2 the rank's shards, plus
-  the parameters outside the decoder layers and two decoder layers gathered whole at the peak); 4-bit bases
-  (sits_lora's INT4, bitsandbytes under SitsLoraLinear4bit) add one dequantization buffer of the largest such
+- frozen weights, adapters: the parameters as they are (tied weights once; under FSDP2 or ZeRO-3 the rank's
+  shards, plus the parameters outside the decoder layers and two decoder layers gathered whole at the peak); 4-bit
+  bases (sits_lora's INT4, bitsandbytes under SitsLoraLinear4bit) add one dequantization buffer of the largest such
   layer's W.
 - optimizer states: AdamW keeps 2 tensors per trainable parameter (8-bit AdamW 2 bytes, SGD none).
 - adapter gradients: made during backward, after the peak, and set to None by ``zero_grad``; they
@@ -286,18 +286,42 @@ def _single_layer_key(module: nn.Module) -> tuple:
 
 
 def _local_shard(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter sharded by FSDP2 (a DTensor), or the tensor itself."""
+    """This rank's part of a parameter sharded by FSDP2 (a DTensor) or partitioned by DeepSpeed ZeRO-3 (its
+    ``ds_tensor``; the parameter itself is then an empty placeholder), or the tensor itself."""
+    partition = getattr(t, "ds_tensor", None)
+    if partition is not None:
+        return partition
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) and type(t).__name__ == "DTensor" else t
 
 
+def _is_sharded(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" or getattr(t, "ds_tensor", None) is not None
+
+
+def _whole_bytes(t: torch.Tensor) -> int:
+    """A parameter's bytes gathered whole (ZeRO-3 keeps the whole count in ``ds_numel``)."""
+    return int(getattr(t, "ds_numel", None) or t.numel()) * t.element_size()
+
+
+def _held_bytes(p: torch.Tensor, local: torch.Tensor) -> int:
+    """What a rank holds of ``p`` between gathers: its shard (``local``); ZeRO-3 also keeps a parameter below
+    ``stage3_param_persistence_threshold`` (LoRA factors, norms) whole on every rank from the first forward on,
+    beside its partition."""
+    size = stored_bytes(local)   # a 4-bit weight's quantization state included
+    if getattr(p, "ds_persist", False):
+        size += _whole_bytes(p)
+    return size
+
+
 def _fsdp_gathered_bytes(model: nn.Module, blocks: Sequence[nn.Module]) -> int:
-    """Bytes FSDP2 adds to a rank's shards at the step's peak (the start of backward): the root's parameters (those
-    outside the decoder layers: embeddings, final norm, the head, which the loss still needs) gathered whole, and two
-    decoder layers whole (the one running backward and the next one, prefetched). 0 when nothing is sharded."""
+    """Bytes FSDP2 (or ZeRO-3) adds to a rank's shards at the step's peak (the start of backward): the root's
+    parameters (those outside the decoder layers: embeddings, final norm, the head, which the loss still needs) and
+    two decoder layers (the one running backward and the next one, prefetched) gathered whole into buffers of their
+    own, the shards staying. 0 when nothing is sharded. ZeRO-3 gathers by buckets and may keep more live
+    (``stage3_max_live_parameters``): for it this is the least."""
     def extra(params) -> int:
-        return sum(p.numel() * p.element_size() - stored_bytes(_local_shard(p)) for p in params
-                   if type(p).__name__ == "DTensor")
+        return sum(_whole_bytes(p) for p in params if _is_sharded(p) and not getattr(p, "ds_persist", False))
 
     in_blocks = {id(p) for block in blocks for p in block.parameters()}
     root = extra(p for p in model.parameters() if id(p) not in in_blocks)
@@ -420,17 +444,18 @@ def plan_memory(
     if liger is not None:
         liger_norm = liger_mlp = liger_loss = liger
 
-    # Parameters, tied ones once; under FSDP2 (fully_shard) the rank's own shards.
-    seen: set[int] = set()
+    # Parameters, tied ones once; under FSDP2 (fully_shard) or ZeRO-3 the rank's own shards (ZeRO-3's are views
+    # into one flat buffer: a tensor is its storage and its place in it).
+    seen: set[tuple[int, int]] = set()
     frozen = adapters = 0
     trainable: list[torch.Tensor] = []
     for p in list(inner.parameters()) + list(inner.buffers()):
         local = _local_shard(p)
-        ptr = local.untyped_storage()._cdata
-        if ptr in seen:
+        place = (local.untyped_storage()._cdata, local.storage_offset())
+        if place in seen:
             continue
-        seen.add(ptr)
-        size = stored_bytes(local)   # a 4-bit weight's quantization state included
+        seen.add(place)
+        size = _held_bytes(p, local)
         if isinstance(p, nn.Parameter) and p.requires_grad:
             adapters += size
             trainable.append(local)
@@ -439,7 +464,7 @@ def plan_memory(
     gathered = _fsdp_gathered_bytes(inner, blocks)
     if gathered:
         frozen += gathered
-        notes.append(f"FSDP2: each rank holds its shards of the parameters; at the peak the parameters outside the "
+        notes.append(f"FSDP2 / ZeRO-3: each rank holds its shards of the parameters; at the peak the parameters outside the "
                      f"decoder layers and two decoder layers (the one running, the one prefetched) are gathered "
                      f"whole: {format_bytes(gathered)} more, counted in the frozen weights")
     grads = sum(p.numel() * p.element_size() for p in trainable)
