@@ -52,8 +52,11 @@ def test_zero_stage_on_two_processes_trains_as_one_process(stage, persistence, t
     # parameters and two decoder layers gathered whole at the peak (here: every parameter, two layers in all).
     whole = plan_memory(single, 2, 8, optimizer="adamw")
     total = whole.frozen_weights + whole.adapter_weights
+    # every rank plans alike (a layer's probe would gather its partitions: sharded layers are not probed)
+    assert ranks[0]["plan"]["activations"] == ranks[1]["plan"]["activations"]
     for rank in ranks:
         plan = rank["plan"]
+        assert any("not probed" in note for note in plan["notes"]) == (stage == 3)
         if stage == 2:
             assert plan["frozen_weights"] == whole.frozen_weights and plan["adapter_weights"] == whole.adapter_weights
             continue

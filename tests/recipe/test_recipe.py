@@ -466,8 +466,9 @@ def test_recipe_under_zero3_matches_one_process_and_resumes(tiny_model_dir, tmp_
     recipes/configs/accelerate/deepspeed_zero3.yaml` sets in the environment; gloo and DeepSpeed's CPU accelerator
     here): the adapter rank 0 saves is whole and equals one process's at twice the per-rank batch; interrupted
     after the step-2 checkpoint (DeepSpeed's partitioned states) and resumed, the run repeats the uninterrupted one.
-    (The held-out evaluation's forward leaves ZeRO-3's parameters gathered before this save; the save's own gather,
-    for parameters that are not, is tested in tests/distributed/test_deepspeed.py.)"""
+    (Every parameter of this tiny model is below ZeRO-3's persistence threshold, 1e5 values, so all are whole on
+    every rank at the save; the save's own gather, for parameters that are not, is tested in
+    tests/distributed/test_deepspeed.py.)"""
     import shutil
 
     from safetensors.torch import load_file

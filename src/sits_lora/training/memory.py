@@ -308,7 +308,8 @@ def _held_bytes(p: torch.Tensor, local: torch.Tensor) -> int:
     """What a rank holds of ``p`` between gathers: its shard (``local``); ZeRO-3 also keeps a parameter below
     ``stage3_param_persistence_threshold`` (LoRA factors, norms) whole on every rank from the first forward on,
     beside its partition."""
-    size = stored_bytes(local)   # a 4-bit weight's quantization state included
+    # a 4-bit weight's quantization state included; a ZeRO-Offload partition lives in host memory, not counted
+    size = stored_bytes(local) if local.device == p.device else 0
     if getattr(p, "ds_persist", False):
         size += _whole_bytes(p)
     return size
@@ -318,8 +319,8 @@ def _fsdp_gathered_bytes(model: nn.Module, blocks: Sequence[nn.Module]) -> int:
     """Bytes FSDP2 (or ZeRO-3) adds to a rank's shards at the step's peak (the start of backward): the root's
     parameters (those outside the decoder layers: embeddings, final norm, the head, which the loss still needs) and
     two decoder layers (the one running backward and the next one, prefetched) gathered whole into buffers of their
-    own, the shards staying. 0 when nothing is sharded. ZeRO-3 gathers by buckets and may keep more live
-    (``stage3_max_live_parameters``): for it this is the least."""
+    own, the shards staying. 0 when nothing is sharded. ZeRO-3 gathers by buckets: it may keep more live
+    (``stage3_max_live_parameters``), and it releases a frozen input embedding after its forward (counted here)."""
     def extra(params) -> int:
         return sum(_whole_bytes(p) for p in params if _is_sharded(p) and not getattr(p, "ds_persist", False))
 
@@ -503,11 +504,20 @@ def plan_memory(
     def saves_of(module: nn.Module) -> LayerSaves:
         key = _layer_key(module)
         if key not in probes:
+            r = max((int(getattr(p, "ds_shape", p.shape)[0]) for n, p in module.named_parameters() if "lora_A" in n),
+                    default=16)
+            assumed = LayerSaves(True, 0.0, 4.0 * r, probed=False)
+            if any(_is_sharded(p) for p in module.parameters()):
+                # a probe's forward would gather the layer's ZeRO-3 partitions (a collective every rank would have to
+                # make alike) or FSDP2 shards: every rank assumes the common case instead
+                probes[key] = assumed
+                notes.append(f"{type(module).__name__} {linear_dims(module)} not probed (its parameters are sharded); "
+                             f"assumed it saves its input and a T x r fp32 tensor")
+                return assumed
             try:
                 probes[key] = _probe_layer(module, weight_dtype, autocast_dtype)
             except Exception as error:  # a layer that cannot run alone (offloaded, meta): assume the common case
-                r = max((p.shape[0] for n, p in module.named_parameters() if "lora_A" in n), default=16)
-                probes[key] = LayerSaves(True, 0.0, 4.0 * r, probed=False)
+                probes[key] = assumed
                 notes.append(f"{type(module).__name__} {linear_dims(module)} could not be probed "
                              f"({type(error).__name__}); assumed it saves its input and a T x r fp32 tensor")
         return probes[key]
