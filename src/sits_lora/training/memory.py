@@ -296,7 +296,7 @@ def _local_shard(t: torch.Tensor) -> torch.Tensor:
 
 
 def _is_sharded(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor" or getattr(t, "ds_tensor", None) is not None
+    return _local_shard(t) is not t
 
 
 def _whole_bytes(t: torch.Tensor) -> int:
