@@ -35,6 +35,8 @@ Arms, each on a copy of the same U-Net with the same LoRA weights (B drawn non-z
   X+fp8          arm X with the U-Net's linear layers fed >= 256 rows a call in e4m3 with static input scales
                  (sits_lora.diffusion.calibrate on two other prompts at the same settings, then quantize_fp8);
                  LoRA layers keep their adapter in bf16 over an fp8 base
+  X+fp8c         X+fp8 and the U-Net's convolutions and the VAE decoder's layers in e4m3 too (quantize_fp8 with
+                 convolutions=True, vae_decoder=True: sits_lora's implicit-GEMM Triton convolution)
 Fidelity: the decoded image of each arm against the bf16 LoRA model's (the peft arm's, or sits' when peft does not
 run), same seed and latents: PSNR (images in [0, 1]) and the largest absolute difference.
 
@@ -66,7 +68,7 @@ from harness import png, print_table, write_results  # noqa: E402
 INFERENCE_ARMS = ["base", "peft", "peft+merged", "sits", "sits+noreuse", "sits+fused", "base+graph", "peft+graph",
                   "sits+graph", "sits+fp8", "base+fp8+graph", "sits+fp8+graph"]
 ARM_KINDS = ("base", "peft", "sits")
-ARM_MODIFIERS = ("merged", "fuseqkv", "noreuse", "fused", "fp8", "cl", "compile", "rcompile", "bcompile", "graph")
+ARM_MODIFIERS = ("merged", "fuseqkv", "noreuse", "fused", "fp8", "fp8c", "cl", "compile", "rcompile", "bcompile", "graph")
 TRAIN_ARMS = ["train:frozen", "train:peft", "train:sits", "train:sits+fused", "train:frozen+graph", "train:peft+graph",
               "train:sits+graph"]
 TRAIN_KINDS = ("frozen", "peft", "sits")
@@ -187,11 +189,16 @@ def pipeline(name: str, unet, vae, arm: str = "base", calibration_calls: list | 
             raise SystemExit(f"arm {arm}: +fuseqkv replaces to_q / to_k / to_v by one linear made from their "
                              "weights, which drops an unmerged LoRA; use it with +merged or on base")
         pipe.unet.fuse_qkv_projections()   # diffusers': self-attention's q / k / v and cross-attention's k / v
-    if "fp8" in arm.split("+"):
+    if "fp8" in arm.split("+") or "fp8c" in arm.split("+"):
         from sits_lora.diffusion import calibrate, quantize_fp8
 
         calls = list(calibration_calls or [])
-        report = quantize_fp8(pipe, calibrate(pipe, calls), min_rows=min_rows)
+        calibration = calibrate(pipe, calls)
+        convolutions = "fp8c" in arm.split("+")
+        if convolutions:
+            pipe.vae = copy.deepcopy(pipe.vae)   # the VAE is shared by the arms: this one quantizes its own
+        report = quantize_fp8(pipe, calibration, min_rows=min_rows, convolutions=convolutions,
+                              vae_decoder=convolutions)
         print(f"[{name} {arm}] {report.summary()}", flush=True)
     if "cl" in arm.split("+"):
         pipe.unet.to(memory_format=torch.channels_last)

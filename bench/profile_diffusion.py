@@ -129,10 +129,11 @@ def main(argv=None) -> int:
         model = bench.adapt(unet, arm, bench.TRAIN_TARGETS if not arm.startswith("base") else [])
         if "fuseqkv" in arm.split("+"):   # bench/diffusion.py's arm of that name (base only: it drops a LoRA)
             model.fuse_qkv_projections()
-        if "fp8" in arm.split("+"):
+        if "fp8" in arm.split("+") or "fp8c" in arm.split("+"):
             from sits_lora.diffusion import calibrate, quantize_fp8
 
-            fp8 = quantize_fp8(model, calibrate(model, [calibration_inputs]), min_rows=0 if args.smoke else 256)
+            fp8 = quantize_fp8(model, calibrate(model, [calibration_inputs]), min_rows=0 if args.smoke else 256,
+                               convolutions="fp8c" in arm.split("+"))
             lines.append(f"== {arm}: {fp8.summary()}")
         vae = vae_model
         if "bcompile" in arm.split("+"):   # every block compiled alone (bench/diffusion.py's arm of that name)
@@ -161,7 +162,7 @@ def main(argv=None) -> int:
             with torch.no_grad():
                 vae.decode(latents)
 
-        row, first_line = {}, max(len(lines) - 1, 0) if "fp8" in arm.split("+") else len(lines)
+        row, first_line = {}, max(len(lines) - 1, 0) if {"fp8", "fp8c"} & set(arm.split("+")) else len(lines)
         jobs = (("train", train), ("denoise", denoise)) + ((("vae_decode", decode),) if args.vae else ())
         breaks_before = dict(torch._dynamo.utils.counters["graph_break"])
         for name, fn in jobs:

@@ -1,24 +1,30 @@
-"""fp8 inference of a denoiser's linear layers with static input scales calibrated on a few generations.
+"""fp8 inference of a denoiser's linear layers (and optionally its convolutions and the VAE decoder's) with static
+input scales calibrated on a few generations.
 
 Two steps, apart so that a calibration is measured once and reused::
 
     calibration = calibrate(pipe, [{"prompt": "a red cube"}, {"prompt": "a blue sphere"}], num_inference_steps=30)
     calibration.save("fp8_calibration.json")             # optional: Fp8Calibration.load(path) later
     report = quantize_fp8(pipe, calibration)             # pipe.unet's big linears now run e4m3 GEMMs
+    # or: quantize_fp8(pipe, calibration, convolutions=True, vae_decoder=True)
 
-``calibrate`` runs the pipeline on the given inputs and records, for every ``nn.Linear`` of the denoiser
-(``pipe.unet`` / ``pipe.transformer``, including the frozen base of each LoRA layer), the largest |input| it saw and
-how many rows (tokens) one call fed it. ``quantize_fp8`` swaps each linear that is worth it for a
-:class:`StaticFp8Linear`: the weight stored once as e4m3 codes with one scale, the input cast with the calibrated
-scale (one pass, no amax reduction per call: the property that lets a CUDA graph or torch.compile treat it as a
-constant), the GEMM through ``torch._scaled_mm``. Not worth it, and left in bf16: layers fed fewer than ``min_rows``
-rows a call (the time embedding; cross-attention to_k / to_v, which read 77 text tokens: there the cast costs what
-the GEMM saves), layers the calibration never saw, dims that are not multiples of 16.
+``calibrate`` runs the pipeline on the given inputs and records, for every ``nn.Linear`` and ``nn.Conv2d`` of the
+denoiser (``pipe.unet`` / ``pipe.transformer``, including the frozen base of each LoRA layer) and of the VAE's
+decoder, the largest |input| it saw and how many rows (tokens, or pixels for a convolution) one call fed it.
+``quantize_fp8`` swaps each linear that is worth it for a :class:`StaticFp8Linear`: the weight stored once as e4m3
+codes with one scale, the input cast with the calibrated scale (one pass, no amax reduction per call: the property
+that lets a CUDA graph or torch.compile treat it as a constant), the GEMM through ``torch._scaled_mm``. Not worth
+it, and left in bf16: layers fed fewer than ``min_rows`` rows a call (the time embedding; cross-attention to_k /
+to_v, which read 77 text tokens: there the cast costs what the GEMM saves), layers the calibration never saw, dims
+that are not multiples of 16. With ``convolutions`` the denoiser's convolutions become :class:`StaticFp8Conv2d`
+(per-output-channel weight scales, sits_lora's implicit-GEMM Triton kernel: cuDNN has no fp8 convolution), except
+those with fewer than 16 channels (the first and last of a U-Net); with ``vae_decoder`` the VAE decoder's layers
+too.
 
 A LoRA layer whose frozen base is swapped keeps its adapter in bf16: its base runs fp8, its LoRA branch PEFT's way.
-Convolutions, normalizations, attention (SDPA) and the VAE stay in their dtype. Quantize before ``graph_denoiser``
-(or call ``graphs.reset()`` after). ``dequantize_fp8`` swaps plain ``nn.Linear`` layers back (with the e4m3 values:
-the original weights are not kept). On the CPU the same numerics run in plain PyTorch (slow; for tests).
+Normalizations and attention (SDPA) stay in their dtype. Quantize before ``graph_denoiser`` and ``compile_blocks``
+(or call ``graphs.reset()`` after). ``dequantize_fp8`` swaps plain layers back (with the e4m3 values: the original
+weights are not kept). On the CPU the same numerics run in plain PyTorch (slow; for tests).
 """
 
 from __future__ import annotations
@@ -29,13 +35,14 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
 
 from ..bases.fp8 import MIN_CAPABILITY
 from ..ops import fp8 as fp8_ops
+from ..ops import fp8_conv
 from .reuse import denoiser_of
 
 logger = logging.getLogger("sits_lora")
@@ -43,14 +50,33 @@ logger = logging.getLogger("sits_lora")
 FORMAT_VERSION = 1
 
 
-def _linears(model: nn.Module) -> dict[str, nn.Linear]:
-    """Every plain nn.Linear of ``model`` by qualified name (a LoRA layer's frozen base as '<layer>.base_layer');
-    LoRA's own A / B matrices are adapter weights, not frozen linears, and stay out."""
+def _layers(model: nn.Module, prefix: str = "") -> dict[str, nn.Module]:
+    """Every plain nn.Linear and nn.Conv2d of ``model`` by qualified name (with ``prefix``), LoRA's own factors
+    left out."""
     out = {}
     for name, module in model.named_modules():
-        if type(module) is nn.Linear and not any(part in ("lora_A", "lora_B") for part in name.split(".")):
-            out[name] = module
+        if type(module) in (nn.Linear, nn.Conv2d) and not any(part in ("lora_A", "lora_B")
+                                                              for part in name.split(".")):
+            out[prefix + name] = module
     return out
+
+
+def _vae_decoder(pipe) -> Optional[nn.Module]:
+    decoder = getattr(getattr(pipe, "vae", None), "decoder", None)
+    return decoder if isinstance(decoder, nn.Module) else None
+
+
+def _calibrated_layers(pipe) -> dict[str, nn.Module]:
+    """What calibrate records and quantize_fp8 may swap: the denoiser's linears and convolutions by their names in
+    the denoiser, the VAE decoder's (when the pipeline has one) as 'vae.decoder.<name>'."""
+    layers = _layers(denoiser_of(pipe, "calibrate"))
+    decoder = _vae_decoder(pipe)
+    if decoder is not None:
+        layers.update(_layers(decoder, VAE_PREFIX))
+    return layers
+
+
+VAE_PREFIX = "vae.decoder."
 
 
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -90,9 +116,9 @@ class Fp8Calibration:
 
 
 class _Recorder:
-    """Forward pre-hooks that keep each linear's running max |input| on its device (no host sync per call)."""
+    """Forward pre-hooks that keep each layer's running max |input| on its device (no host sync per call)."""
 
-    def __init__(self, linears: dict[str, nn.Linear]):
+    def __init__(self, linears: dict[str, nn.Module]):
         self.amax: dict[str, torch.Tensor] = {}
         self.rows: dict[str, int] = {}
         self.handles = [module.register_forward_pre_hook(self._hook(name)) for name, module in linears.items()]
@@ -104,7 +130,8 @@ class _Recorder:
             # NaN propagates through maximum: a non-finite input is reported after the run, not lost
             previous = self.amax.get(name)
             self.amax[name] = seen if previous is None else torch.maximum(previous, seen)
-            self.rows[name] = max(self.rows.get(name, 0), x.numel() // max(x.shape[-1], 1))
+            channels = x.shape[1] if isinstance(module, nn.Conv2d) else x.shape[-1]   # a conv's rows: its pixels
+            self.rows[name] = max(self.rows.get(name, 0), x.numel() // max(channels, 1))
         return hook
 
     def remove(self) -> None:
@@ -114,21 +141,24 @@ class _Recorder:
 
 @torch.no_grad()
 def calibrate(pipe, inputs: Iterable[dict], **call_kwargs: Any) -> Fp8Calibration:
-    """Run ``pipe(**item, **call_kwargs)`` for each item of ``inputs`` and record every denoiser linear's input
-    range. The inputs should look like the generations to come (resolution, guidance, number of steps): a few
-    prompts are enough, the scale is the max over every step of every call. Returns an :class:`Fp8Calibration`."""
+    """Run ``pipe(**item, **call_kwargs)`` for each item of ``inputs`` and record the input range of every linear
+    and convolution of the denoiser and of the VAE's decoder. The inputs should look like the generations to come
+    (resolution, guidance, number of steps): a few prompts are enough, the scale is the max over every step of every
+    call. Returns an :class:`Fp8Calibration`."""
     model = denoiser_of(pipe, "calibrate")
-    if any(isinstance(m, StaticFp8Linear) for m in model.modules()):
+    decoder = _vae_decoder(pipe)
+    if any(isinstance(m, (StaticFp8Linear, StaticFp8Conv2d))
+           for m in list(model.modules()) + list(decoder.modules() if decoder is not None else [])):
         raise ValueError("calibrate: this denoiser already has fp8 layers (quantize_fp8 ran); calibrate the bf16 "
                          "model (dequantize_fp8 gives lossy bf16 layers back, not the originals)")
     items = list(inputs)
     if not items or not all(isinstance(item, dict) for item in items):
         raise ValueError("calibrate: inputs must be a non-empty list of dicts of pipeline arguments, e.g. "
                          "[{'prompt': 'a red cube'}]; got " + repr(inputs)[:120])
-    linears = _linears(model)
-    if not linears:
-        raise ValueError(f"calibrate: {type(model).__name__} has no nn.Linear layers to calibrate")
-    recorder = _Recorder(linears)
+    layers = _calibrated_layers(pipe)
+    if not layers:
+        raise ValueError(f"calibrate: {type(model).__name__} has no nn.Linear or nn.Conv2d layers to calibrate")
+    recorder = _Recorder(layers)
     try:
         for item in items:
             pipe(**item, **call_kwargs)
@@ -137,7 +167,7 @@ def calibrate(pipe, inputs: Iterable[dict], **call_kwargs: Any) -> Fp8Calibratio
     amax = {name: float(value) for name, value in recorder.amax.items()}   # one sync per layer, after the runs
     bad = [name for name, value in amax.items() if not math.isfinite(value)]
     if bad:
-        raise ValueError(f"calibrate: the input of {len(bad)} linear layer(s) held NaN or Inf during calibration "
+        raise ValueError(f"calibrate: the input of {len(bad)} layer(s) held NaN or Inf during calibration "
                          f"(first: {bad[0]}); the pipeline itself is not finite at these settings. Find the step "
                          f"with sits_lora.diffusion.LatentGuard(pipe, watch_modules=True).")
     return Fp8Calibration(amax=amax, rows=dict(recorder.rows), calls=len(items))
@@ -233,6 +263,89 @@ class StaticFp8Linear(nn.Module):
                 f"fp8=e4m3 per tensor, static input scale (amax {float(self.input_amax[0]):.4g})")
 
 
+class StaticFp8Conv2d(nn.Module):
+    """An inference 2-D convolution in fp8: W stored as e4m3 codes with one scale per output channel, x cast to e4m3
+    with a calibrated static scale, the convolution by sits_lora's implicit-GEMM Triton kernel
+    (``sits_lora.ops.fp8_conv``; cuDNN has no fp8 convolution), output channels_last in x's dtype.
+
+    Buffers: ``weight_fp8`` (C_out, KH · KW · C_in) e4m3 (the kernel's order), ``weight_scale_inv`` (C_out,),
+    ``input_scale`` / ``input_scale_inv`` / ``input_amax`` (1,). Under autograd it runs F.conv2d on the dequantized
+    weight. On the CPU the same numerics run in plain PyTorch.
+    """
+
+    def __init__(self, conv: nn.Conv2d, input_amax: float, margin: int = 0):
+        super().__init__()
+        self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
+        self.kernel_size = tuple(conv.kernel_size)
+        self.stride, self.padding = conv.stride[0], conv.padding[0]
+        device = conv.weight.device
+        w8, w_inv = fp8_ops.quantize_weight(conv.weight.reshape(self.out_channels, -1), "row")
+        self.register_buffer("weight_fp8", fp8_conv.pack_conv_weight(w8.reshape(conv.weight.shape)))
+        self.register_buffer("weight_scale_inv", w_inv)
+        amax = torch.tensor([input_amax], dtype=torch.float32, device=device)
+        scale = fp8_ops.scale_from_amax(amax, FP8_MAX, margin, torch.ones_like(amax))
+        self.register_buffer("input_amax", amax)
+        self.register_buffer("input_scale", scale)
+        self.register_buffer("input_scale_inv", scale.reciprocal())
+        self.bias = conv.bias
+        self.orig_dtype = conv.weight.dtype
+        self.train(conv.training)
+
+    def __getattr__(self, name: str):
+        if name == "weight":
+            raise AttributeError("StaticFp8Conv2d holds e4m3 codes (weight_fp8), not a weight: call dequantize_fp8 "
+                                 "first to read or change the convolution's weight")
+        return super().__getattr__(name)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        w8 = fp8_conv.unpack_conv_weight(self.weight_fp8, self.kernel_size)
+        return (w8.float() * self.weight_scale_inv.reshape(-1, 1, 1, 1)).to(self.orig_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:
+            return nn.functional.conv2d(x, self.dequantized_weight().to(x.dtype),
+                                        None if self.bias is None else self.bias.to(x.dtype),
+                                        stride=self.stride, padding=self.padding)
+        if x.is_cuda and not torch.compiler.is_compiling():
+            _check_capability(x.device)
+        # the kernel reads each tile's channels contiguously: channels_last (a no-op where the model already is)
+        x = x.contiguous(memory_format=torch.channels_last)
+        if x.is_cuda and not torch.compiler.is_compiling():
+            batch, channels, height, width = x.shape
+            x8 = fp8_ops.fp8_cast(x.permute(0, 2, 3, 1).reshape(-1, channels), self.input_scale, None, fp8_ops.E4M3)
+            x8 = x8.reshape(batch, height, width, channels).permute(0, 3, 1, 2)
+        else:
+            # tensor ops: Inductor fuses the cast into the GroupNorm / SiLU that wrote x (and it runs on the CPU)
+            x8 = (x.float() * self.input_scale).clamp(-FP8_MAX, FP8_MAX).to(fp8_ops.E4M3)
+        return fp8_conv.conv2d_fp8_op(x8, self.weight_fp8, self.input_scale_inv, self.weight_scale_inv,
+                                      None if self.bias is None else self.bias.to(x.dtype), self.kernel_size[0],
+                                      self.kernel_size[1], self.stride, self.padding, x.dtype)
+
+    def to_conv(self) -> nn.Conv2d:
+        conv = nn.Conv2d(self.in_channels, self.out_channels, self.kernel_size, stride=self.stride,
+                         padding=self.padding, bias=self.bias is not None, device="meta")
+        conv.weight = nn.Parameter(self.dequantized_weight(), requires_grad=False)
+        conv.bias = self.bias
+        conv.train(self.training)
+        return conv
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding}, bias={self.bias is not None}, fp8=e4m3 per output channel, static input "
+                f"scale (amax {float(self.input_amax[0]):.4g})")
+
+
+def _conv_unsupported(conv: nn.Conv2d) -> Optional[str]:
+    """Why the fp8 kernel cannot take ``conv`` (None if it can)."""
+    if conv.groups != 1 or tuple(conv.dilation) != (1, 1) or conv.padding_mode != "zeros":
+        return "groups, dilation or padding mode the fp8 kernel does not take"
+    if isinstance(conv.padding, str) or len(set(conv.stride)) != 1 or len(set(conv.padding)) != 1:
+        return "stride or padding differ between height and width"
+    if not fp8_conv.conv_k_block(conv.in_channels) or conv.out_channels < 16:
+        return "fewer than 16 channels, or input channels not a multiple of 16"
+    return None
+
+
 @dataclass
 class Fp8Report:
     """What ``quantize_fp8`` did: the layers now fp8, and those left in bf16 with the reason."""
@@ -247,17 +360,19 @@ class Fp8Report:
         for reason in self.skipped.values():
             reasons[reason] = reasons.get(reason, 0) + 1
         left = "; ".join(f"{n} {r}" for r, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
-        return (f"sits_lora fp8: {len(self.quantized)} linear layers in e4m3 with static input scales "
+        return (f"sits_lora fp8: {len(self.quantized)} layers in e4m3 with static input scales "
                 f"({self.bytes_before / 2**20:.1f} -> {self.bytes_after / 2**20:.1f} MiB of weights); "
                 f"{len(self.skipped)} left as they were{': ' + left if left else ''}")
 
 
 @torch.no_grad()
 def quantize_fp8(pipe, calibration: Fp8Calibration, min_rows: int = 256, margin: int = 0,
-                 exclude: Iterable[str] = ()) -> Fp8Report:
+                 exclude: Iterable[str] = (), convolutions: bool = False, vae_decoder: bool = False) -> Fp8Report:
     """Swap the denoiser's calibrated linear layers for :class:`StaticFp8Linear` (see the module docstring for which
     are left). ``margin``: the input scale is fp8_max / amax / 2**margin (1 leaves headroom for prompts wider than
-    the calibration's, at a bit of precision). ``exclude``: substrings of layer names to keep in bf16."""
+    the calibration's, at a bit of precision). ``exclude``: substrings of layer names to keep in bf16.
+    ``convolutions``: the denoiser's 2-D convolutions too, as :class:`StaticFp8Conv2d`. ``vae_decoder``: the VAE
+    decoder's linears and convolutions too (a pipeline's ``vae``; its layers are named 'vae.decoder.<name>')."""
     model = denoiser_of(pipe, "quantize_fp8")
     if not isinstance(calibration, Fp8Calibration):
         raise TypeError(f"quantize_fp8: calibration must be an Fp8Calibration (from calibrate or "
@@ -265,11 +380,17 @@ def quantize_fp8(pipe, calibration: Fp8Calibration, min_rows: int = 256, margin:
     for name, value in (("min_rows", min_rows), ("margin", margin)):
         if not isinstance(value, int) or value < 0:
             raise ValueError(f"quantize_fp8: {name} must be an int >= 0, got {value!r}")
+    decoder = _vae_decoder(pipe) if vae_decoder else None
+    if vae_decoder and decoder is None:
+        raise ValueError(f"quantize_fp8: vae_decoder=True needs a pipeline with a .vae that has a decoder; got "
+                         f"{type(pipe).__name__}. Pass the pipeline, or vae_decoder=False.")
     exclude = [exclude] if isinstance(exclude, str) else list(exclude)
-    linears = _linears(model)
-    unknown = [name for name in calibration.amax if name not in linears]
+    everything = _layers(model)
+    if _vae_decoder(pipe) is not None:
+        everything.update(_layers(_vae_decoder(pipe), VAE_PREFIX))
+    unknown = [name for name in calibration.amax if name not in everything]
     if unknown and len(unknown) == len(calibration.amax):
-        raise ValueError(f"quantize_fp8: none of the calibration's {len(unknown)} layers is a bf16 linear of this "
+        raise ValueError(f"quantize_fp8: none of the calibration's {len(unknown)} layers is a bf16 layer of this "
                          f"{type(model).__name__} (first: {unknown[0]!r}); it was measured on another model, or this "
                          f"one is quantized already. Calibrate this model.")
     parameter = next(model.parameters(), None)
@@ -279,9 +400,14 @@ def quantize_fp8(pipe, calibration: Fp8Calibration, min_rows: int = 256, margin:
             raise RuntimeError(f"quantize_fp8 needs fp8 tensor cores (compute capability 8.9 or newer); "
                                f"{parameter.device} ({torch.cuda.get_device_name(parameter.device)}) has "
                                f"{cc[0]}.{cc[1]}. Keep this model in bf16.")
+    candidates = {name: (model, name, layer) for name, layer in _layers(model).items()
+                  if convolutions or type(layer) is nn.Linear}
+    if decoder is not None:
+        candidates.update({VAE_PREFIX + name: (decoder, name, layer) for name, layer in _layers(decoder).items()})
     quantized, skipped = [], {}
     before = after = 0
-    for name, linear in linears.items():
+    for name, (owner, local_name, layer) in candidates.items():
+        is_conv = type(layer) is nn.Conv2d
         reason = None
         if any(pattern in name for pattern in exclude):
             reason = "excluded"
@@ -289,17 +415,19 @@ def quantize_fp8(pipe, calibration: Fp8Calibration, min_rows: int = 256, margin:
             reason = "not called during calibration"
         elif calibration.rows.get(name, 0) < min_rows:
             reason = f"fed fewer than min_rows={min_rows} rows a call"
-        elif linear.in_features % 16 or linear.out_features % 16:
+        elif is_conv and _conv_unsupported(layer):
+            reason = _conv_unsupported(layer)
+        elif not is_conv and (layer.in_features % 16 or layer.out_features % 16):
             reason = "dims not multiples of 16"
         elif calibration.amax[name] == 0.0:
             reason = "input all zeros in calibration"
         if reason is not None:
             skipped[name] = reason
             continue
-        before += linear.weight.numel() * linear.weight.element_size()
-        fp8 = StaticFp8Linear(linear, calibration.amax[name], margin)
+        before += layer.weight.numel() * layer.weight.element_size()
+        fp8 = (StaticFp8Conv2d if is_conv else StaticFp8Linear)(layer, calibration.amax[name], margin)
         after += fp8.weight_fp8.numel()
-        _set_module(model, name, fp8)
+        _set_module(owner, local_name, fp8)
         quantized.append(name)
     report = Fp8Report(quantized, skipped, before, after)
     logger.info(report.summary())
@@ -308,19 +436,25 @@ def quantize_fp8(pipe, calibration: Fp8Calibration, min_rows: int = 256, margin:
 
 @torch.no_grad()
 def dequantize_fp8(pipe) -> int:
-    """Swap every :class:`StaticFp8Linear` of the denoiser back for an ``nn.Linear`` holding its e4m3 values in
-    the original dtype (lossy: the bf16 weights before quantize_fp8 are gone). Returns how many it swapped."""
-    model = denoiser_of(pipe, "dequantize_fp8")
-    names = [name for name, module in model.named_modules() if isinstance(module, StaticFp8Linear)]
-    for name in names:
-        _set_module(model, name, model.get_submodule(name).to_linear())
-    return len(names)
+    """Swap every fp8 layer of the denoiser (and of a pipeline's VAE decoder) back for an ``nn.Linear`` /
+    ``nn.Conv2d`` holding its e4m3 values in the original dtype (lossy: the bf16 weights before quantize_fp8 are
+    gone). Returns how many it swapped."""
+    owners = [denoiser_of(pipe, "dequantize_fp8")]
+    if _vae_decoder(pipe) is not None:
+        owners.append(_vae_decoder(pipe))
+    swapped = 0
+    for owner in owners:
+        for name in fp8_layers(owner):
+            layer = owner.get_submodule(name)
+            _set_module(owner, name, layer.to_conv() if isinstance(layer, StaticFp8Conv2d) else layer.to_linear())
+            swapped += 1
+    return swapped
 
 
 def fp8_layers(model: nn.Module) -> list[str]:
-    """The names of ``model``'s :class:`StaticFp8Linear` layers."""
-    return [name for name, module in model.named_modules() if isinstance(module, StaticFp8Linear)]
+    """The names of ``model``'s fp8 layers (:class:`StaticFp8Linear`, :class:`StaticFp8Conv2d`)."""
+    return [name for name, module in model.named_modules() if isinstance(module, (StaticFp8Linear, StaticFp8Conv2d))]
 
 
-__all__ = ["Fp8Calibration", "Fp8Report", "StaticFp8Linear", "calibrate", "dequantize_fp8", "fp8_layers",
-           "quantize_fp8"]
+__all__ = ["Fp8Calibration", "Fp8Report", "StaticFp8Conv2d", "StaticFp8Linear", "calibrate", "dequantize_fp8",
+           "fp8_layers", "quantize_fp8"]
