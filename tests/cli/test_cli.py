@@ -453,10 +453,10 @@ def test_packaged_tuning_versions_are_those_of_their_run():
     with open(os.path.join(fp8_run, "kernel_configs.json")) as f:
         fp8_measured = {k: v for k, v in json.load(f).items() if "|fp8_layer|" in k}
     assert len(fp8_measured) == 8 and {k: v for k, v in packaged.items() if "|fp8_layer|" in k} == fp8_measured
-    decode_run = os.path.join(REPO_ROOT, "bench", "results", "2026-12-03-h200-session22", "call3")
-    with open(os.path.join(decode_run, "decode", "decode_configs.json")) as f:
+    decode_run = os.path.join(REPO_ROOT, "bench", "results", "2026-12-03-h200-session23", "call1", "decode")
+    with open(os.path.join(decode_run, "decode_configs.json")) as f:
         decode_measured = json.load(f)
-    with open(os.path.join(decode_run, "serve", "serve.json")) as f:
+    with open(os.path.join(decode_run, "decode_kernels.json")) as f:
         decode_environment = json.load(f)["environment"]
     assert {k: v for k, v in packaged.items() if "|decode|" in k} == decode_measured
     assert {k: decode_environment[k] for k in ("torch", "triton")} == _PACKAGED_VERSIONS
