@@ -405,7 +405,7 @@ def main(argv=None) -> int:
         reference_arm = next((a for a in ("peft", "sits") if a in inference), None)
         # fp8 arms calibrate on two prompts other than the timed one, at the timed settings
         calibration_calls = [dict(prompt(shape, device, dtype, seed=s), num_inference_steps=steps, guidance_scale=7.5,
-                                  height=shape["resolution"], width=shape["resolution"], output_type="latent")
+                                  height=shape["resolution"], width=shape["resolution"], output_type="pt")
                              for s in (7, 8)]
         pipes = {arm: pipeline(name, adapt(unet, arm, INFERENCE_TARGETS), vae, arm, calibration_calls,
                                min_rows=0 if args.smoke else 256) for arm in inference}

@@ -3,6 +3,7 @@ VAE decoder; and SDPA's attention backends at SDXL's attention shapes.
 
     python bench/fp8_conv.py --out OUT              # on a GPU
     python bench/fp8_conv.py --out OUT --smoke      # tiny shapes on the Triton interpreter (checks the script)
+    python bench/fp8_conv.py --out OUT --vae-only   # only the whole VAE decode (below)
 
 For each shape, GPU time of one call (triton.testing.do_bench, median):
   cudnn_bf16   F.conv2d in bf16, channels_last (what the U-Net runs today)
@@ -12,6 +13,10 @@ For each shape, GPU time of one call (triton.testing.do_bench, median):
                GroupNorm / SiLU that writes the input, and costs nothing of its own)
 and the error of the fp8 result against the bf16 convolution (relative max, SQNR in dB). The attention part times
 F.scaled_dot_product_attention under each backend that runs (flash, efficient, cudnn).
+The VAE part decodes one SDXL latent (128² -> 1024², random weights in SDXL's VAE shape, channels_last, the decoder
+compiled as sits_lora.diffusion.compile_blocks does) in bf16 and with the decoder's layers in fp8
+(sits_lora.diffusion.calibrate on another latent, then quantize_fp8(vae_decoder=True)): ms a decode (CUDA events,
+median of 10) and the fp8 image's PSNR against the bf16 one.
 Writes OUT/fp8_conv.json and OUT/fp8_conv.csv.
 """
 
@@ -177,27 +182,96 @@ def attention_rows(device: str) -> list[dict]:
     return rows
 
 
+class _VaeOnly:
+    """The part of a pipeline calibrate / quantize_fp8 read for the VAE decoder: .vae, an empty .unet, and a call
+    that decodes."""
+
+    def __init__(self, vae):
+        self.vae, self.unet = vae, torch.nn.Module()
+
+    def __call__(self, latents):
+        return self.vae.decode(latents).sample
+
+
+def vae_rows(device: str, smoke: bool) -> list[dict]:
+    import copy
+
+    import diffusers
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from diffusion import SHAPES, SMOKE_SHAPES as DIFFUSION_SMOKE
+
+    from sits_lora.diffusion import calibrate, quantize_fp8
+
+    shape = DIFFUSION_SMOKE["tiny"] if smoke else SHAPES["sdxl"]
+    dtype = torch.float32 if smoke else torch.bfloat16
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKL(**shape["vae"]).to(device, dtype).eval().requires_grad_(False)
+    vae.to(memory_format=torch.channels_last)
+    latent = shape["resolution"] // 8
+    gen = torch.Generator().manual_seed(1)
+    factor = vae.config.scaling_factor
+    latents = (torch.randn(1, 4, latent, latent, generator=gen) / factor).to(device, dtype)
+    calibration_latents = (torch.randn(1, 4, latent, latent, generator=gen) / factor).to(device, dtype)
+    fp8_vae = copy.deepcopy(vae)
+    calibration = calibrate(_VaeOnly(fp8_vae), [{"latents": calibration_latents}])
+    report = quantize_fp8(_VaeOnly(fp8_vae), calibration, vae_decoder=True, min_rows=0 if smoke else 256)
+    print(f"[vae] {report.summary()}", flush=True)
+    rows, images = [], {}
+    for arm, model in (("bf16", vae), ("fp8", fp8_vae)):
+        if not smoke:
+            model.decoder.compile()
+        with torch.no_grad():
+            for _ in range(3):
+                image = model.decode(latents).sample
+            times = []
+            for _ in range(1 if smoke else 10):
+                if device == "cuda":
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    image = model.decode(latents).sample
+                    end.record()
+                    end.synchronize()
+                    times.append(start.elapsed_time(end))
+                else:
+                    image = model.decode(latents).sample
+                    times.append(float("nan"))
+        images[arm] = (image.float() / 2 + 0.5).clamp(0, 1)
+        rows.append({"arm": arm, "ms_per_decode": sorted(times)[len(times) // 2],
+                     "layers_fp8": len(report.quantized) if arm == "fp8" else 0})
+    mse = (images["fp8"] - images["bf16"]).pow(2).mean().item()
+    rows[1]["psnr_db"] = 10 * math.log10(1 / mse) if mse > 0 else float("inf")
+    rows[1]["speedup"] = rows[0]["ms_per_decode"] / rows[1]["ms_per_decode"]
+    for row in rows:
+        print("[vae]", row, flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the Triton interpreter")
+    parser.add_argument("--vae-only", action="store_true", help="only the VAE decode, bf16 against fp8")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.smoke:
         print("bench/fp8_conv.py: no CUDA device; run with --smoke (and TRITON_INTERPRET=1) on a CPU", file=sys.stderr)
         return 2
-    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-              "torch": torch.__version__, "conv": conv_rows(SMOKE_SHAPES if args.smoke else CONV_SHAPES, device,
-                                                           args.smoke)}
-    if not args.smoke:
-        result["attention"] = attention_rows(device)
+    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__}
+    if not args.vae_only:
+        result["conv"] = conv_rows(SMOKE_SHAPES if args.smoke else CONV_SHAPES, device, args.smoke)
+        if not args.smoke:
+            result["attention"] = attention_rows(device)
+    result["vae"] = vae_rows(device, args.smoke)
     with open(os.path.join(args.out, "fp8_conv.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     with open(os.path.join(args.out, "fp8_conv.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[k for k in result["conv"][0] if k != "best_config"])
+        rows = result.get("conv") or result["vae"]
+        fields = list(dict.fromkeys(k for row in rows for k in row if k != "best_config"))
+        writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
-        for row in result["conv"]:
+        for row in rows:
             writer.writerow({k: v for k, v in row.items() if k != "best_config"})
     return 0
 

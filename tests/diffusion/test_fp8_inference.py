@@ -156,6 +156,10 @@ def test_convolutions_and_the_vae_decoder_are_quantized_on_request():
     assert not fp8_layers(pipe.unet) and not fp8_layers(pipe.vae.decoder)
     with pytest.raises(ValueError, match="vae_decoder=True needs a pipeline with a .vae"):
         quantize_fp8(pipe.unet, calibration, vae_decoder=True)
+    latent_only = _calibrated(pipe)   # output_type="latent": the decoder never ran
+    with pytest.raises(ValueError, match="saw none of the VAE decoder's layers.*Calibrate with output_type='pt'"):
+        quantize_fp8(pipe, latent_only, vae_decoder=True)
+    assert not fp8_layers(pipe.unet)   # refused before any swap
 
 
 def _latents(pipe, text, generator=None, steps=3):

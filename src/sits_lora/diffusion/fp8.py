@@ -384,6 +384,10 @@ def quantize_fp8(pipe, calibration: Fp8Calibration, min_rows: int = 256, margin:
     if vae_decoder and decoder is None:
         raise ValueError(f"quantize_fp8: vae_decoder=True needs a pipeline with a .vae that has a decoder; got "
                          f"{type(pipe).__name__}. Pass the pipeline, or vae_decoder=False.")
+    if vae_decoder and not any(name.startswith(VAE_PREFIX) for name in calibration.amax):
+        raise ValueError("quantize_fp8: vae_decoder=True but the calibration saw none of the VAE decoder's layers: "
+                         "it ran the pipeline with output_type='latent', which skips the decode. Calibrate with "
+                         "output_type='pt' (or 'pil'), or pass vae_decoder=False.")
     exclude = [exclude] if isinstance(exclude, str) else list(exclude)
     everything = _layers(model)
     if _vae_decoder(pipe) is not None:
