@@ -4,12 +4,15 @@
     python bench/profile_diffusion.py --out OUT --smoke         # tiny config on a CPU (checks the script)
     python bench/profile_diffusion.py --out OUT --shape sdxl --denoise-only --arms base base+fp8
     python bench/profile_diffusion.py --out OUT --shape sdxl --denoise-only --vae --arms base+fp8+cl+bcompile
+    python bench/profile_diffusion.py --out OUT --shape sdxl --denoise-only --lora-targets cross \
+        --arms base+fp8c+cl+bcompile sits+fp8c+cl+bcompile     # the image bench's LoRA (K / V kept)
 
 An arm "X+fp8" is arm X with the U-Net's big linears in fp8 (sits_lora.diffusion.calibrate on one call with other
 inputs, then quantize_fp8). Each profile also sums the GPU time by kind of kernel (GEMM, convolution, attention,
 fp8 cast, the rest), to tell what a faster GEMM can save. "+cl": the U-Net in channels_last; "+bcompile": every block
 compiled alone (sits_lora.diffusion.compile_blocks; the profile then counts the graph breaks dynamo made);
-"+fuseqkv": diffusers' fuse_qkv_projections first (base arms).
+"+fuseqkv": diffusers' fuse_qkv_projections first (base arms). "+fp8c": the U-Net's convolutions in fp8 too (the
+VAE stays bf16 here).
 
 For each arm of bench/diffusion.py given in --arms: the training step (bs 8, 64² latents) and one no-grad U-Net call
 at batch 2 (a denoising step with guidance): wall time, the host's time to issue the call (until it returns, without
@@ -98,6 +101,9 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", choices=sorted(bench.SHAPES), default="sd15",
                         help="U-Net shape (the training step is SD1.5's: --denoise-only for others)")
     parser.add_argument("--denoise-only", action="store_true", help="profile the no-grad denoising call only")
+    parser.add_argument("--lora-targets", choices=["attention", "cross"], default="attention",
+                        help="the LoRA's layers: to_q / to_k / to_v / to_out.0 of every attention (the training "
+                             "step's), or cross-attention to_k / to_v only (bench/diffusion.py's inference arms)")
     parser.add_argument("--vae", action="store_true",
                         help="also profile one VAE decode of one image (compiled whole with the +bcompile arms)")
     parser.add_argument("--smoke", action="store_true")
@@ -126,7 +132,8 @@ def main(argv=None) -> int:
     latents = torch.randn(1, 4, latent, latent, generator=gen).to(device, dtype)
     report, lines = {}, []
     for arm in args.arms:
-        model = bench.adapt(unet, arm, bench.TRAIN_TARGETS if not arm.startswith("base") else [])
+        targets = bench.INFERENCE_TARGETS if args.lora_targets == "cross" else bench.TRAIN_TARGETS
+        model = bench.adapt(unet, arm, targets if not arm.startswith("base") else [])
         if "fuseqkv" in arm.split("+"):   # bench/diffusion.py's arm of that name (base only: it drops a LoRA)
             model.fuse_qkv_projections()
         if "fp8" in arm.split("+") or "fp8c" in arm.split("+"):

@@ -107,3 +107,31 @@ def test_on_the_gpu_e4m3_codes_match_the_reference(case):
     reference = conv2d_fp8_reference(x8, w8, x_inv, w_inv, b, stride, padding, torch.float32)
     # fp32 accumulation in another order, then one bf16 rounding: within a bf16 ulp or two
     torch.testing.assert_close(y.float(), reference, rtol=1.6e-2, atol=1e-2 * float(reference.abs().max()))
+
+
+def test_a_tile_too_big_for_the_gpu_falls_back_to_a_smaller_one(monkeypatch):
+    """Tiles picked for Hopper ask more shared memory than Ada's SMs have: the launch retries with a small tile."""
+    import sits_lora.ops.fp8_conv as module
+
+    x, w, x_inv, w_inv, b = _problem(1, 32, 5, 5, 16, 3, torch.float32)
+    launched = []
+    kernel = module._conv2d_kernel
+
+    class TooBigOnce:
+        def __getitem__(self, grid):
+            def run(*args, **cfg):
+                launched.append(cfg)
+                if len(launched) == 1:
+                    raise module.OutOfResources(232448, 101376, "shared memory")
+                return kernel[grid](*args, **cfg)
+            return run
+
+    monkeypatch.setattr(module, "_conv2d_kernel", TooBigOnce())
+    y = conv2d_fp8(x, pack_conv_weight(w), x_inv, w_inv, b, (3, 3), 1, 1, torch.float32)
+    assert len(launched) == 2 and launched[1]["num_stages"] == 2 and launched[1]["BLOCK_M"] == 64
+    torch.testing.assert_close(y, conv2d_fp8_reference(x, w, x_inv, w_inv, b, 1, 1, torch.float32), rtol=1e-5,
+                               atol=1e-4)
+    with pytest.raises(module.OutOfResources):   # a configuration asked for explicitly is not second-guessed
+        launched.clear()
+        conv2d_fp8(x, pack_conv_weight(w), x_inv, w_inv, b, (3, 3), 1, 1, torch.float32,
+                   config={"BLOCK_M": 16, "BLOCK_N": 16, "GROUP_M": 1, "num_warps": 1, "num_stages": 1})

@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 __all__ = ["conv2d_fp8", "conv2d_fp8_op", "conv2d_fp8_reference", "conv_config", "conv_k_block", "pack_conv_weight",
            "unpack_conv_weight"]
@@ -153,13 +154,23 @@ def conv2d_fp8(x8: torch.Tensor, w_packed: torch.Tensor, x_inv: torch.Tensor, w_
     cfg["BLOCK_K"] = min(cfg.pop("BLOCK_K", block_k), block_k)
     if c_in % cfg["BLOCK_K"]:
         raise ValueError(f"conv2d_fp8: BLOCK_K={cfg['BLOCK_K']} does not divide C_in={c_in}")
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(c_out, cfg["BLOCK_N"]),)
-    _conv2d_kernel[grid](
-        x8, w_packed, y, bias if bias is not None else w_inv, x_inv, w_inv,
-        m, c_out, c_in, height, width, ho, wo,
-        *x8.stride(), *y.stride(),
-        STRIDE=stride, PAD=padding, KH=kh, KW=kw, HAS_BIAS=bias is not None, **cfg,
-    )
+
+    def launch(cfg: dict) -> None:
+        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(c_out, cfg["BLOCK_N"]),)
+        _conv2d_kernel[grid](
+            x8, w_packed, y, bias if bias is not None else w_inv, x_inv, w_inv,
+            m, c_out, c_in, height, width, ho, wo,
+            *x8.stride(), *y.stride(),
+            STRIDE=stride, PAD=padding, KH=kh, KW=kw, HAS_BIAS=bias is not None, **cfg,
+        )
+
+    try:
+        launch(cfg)
+    except OutOfResources:
+        if config is not None:
+            raise
+        # the Hopper tiles' 3 stages of 128 x 128 fp8 tiles need ~100 KB of shared memory; Ada's SMs offer 99 KB
+        launch({**cfg, "BLOCK_M": 64, "BLOCK_K": min(cfg["BLOCK_K"], 64), "num_warps": 4, "num_stages": 2})
     return y
 
 
