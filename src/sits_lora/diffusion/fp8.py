@@ -185,6 +185,17 @@ def _check_capability(device: torch.device) -> None:
                            f"Ada / Hopper / Blackwell GPU.")
 
 
+def _register_input_scale(module: nn.Module, input_amax: float, margin: int, device: torch.device) -> None:
+    """The static input scale's buffers of an fp8 layer: ``input_amax``, ``input_scale`` = fp8_max / amax /
+    2**margin, ``input_scale_inv``; and ``margin``."""
+    amax = torch.tensor([input_amax], dtype=torch.float32, device=device)
+    scale = fp8_ops.scale_from_amax(amax, FP8_MAX, margin, torch.ones_like(amax))
+    module.register_buffer("input_amax", amax)
+    module.register_buffer("input_scale", scale)
+    module.register_buffer("input_scale_inv", scale.reciprocal())
+    module.margin = margin
+
+
 class StaticFp8Linear(nn.Module):
     """An inference linear layer: W stored as e4m3 codes with one fp32 scale, x cast to e4m3 with a calibrated
     static scale, y = (x8 W8ᵀ) · x_inv · w_inv + b in x's dtype (``torch._scaled_mm``).
@@ -202,14 +213,9 @@ class StaticFp8Linear(nn.Module):
         w8, w_inv = fp8_ops.quantize_weight(linear.weight, "tensor")
         self.register_buffer("weight_fp8", w8)
         self.register_buffer("weight_scale_inv", w_inv)
-        amax = torch.tensor([input_amax], dtype=torch.float32, device=device)
-        scale = fp8_ops.scale_from_amax(amax, fp8_ops.FP8_MAX[fp8_ops.E4M3], margin, torch.ones_like(amax))
-        self.register_buffer("input_amax", amax)
-        self.register_buffer("input_scale", scale)
-        self.register_buffer("input_scale_inv", scale.reciprocal())
+        _register_input_scale(self, input_amax, margin, device)
         self.bias = linear.bias
         self.orig_dtype = linear.weight.dtype
-        self.margin = margin
         self.train(linear.training)
 
     def __getattr__(self, name: str):
@@ -282,11 +288,7 @@ class StaticFp8Conv2d(nn.Module):
         w8, w_inv = fp8_ops.quantize_weight(conv.weight.reshape(self.out_channels, -1), "row")
         self.register_buffer("weight_fp8", fp8_conv.pack_conv_weight(w8.reshape(conv.weight.shape)))
         self.register_buffer("weight_scale_inv", w_inv)
-        amax = torch.tensor([input_amax], dtype=torch.float32, device=device)
-        scale = fp8_ops.scale_from_amax(amax, FP8_MAX, margin, torch.ones_like(amax))
-        self.register_buffer("input_amax", amax)
-        self.register_buffer("input_scale", scale)
-        self.register_buffer("input_scale_inv", scale.reciprocal())
+        _register_input_scale(self, input_amax, margin, device)
         self.bias = conv.bias
         self.orig_dtype = conv.weight.dtype
         self.train(conv.training)
