@@ -61,6 +61,9 @@ def _layers(model: nn.Module, prefix: str = "") -> dict[str, nn.Module]:
     return out
 
 
+VAE_PREFIX = "vae.decoder."
+
+
 def _vae_decoder(pipe) -> Optional[nn.Module]:
     decoder = getattr(getattr(pipe, "vae", None), "decoder", None)
     return decoder if isinstance(decoder, nn.Module) else None
@@ -74,9 +77,6 @@ def _calibrated_layers(pipe) -> dict[str, nn.Module]:
     if decoder is not None:
         layers.update(_layers(decoder, VAE_PREFIX))
     return layers
-
-
-VAE_PREFIX = "vae.decoder."
 
 
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -118,10 +118,10 @@ class Fp8Calibration:
 class _Recorder:
     """Forward pre-hooks that keep each layer's running max |input| on its device (no host sync per call)."""
 
-    def __init__(self, linears: dict[str, nn.Module]):
+    def __init__(self, layers: dict[str, nn.Module]):
         self.amax: dict[str, torch.Tensor] = {}
         self.rows: dict[str, int] = {}
-        self.handles = [module.register_forward_pre_hook(self._hook(name)) for name, module in linears.items()]
+        self.handles = [module.register_forward_pre_hook(self._hook(name)) for name, module in layers.items()]
 
     def _hook(self, name: str):
         def hook(module, args):
@@ -147,8 +147,7 @@ def calibrate(pipe, inputs: Iterable[dict], **call_kwargs: Any) -> Fp8Calibratio
     call. Returns an :class:`Fp8Calibration`."""
     model = denoiser_of(pipe, "calibrate")
     decoder = _vae_decoder(pipe)
-    if any(isinstance(m, (StaticFp8Linear, StaticFp8Conv2d))
-           for m in list(model.modules()) + list(decoder.modules() if decoder is not None else [])):
+    if fp8_layers(model) or (decoder is not None and fp8_layers(decoder)):
         raise ValueError("calibrate: this denoiser already has fp8 layers (quantize_fp8 ran); calibrate the bf16 "
                          "model (dequantize_fp8 gives lossy bf16 layers back, not the originals)")
     items = list(inputs)
@@ -391,9 +390,7 @@ def quantize_fp8(pipe, calibration: Fp8Calibration, min_rows: int = 256, margin:
                          "it ran the pipeline with output_type='latent', which skips the decode. Calibrate with "
                          "output_type='pt' (or 'pil'), or pass vae_decoder=False.")
     exclude = [exclude] if isinstance(exclude, str) else list(exclude)
-    everything = _layers(model)
-    if _vae_decoder(pipe) is not None:
-        everything.update(_layers(_vae_decoder(pipe), VAE_PREFIX))
+    everything = _calibrated_layers(pipe)
     unknown = [name for name in calibration.amax if name not in everything]
     if unknown and len(unknown) == len(calibration.amax):
         raise ValueError(f"quantize_fp8: none of the calibration's {len(unknown)} layers is a bf16 layer of this "
