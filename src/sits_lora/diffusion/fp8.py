@@ -184,18 +184,32 @@ def _check_capability(device: torch.device) -> None:
                            f"Ada / Hopper / Blackwell GPU.")
 
 
-def _register_input_scale(module: nn.Module, input_amax: float, margin: int, device: torch.device) -> None:
-    """The static input scale's buffers of an fp8 layer: ``input_amax``, ``input_scale`` = fp8_max / amax /
-    2**margin, ``input_scale_inv``; and ``margin``."""
-    amax = torch.tensor([input_amax], dtype=torch.float32, device=device)
-    scale = fp8_ops.scale_from_amax(amax, FP8_MAX, margin, torch.ones_like(amax))
-    module.register_buffer("input_amax", amax)
-    module.register_buffer("input_scale", scale)
-    module.register_buffer("input_scale_inv", scale.reciprocal())
-    module.margin = margin
+class _StaticFp8Layer(nn.Module):
+    """What both fp8 inference layers hold beside their e4m3 weight: the static input scale's buffers
+    (``input_amax``, ``input_scale`` = fp8_max / amax / 2**margin, ``input_scale_inv``), the source layer's bias,
+    dtype and mode; and no ``weight`` attribute (``_weight_refusal`` says what to do instead)."""
+
+    _weight_refusal = ""
+
+    def _take_from(self, source: nn.Module, input_amax: float, margin: int) -> None:
+        amax = torch.tensor([input_amax], dtype=torch.float32, device=source.weight.device)
+        scale = fp8_ops.scale_from_amax(amax, FP8_MAX, margin, torch.ones_like(amax))
+        self.register_buffer("input_amax", amax)
+        self.register_buffer("input_scale", scale)
+        self.register_buffer("input_scale_inv", scale.reciprocal())
+        self.margin = margin
+        self.bias = source.bias
+        self.orig_dtype = source.weight.dtype
+        self.train(source.training)
+
+    def __getattr__(self, name: str):
+        if name == "weight":
+            # code that reads or writes ``.weight`` (PEFT's merge, a weight tie) must not get a silent copy
+            raise AttributeError(self._weight_refusal)
+        return super().__getattr__(name)
 
 
-class StaticFp8Linear(nn.Module):
+class StaticFp8Linear(_StaticFp8Layer):
     """An inference linear layer: W stored as e4m3 codes with one fp32 scale, x cast to e4m3 with a calibrated
     static scale, y = (x8 W8ᵀ) · x_inv · w_inv + b in x's dtype (``torch._scaled_mm``).
 
@@ -205,24 +219,16 @@ class StaticFp8Linear(nn.Module):
     what lies before it; it has no trainable weight.
     """
 
+    _weight_refusal = ("StaticFp8Linear holds e4m3 codes (weight_fp8), not a weight: merge LoRA adapters and tie "
+                       "weights before quantize_fp8, or call dequantize_fp8 first")
+
     def __init__(self, linear: nn.Linear, input_amax: float, margin: int = 0):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        device = linear.weight.device
         w8, w_inv = fp8_ops.quantize_weight(linear.weight, "tensor")
         self.register_buffer("weight_fp8", w8)
         self.register_buffer("weight_scale_inv", w_inv)
-        _register_input_scale(self, input_amax, margin, device)
-        self.bias = linear.bias
-        self.orig_dtype = linear.weight.dtype
-        self.train(linear.training)
-
-    def __getattr__(self, name: str):
-        if name == "weight":
-            # code that reads or writes ``.weight`` (PEFT's merge, a weight tie) must not get a silent copy
-            raise AttributeError("StaticFp8Linear holds e4m3 codes (weight_fp8), not a weight: merge LoRA adapters "
-                                 "and tie weights before quantize_fp8, or call dequantize_fp8 first")
-        return super().__getattr__(name)
+        self._take_from(linear, input_amax, margin)
 
     def dequantized_weight(self) -> torch.Tensor:
         return fp8_ops.dequantize_weight(self.weight_fp8, self.weight_scale_inv, self.orig_dtype)
@@ -268,7 +274,7 @@ class StaticFp8Linear(nn.Module):
                 f"fp8=e4m3 per tensor, static input scale (amax {float(self.input_amax[0]):.4g})")
 
 
-class StaticFp8Conv2d(nn.Module):
+class StaticFp8Conv2d(_StaticFp8Layer):
     """An inference 2-D convolution in fp8: W stored as e4m3 codes with one scale per output channel, x cast to e4m3
     with a calibrated static scale, the convolution by sits_lora's implicit-GEMM Triton kernel
     (``sits_lora.ops.fp8_conv``; cuDNN has no fp8 convolution), output channels_last in x's dtype.
@@ -278,25 +284,18 @@ class StaticFp8Conv2d(nn.Module):
     weight. On the CPU the same numerics run in plain PyTorch.
     """
 
+    _weight_refusal = ("StaticFp8Conv2d holds e4m3 codes (weight_fp8), not a weight: call dequantize_fp8 first to "
+                       "read or change the convolution's weight")
+
     def __init__(self, conv: nn.Conv2d, input_amax: float, margin: int = 0):
         super().__init__()
         self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
         self.kernel_size = tuple(conv.kernel_size)
         self.stride, self.padding = conv.stride[0], conv.padding[0]
-        device = conv.weight.device
         w8, w_inv = fp8_ops.quantize_weight(conv.weight.reshape(self.out_channels, -1), "row")
         self.register_buffer("weight_fp8", fp8_conv.pack_conv_weight(w8.reshape(conv.weight.shape)))
         self.register_buffer("weight_scale_inv", w_inv)
-        _register_input_scale(self, input_amax, margin, device)
-        self.bias = conv.bias
-        self.orig_dtype = conv.weight.dtype
-        self.train(conv.training)
-
-    def __getattr__(self, name: str):
-        if name == "weight":
-            raise AttributeError("StaticFp8Conv2d holds e4m3 codes (weight_fp8), not a weight: call dequantize_fp8 "
-                                 "first to read or change the convolution's weight")
-        return super().__getattr__(name)
+        self._take_from(conv, input_amax, margin)
 
     def dequantized_weight(self) -> torch.Tensor:
         w8 = fp8_conv.unpack_conv_weight(self.weight_fp8, self.kernel_size)
