@@ -207,6 +207,8 @@ def main(argv=None) -> int:
             text = io.StringIO()
             pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
             lines.append(f"== {arm} train, cProfile of 5 steps\n" + text.getvalue())
+        # the LoRA layers of this arm's model (by their name in the U-Net), so a reader knows what --lora-targets gave
+        row["adapted_layers"] = sorted(name for name, m in model.named_modules() if len(getattr(m, "lora_A", ())))
         report[arm] = row
         print("\n".join(lines[first_line:]), flush=True)
         model = train = None   # this arm's copy freed before the next one is made

@@ -37,3 +37,10 @@ def test_the_block_is_one_graph_unless_kept_k_v_break_it(tmp_path):
     assert len(result["keep_under_compile=False"]) == 1
     kept = result["keep_under_compile=True"]
     assert len(kept) >= 1 and sum(row["ops"] for row in kept) > 0
+
+
+def test_vae_only_skips_the_convolution_table(tmp_path):
+    assert fp8_conv.main(["--smoke", "--vae-only", "--out", str(tmp_path)]) == 0
+    result = json.load(open(tmp_path / "fp8_conv.json"))
+    assert "conv" not in result and [row["arm"] for row in result["vae"]] == ["bf16", "fp8"]
+    assert (tmp_path / "fp8_conv.csv").read_text().startswith("arm,")
