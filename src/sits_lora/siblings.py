@@ -24,12 +24,16 @@ ATen matmuls (``sits_lora.ops.aten``); a cross-attention group still keeps their
 Eager mode only: under torch.compile each layer is one custom op and Inductor schedules them. The exception is a
 cross-attention group told to keep its outputs under compile as well (``keep_under_compile``, set by
 ``sits_lora.diffusion.compile_blocks``): dynamo cannot trace the kept-outputs decision (tensor identity and version
-counters), so its to_k / to_v calls leave the graph (a graph break) and run the eager group, which answers from
-what it kept. A ``fullgraph=True`` compile must leave it off (the default).
+counters), so each to_k / to_v call is one opaque operator (``sits_lora::kept_sibling_output``) whose body runs
+the eager group, which answers from what it kept or computes and keeps. The operator returns a copy: what the group
+keeps must outlive the graph, whose buffers inductor may reuse. No graph break: the block stays one graph, and
+inductor fuses across the call (a break there split a diffusers transformer block into five graphs).
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import Optional
 
 import torch
@@ -55,6 +59,19 @@ def _version(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None or t.is_inference() else t._version
 
 
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` is ``b``, or a view of the same memory with the same layout: what a compiled graph may pass
+    instead of the caller's tensor (the version counter is shared with it, and the kept reference keeps the memory
+    from being handed to another tensor)."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+                      and a.dtype == b.dtype and a.device == b.device)
+
+
+# every group by its key: the kept-output operator finds its group from an int (operators take no Python objects)
+_GROUPS: "weakref.WeakValueDictionary[int, SiblingGroup]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
 class SiblingGroup:
     """Layers of one parent module that read the same input."""
 
@@ -71,6 +88,8 @@ class SiblingGroup:
         # (x, x's version, (tensor, version) of every weight, (adapter, scaling, training mode) per layer,
         # {id(layer): output}, the outputs' versions); a changed mode can turn dropout on, which the fused op refuses
         self._kept: Optional[tuple] = None
+        self.key = next(_KEYS)
+        _GROUPS[self.key] = self
 
     def release(self) -> None:
         """Drop what the group keeps across calls (it holds x and the outputs until x changes)."""
@@ -88,7 +107,7 @@ class SiblingGroup:
         """layer's kept output when nothing it was computed from has changed since (cheap: a kept call is host
         time only, and a generation makes dozens a step)."""
         kept = self._kept
-        if kept is None or x is not kept[0]:
+        if kept is None or not _same_tensor(x, kept[0]):
             return None
         kept_x, x_version, tensors, adapters, outputs, versions = kept
         valid = (_version(x) == x_version and all(_version(t) == v for t, v in tensors)
@@ -106,7 +125,7 @@ class SiblingGroup:
     def holds_output(self, layer, x: torch.Tensor) -> bool:
         """Whether the group already computed ``layer``'s output for ``x`` (a sibling ran first): the layer's
         call then only hands it over, and saves nothing for backward."""
-        return x is self._pending_x and id(layer) in self._pending
+        return self._pending_x is not None and _same_tensor(x, self._pending_x) and id(layer) in self._pending
 
     def forward(self, layer, x: torch.Tensor) -> Optional[torch.Tensor]:
         """layer's output through the group, or None when the layer must run on its own."""
@@ -116,16 +135,19 @@ class SiblingGroup:
             # not keeps_now(): dynamo cannot trace torch.is_inference_mode_enabled (a graph break of its own); the
             # eager group checks it, and under inference mode computes the outputs without keeping them
             if self.keep_under_compile and self.reuse_across_calls and not torch.is_grad_enabled():
-                return _forward_outside_the_graph(self, layer, x)
+                for index, other in enumerate(self.layers):
+                    if other is layer:
+                        return kept_sibling_output(x, self.key, index)
             return None
         key = id(layer)
         if self._pending:
-            if x is self._pending_x and _version(x) == self._pending_version and key in self._pending:
+            same = _same_tensor(x, self._pending_x)
+            if same and _version(x) == self._pending_version and key in self._pending:
                 out = self._pending.pop(key)
                 if not self._pending:
                     self._clear()
                 return out
-            if x is not self._pending_x:
+            if not same:
                 # a sibling read another tensor: this parent does not feed its siblings one input
                 self.enabled = False
                 self._clear()
@@ -193,8 +215,21 @@ class SiblingGroup:
         return weights, biases, As, Bs, scalings
 
 
-# The group's eager forward, called from a compiled region: dynamo breaks the graph around the call and runs it as is.
-_forward_outside_the_graph = torch.compiler.disable(SiblingGroup.forward)
+@torch.library.custom_op("sits_lora::kept_sibling_output", mutates_args=())
+def kept_sibling_output(x: torch.Tensor, group_key: int, index: int) -> torch.Tensor:
+    """Sibling ``index`` of group ``group_key`` called with x, eagerly (the group answers from what it kept, or
+    computes and keeps), as one operator a compiled graph calls without breaking; a copy, so that the graph owns
+    its output and the group's kept tensor stays as it was."""
+    layer = _GROUPS[group_key].layers[index]
+    return layer.forward(x).clone()
+
+
+@kept_sibling_output.register_fake
+def _kept_sibling_output_fake(x: torch.Tensor, group_key: int, index: int) -> torch.Tensor:
+    layer = _GROUPS[group_key].layers[index]
+    device_type = x.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    return x.new_empty((*x.shape[:-1], layer.out_features), dtype=dtype)
 
 
 def assign_sibling_groups(model: nn.Module, layer_cls, enabled: bool = True) -> int:

@@ -137,10 +137,10 @@ def test_a_mode_change_turning_dropout_on_is_not_answered_from_the_kept_outputs(
 
 
 @pytest.mark.parametrize("keep", [True, False], ids=["kept_under_compile", "compiled_into_the_graph"])
-def test_compiled_denoiser_keeps_cross_attention_kv_outside_its_graphs(sibling_calls, keep):
-    """Under torch.compile a group told to keep its outputs (compile_blocks does) runs to_k / to_v outside the graph
-    on the eager group, once for three calls with the same text states; left off, they are traced into the graph
-    and the group is not used. Both give the eager outputs."""
+def test_compiled_denoiser_keeps_cross_attention_kv_without_a_graph_break(sibling_calls, keep):
+    """Under torch.compile a group told to keep its outputs (compile_blocks does) runs to_k / to_v as one opaque
+    operator each, whose eager group computes them once for three calls with the same text states, without breaking
+    the graph; left off, they are traced into the graph and the group is not used. Both give the eager outputs."""
     pipe = adapted_pipeline()
     unet, groups = pipe.unet.eval(), cross_groups(pipe.unet)
     text = torch.randn(2, 7, 24, generator=torch.Generator().manual_seed(4))
@@ -161,15 +161,16 @@ def test_compiled_denoiser_keeps_cross_attention_kv_outside_its_graphs(sibling_c
     sibling_calls.clear()
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    compiled = torch.compile(unet, backend=backend)
+    compiled = torch.compile(unet, backend=backend, fullgraph=True)   # a break would raise
     with torch.no_grad():
         outputs = [compiled(s, t, encoder_hidden_states=text).sample for s in samples]
     torch._dynamo.reset()
     for out, ref in zip(outputs, expected):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    breaks = dict(torch._dynamo.utils.counters["graph_break"])
-    # the only breaks: the calls handed to the eager group (nothing around them that dynamo cannot trace)
-    assert all("torch.compiler.disable" in reason for reason in breaks) and bool(breaks) is keep, breaks
+    assert not dict(torch._dynamo.utils.counters["graph_break"])
+    assert len(graphs) == 1   # the whole denoiser one graph, kept K / V or not
+    kept_ops = [n for n in graphs[0].graph.nodes if "kept_sibling_output" in str(n.target)]
+    assert len(kept_ops) == (2 * len(groups) if keep else 0)
     if keep:   # one fused call per group, on the first call; the others answered from what it kept
         assert sibling_calls == [2] * len(groups)
         assert all(g._kept is not None for g in groups.values())

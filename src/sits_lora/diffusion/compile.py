@@ -17,10 +17,10 @@ Measured on the H200 at the SD1.5 shape (30 steps, CFG, VAE decode, base model w
 (bench/NOTES.md, "Every diffusion block compiled"); at the SDXL shape 1.458 -> 1.108 s (bench/NOTES.md, "Every
 diffusion block compiled at the SDXL shape"). A sits_lora adapter's cross-attention to_k / to_v keep their outputs
 across the steps of a generation (``reuse_cross_attention_kv``) inside compiled blocks too: that decision is Python
-(tensor identity and version counters), which dynamo does not trace, so those two calls run outside the block's
-graph: a graph break each, which costs host time on every call (dynamo leaves and re-enters the block's frames)
-unless ``graph_denoiser`` records the calls, as it should after ``compile_blocks``. Compiling without graphs, pass
-``keep_cross_attention_kv=False``: to_k / to_v are then compiled into the graph, recomputed every step as the base
+(tensor identity and version counters), which dynamo does not trace, so each of those calls is one opaque operator
+in the block's graph whose body runs the eager group (sits_lora.siblings): no graph break, the block stays one graph
+(a break there had split each transformer block into five, `bench/diffusion_graph_breaks.py`).
+``keep_cross_attention_kv=False`` compiles to_k / to_v into the graph instead, recomputed every step as the base
 model's are.
 """
 

@@ -136,7 +136,7 @@ class DenoiserGraphs:
         inference = torch.is_inference_mode_enabled()
         groups = [] if inference else self._kv_groups
         # K / V reuse on from the warm-up on: under compile_blocks the groups' setting is part of what dynamo
-        # compiled for (a graph break around a kept to_k / to_v), so the warm-up compiles what the recordings run
+        # compiled for (an operator around a kept to_k / to_v), so the warm-up compiles what the recordings run
         # (compiling inside a recording would fail)
         for group in groups:
             group.release()
