@@ -32,7 +32,6 @@ inductor fuses across the call (a break there split a diffusers transformer bloc
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from typing import Optional
 
@@ -67,9 +66,33 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
                       and a.dtype == b.dtype and a.device == b.device)
 
 
-# every group by its key: the kept-output operator finds its group from an int (operators take no Python objects)
-_GROUPS: "weakref.WeakValueDictionary[int, SiblingGroup]" = weakref.WeakValueDictionary()
-_KEYS = itertools.count()
+# every group, for the kept-output operator: it finds its layer from the layer's base weight, a graph input.
+# Operators take no Python objects, and a constant key per group would be baked into each compiled block's graph:
+# no two blocks could share a compilation (SDXL's 70 transformer blocks passed dynamo's recompile limit and the rest
+# ran eagerly).
+_GROUPS: "weakref.WeakSet[SiblingGroup]" = weakref.WeakSet()
+_BY_WEIGHT: "dict[int, weakref.ref]" = {}
+
+
+def _layer_of(weight: torch.Tensor):
+    """The grouped layer whose base weight is ``weight`` (its memory: a graph passes its own tensor object)."""
+    ref = _BY_WEIGHT.get(weight.data_ptr())
+    layer = None if ref is None else ref()
+    if layer is not None and _same_tensor(layer.base_layer.weight, weight):
+        return layer
+    # a miss: weights moved (.to(device)) or groups made since; index every group's layers again
+    _BY_WEIGHT.clear()
+    found = []
+    for group in list(_GROUPS):
+        for other in group.layers:
+            _BY_WEIGHT[other.base_layer.weight.data_ptr()] = weakref.ref(other)
+            if _same_tensor(other.base_layer.weight, weight):
+                found.append(other)
+    if len(found) != 1:
+        raise RuntimeError(
+            f"sits_lora: a kept cross-attention output was asked for a base weight that {len(found)} grouped layers "
+            "have (tied weights, or a layer no longer grouped); compile with keep_cross_attention_kv=False")
+    return found[0]
 
 
 class SiblingGroup:
@@ -88,8 +111,12 @@ class SiblingGroup:
         # (x, x's version, (tensor, version) of every weight, (adapter, scaling, training mode) per layer,
         # {id(layer): output}, the outputs' versions); a changed mode can turn dropout on, which the fused op refuses
         self._kept: Optional[tuple] = None
-        self.key = next(_KEYS)
-        _GROUPS[self.key] = self
+        _GROUPS.add(self)
+
+    def __setstate__(self, state: dict) -> None:
+        # a copy (copy.deepcopy of a model or pipeline) or an unpickled group: findable by the operator as well
+        self.__dict__.update(state)
+        _GROUPS.add(self)
 
     def release(self) -> None:
         """Drop what the group keeps across calls (it holds x and the outputs until x changes)."""
@@ -135,9 +162,7 @@ class SiblingGroup:
             # not keeps_now(): dynamo cannot trace torch.is_inference_mode_enabled (a graph break of its own); the
             # eager group checks it, and under inference mode computes the outputs without keeping them
             if self.keep_under_compile and self.reuse_across_calls and not torch.is_grad_enabled():
-                for index, other in enumerate(self.layers):
-                    if other is layer:
-                        return kept_sibling_output(x, self.key, index)
+                return kept_sibling_output(x, layer.base_layer.weight)
             return None
         key = id(layer)
         if self._pending:
@@ -216,20 +241,18 @@ class SiblingGroup:
 
 
 @torch.library.custom_op("sits_lora::kept_sibling_output", mutates_args=())
-def kept_sibling_output(x: torch.Tensor, group_key: int, index: int) -> torch.Tensor:
-    """Sibling ``index`` of group ``group_key`` called with x, eagerly (the group answers from what it kept, or
+def kept_sibling_output(x: torch.Tensor, base_weight: torch.Tensor) -> torch.Tensor:
+    """The grouped layer with this base weight called with x, eagerly (its group answers from what it kept, or
     computes and keeps), as one operator a compiled graph calls without breaking; a copy, so that the graph owns
     its output and the group's kept tensor stays as it was."""
-    layer = _GROUPS[group_key].layers[index]
-    return layer.forward(x).clone()
+    return _layer_of(base_weight).forward(x).clone()
 
 
 @kept_sibling_output.register_fake
-def _kept_sibling_output_fake(x: torch.Tensor, group_key: int, index: int) -> torch.Tensor:
-    layer = _GROUPS[group_key].layers[index]
+def _kept_sibling_output_fake(x: torch.Tensor, base_weight: torch.Tensor) -> torch.Tensor:
     device_type = x.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-    return x.new_empty((*x.shape[:-1], layer.out_features), dtype=dtype)
+    return x.new_empty((*x.shape[:-1], base_weight.shape[0]), dtype=dtype)
 
 
 def assign_sibling_groups(model: nn.Module, layer_cls, enabled: bool = True) -> int:

@@ -21,8 +21,9 @@ from sits_lora import SitsLoraConfig, ops  # noqa: E402
 from sits_lora.diffusion import reuse_cross_attention_kv  # noqa: E402
 
 pytestmark = [
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                       reason="sibling fusion runs the Triton kernels: a GPU or TRITON_INTERPRET=1"),
+    # CPU tensors on the Triton kernels: the interpreter (the GPU's runs are in test_compile_blocks / test_graphs)
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                       reason="sibling fusion on CPU tensors runs the Triton kernels: TRITON_INTERPRET=1"),
     # these tests count the sibling-group paths at sizes the decode path would take (tests/ops/test_decode.py)
     pytest.mark.usefixtures("no_decode_kernel"),
 ]
@@ -176,3 +177,72 @@ def test_compiled_denoiser_keeps_cross_attention_kv_without_a_graph_break(siblin
         assert all(g._kept is not None for g in groups.values())
     else:
         assert sibling_calls == [] and all(g._kept is None for g in groups.values())
+
+
+def test_blocks_of_one_shape_share_one_compilation_with_kept_cross_attention_kv(sibling_calls):
+    """Each block compiled alone, as compile_blocks does: blocks of the same shape must reuse one compiled graph
+    with their K / V kept (the operator finds its layer from a graph input, not from a constant baked into each
+    block's graph, which made SDXL's 70 blocks compile one each until dynamo's recompile limit ran them eagerly)."""
+    torch.manual_seed(0)
+    unet = diffusers.UNet2DConditionModel(
+        block_out_channels=(32, 64), layers_per_block=2, sample_size=8, in_channels=4, out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=24, attention_head_dim=8, norm_num_groups=8)
+    unet.add_adapter(SitsLoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, init_lora_weights=False,
+                                    kernel="triton"))
+    unet.eval()
+    blocks = [m for m in unet.modules() if type(m).__name__ == "BasicTransformerBlock"]
+    # 2 down and 3 up at 32 channels (8 x 8), 1 in the mid block at 64 (4 x 4): two shapes
+    assert sorted(b.norm1.normalized_shape[0] for b in blocks) == [32] * 5 + [64]
+    reference = copy.deepcopy(unet)
+    reuse_cross_attention_kv(reference, False)
+    text = torch.randn(2, 7, 24, generator=torch.Generator().manual_seed(4))
+    samples = [torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    t = torch.tensor([10, 500])
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    for group in cross_groups(unet).values():
+        group.keep_under_compile = True
+    torch._dynamo.reset()
+    for block in blocks:
+        block.compile(backend=backend)
+    with torch.no_grad():
+        expected = [reference(s, t, encoder_hidden_states=text).sample for s in samples]
+        sibling_calls.clear()
+        outputs = [unet(s, t, encoder_hidden_states=text).sample for s in samples]
+    torch._dynamo.reset()
+    for out, ref in zip(outputs, expected):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert len(graphs) == 2
+    assert sibling_calls == [2] * len(blocks)   # each block's group computed its K / V once, for both calls
+
+
+def test_a_copied_model_keeps_its_own_cross_attention_kv_under_compile(sibling_calls):
+    """The operator finds the layer a compiled graph means among the copy's layers, not the original's: a deep
+    copy's groups are findable, and weights changed in the copy show in its output."""
+    pipe = adapted_pipeline()
+    original = pipe.unet.eval()
+    unet = copy.deepcopy(original)
+    with torch.no_grad():
+        for name, p in unet.named_parameters():
+            if "attn2.to_k.lora_B" in name:
+                p.mul_(3)
+    text = torch.randn(2, 7, 24, generator=torch.Generator().manual_seed(4))
+    sample, t = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(1)), torch.tensor([10, 500])
+    reference = copy.deepcopy(unet)
+    reuse_cross_attention_kv(reference, False)
+    for group in cross_groups(unet).values():
+        group.keep_under_compile = True
+    torch._dynamo.reset()
+    compiled = torch.compile(unet, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        out = compiled(sample, t, encoder_hidden_states=text).sample
+        expected = reference(sample, t, encoder_hidden_states=text).sample
+        theirs = original(sample, t, encoder_hidden_states=text).sample
+    torch._dynamo.reset()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(out, theirs, rtol=1e-3, atol=1e-3)
