@@ -321,6 +321,20 @@ def test_on_the_gpu_scaled_mm_matches_the_emulation(shape):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_a_compiled_fp8_linear_takes_a_transposed_input():
+    # a VAE attention's to_q reads (B, HW, C) viewed from (B, C, HW): column-major rows, which _scaled_mm refuses
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48).to("cuda", torch.bfloat16)
+    x = torch.randn(2, 64, 40, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    layer = StaticFp8Linear(linear, float(x.abs().max()))
+    with torch.no_grad():
+        eager = layer(x)
+        compiled = torch.compile(layer, fullgraph=True)(x)
+    assert sqnr_db(compiled.float(), eager.float()) > 35
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_the_gpu_a_recorded_fp8_generation_equals_the_eager_one():
     pipe = _pipe(adapter=True)
     calibration = _calibrated(pipe)

@@ -249,7 +249,9 @@ class StaticFp8Linear(_StaticFp8Layer):
             return y.reshape(*lead, self.out_features)
         if compiling:
             # the same cast in tensor ops: Inductor fuses it into whatever wrote x (a LayerNorm, a GELU gate)
-            x8 = (x2.float() * self.input_scale).clamp(-FP8_MAX, FP8_MAX).to(fp8_ops.E4M3)
+            # (row-major: an input viewed through a transpose, as a VAE attention's (B, HW, C) from (B, C, HW), keeps
+            # its strides through the cast, and _scaled_mm refuses a column-major A)
+            x8 = (x2.float() * self.input_scale).clamp(-FP8_MAX, FP8_MAX).to(fp8_ops.E4M3).contiguous()
         else:
             x8 = fp8_ops.fp8_cast(x2, self.input_scale, None, fp8_ops.E4M3)
         # the bias in the GEMM's epilogue: added by a pass of its own it cost half the GEMM it follows (a GEGLU
