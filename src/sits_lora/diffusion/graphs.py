@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..utils.cuda_graphs import NotGraphable, adapter_state, copy_output, describe_call, substitute
+from ..utils.cuda_graphs import AdapterState, NotGraphable, copy_output, describe_call, substitute
 from .reuse import cross_attention_groups, denoiser_of
 
 logger = logging.getLogger("sits_lora")
@@ -72,6 +72,7 @@ class DenoiserGraphs:
 
     def __init__(self, model: nn.Module, max_graphs: int = 4, warmup: int = 2) -> None:
         self.model = model
+        self._adapter_state = AdapterState(model)   # asked every step: walking the module tree is host time
         self.max_graphs = max_graphs
         self.warmup = warmup
         self._eager_forward = model.forward
@@ -97,7 +98,7 @@ class DenoiserGraphs:
         tensors: list = []
         try:
             key = (describe_call((args, kwargs), tensors), torch.is_inference_mode_enabled(),
-                   adapter_state(self.model))
+                   self._adapter_state())
         except NotGraphable as reason:
             self._note_eager(str(reason))
             return self._eager_forward(*args, **kwargs)

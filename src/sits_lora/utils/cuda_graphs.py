@@ -68,19 +68,55 @@ def copy_output(out: Any, replace: Optional[dict] = None) -> Any:
 
 def adapter_state(model: Optional[nn.Module]) -> tuple:
     """What each adapter layer of ``model`` does in a call, as far as Python decides it, and the modules' train /
-    eval modes (a recording stands for one such state)."""
-    if model is None:
-        return ()
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    eval modes (a recording stands for one such state). Walks the module tree: a caller asking every call holds an
+    :class:`AdapterState` instead."""
+    return AdapterState(model)()
 
-    state = []
-    for module in model.modules():
-        state.append(module.training)
-        if isinstance(module, BaseTunerLayer):
+
+# Bumped whenever any module anywhere registers a submodule (a global registration hook, set by the first
+# AdapterState): an AdapterState walks its model's tree again only after that. Deleting a module registers nothing,
+# but it leaves the state of the layers that stay, which is what a recording depends on.
+_registrations = 0
+_hooked = False
+
+
+def _count_registration(module, name, submodule):
+    global _registrations
+    _registrations += 1
+
+
+class AdapterState:
+    """:func:`adapter_state` of one model, cheap to ask every call: the module list is kept and walked again only
+    when a module was registered somewhere since (an adapter injected, a layer replaced). Walking SDXL's U-Net
+    (1,930 modules) took 5-10 ms of the host a call: longer than the GPU's work of a replayed denoising step
+    (bench/NOTES.md, "The host between replays")."""
+
+    def __init__(self, model: Optional[nn.Module]) -> None:
+        global _hooked
+        if not _hooked:
+            nn.modules.module.register_module_module_registration_hook(_count_registration)
+            _hooked = True
+        self.model = model
+        self._seen = -1
+        self._modules: list = []
+        self._tuners: list = []
+
+    def __call__(self) -> tuple:
+        if self.model is None:
+            return ()
+        if self._seen != _registrations:
+            from peft.tuners.tuners_utils import BaseTunerLayer
+
+            self._seen = _registrations
+            self._modules = list(self.model.modules())
+            self._tuners = [m for m in self._modules if isinstance(m, BaseTunerLayer)]
+        modes = tuple([m.training for m in self._modules])
+        tuners = []
+        for module in self._tuners:
             scaling = getattr(module, "scaling", {})
-            state.append((module.merged, module.disable_adapters, tuple(module.active_adapters),
-                          tuple(scaling.items()) if isinstance(scaling, dict) else scaling))
-    return tuple(state)
+            tuners.append((module.merged, module.disable_adapters, tuple(module.active_adapters),
+                           tuple(scaling.items()) if isinstance(scaling, dict) else scaling))
+        return modes, tuple(tuners)
 
 
 def first_line(error: BaseException) -> str:
@@ -102,5 +138,5 @@ def run_on_side_stream(fn: Callable, args: tuple, kwargs: dict, times: int = 1) 
     return out
 
 
-__all__ = ["NotGraphable", "adapter_state", "copy_output", "describe_call", "first_line", "run_on_side_stream",
+__all__ = ["AdapterState", "NotGraphable", "adapter_state", "copy_output", "describe_call", "first_line", "run_on_side_stream",
            "substitute"]
