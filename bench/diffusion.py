@@ -170,12 +170,28 @@ def fused_only(arm: str):
     return Threshold()
 
 
-def pipeline(name: str, unet, vae, arm: str = "base", calibration_calls: list | None = None, min_rows: int = 256):
+SCHEDULERS = ("ddim", "euler")
+
+
+def make_scheduler(kind: str = "ddim"):
+    """The noise schedule of SD1.5 / SDXL (scaled linear betas). "ddim": DDIMScheduler, whose step indexes a CPU
+    table with the GPU timestep and compares it with 0, so the host waits for the GPU every step (its time before
+    the denoiser's launch is then added to the step); "euler": EulerDiscreteScheduler as SDXL's checkpoint
+    configures it, whose step reads host-side sigmas (no wait: the host runs ahead)."""
+    import diffusers
+
+    common = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1)
+    if kind == "euler":
+        return diffusers.EulerDiscreteScheduler(**common, timestep_spacing="leading")
+    return diffusers.DDIMScheduler(**common, clip_sample=False, set_alpha_to_one=False)
+
+
+def pipeline(name: str, unet, vae, arm: str = "base", calibration_calls: list | None = None, min_rows: int = 256,
+             scheduler: str = "ddim"):
     """The arm's pipeline; an fp8 arm calibrates on ``calibration_calls`` (pipeline kwargs) and quantizes first."""
     import diffusers
 
-    scheduler = diffusers.DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-                                        clip_sample=False, set_alpha_to_one=False, steps_offset=1)
+    scheduler = make_scheduler(scheduler)
     if SHAPES.get(name, {}).get("pooled_dim"):
         pipe = diffusers.StableDiffusionXLPipeline(vae=vae, text_encoder=None, text_encoder_2=None, tokenizer=None,
                                                    tokenizer_2=None, unet=unet, scheduler=scheduler)
@@ -245,6 +261,58 @@ def time_image(pipe, kwargs: dict, steps: int, resolution: int, device: str):
     sync(device)
     seconds = time.perf_counter() - start
     return seconds, out.images[0].float().cpu()
+
+
+def image_phases(pipe, kwargs: dict, steps: int, resolution: int, device: str) -> dict:
+    """Where one generation's time goes, from a step callback that waits for the GPU and stamps the clock: the first
+    step with everything before it (latents, timesteps, a recording's first replay), the median of the other steps
+    (the denoiser call, the guidance and the scheduler: what a U-Net profile alone misses), and what follows the last
+    step (the VAE decode and the postprocessing); the host's own time a step (stamps without waiting); then, on CUDA,
+    the same generation under torch.profiler: the GPU's kernel time against the wall time. Milliseconds."""
+    stamps, waits = [], [True]
+
+    def stamp(pipe_, step, timestep, callback_kwargs):
+        if waits[0]:
+            sync(device)
+        stamps.append(time.perf_counter())
+        return {}
+
+    call = dict(**kwargs, num_inference_steps=steps, guidance_scale=7.5, height=resolution, width=resolution,
+                output_type="pt")
+    sync(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        pipe(**call, generator=torch.Generator(device).manual_seed(3), callback_on_step_end=stamp)
+    sync(device)
+    end = time.perf_counter()
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    phases = {"phase_total_ms": (end - start) * 1e3, "phase_first_step_ms": (stamps[0] - start) * 1e3,
+              "phase_step_ms": statistics.median(gaps) * 1e3 if gaps else None,
+              "phase_after_steps_ms": (end - stamps[-1]) * 1e3}
+    # the host's own time a step: the same stamps without waiting for the GPU (the host runs ahead while the GPU
+    # queue has room). Below phase_step_ms: the GPU sets the pace; about equal: the host does
+    stamps.clear()
+    waits[0] = False
+    with torch.no_grad():
+        pipe(**call, generator=torch.Generator(device).manual_seed(3), callback_on_step_end=stamp)
+    sync(device)
+    host_gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    phases["phase_host_step_ms"] = statistics.median(host_gaps) * 1e3 if host_gaps else None
+    if device == "cuda":
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            sync(device)
+            start = time.perf_counter()
+            with torch.no_grad():
+                pipe(**call, generator=torch.Generator(device).manual_seed(3))
+            sync(device)
+            wall = time.perf_counter() - start
+        kernels = [e for e in prof.key_averages() if getattr(e, "device_type", None) == DeviceType.CUDA]
+        phases.update(profiled_wall_ms=wall * 1e3, kernel_ms=sum(e.device_time_total for e in kernels) / 1e3,
+                      kernel_calls=sum(e.count for e in kernels))
+    return phases
 
 
 def merge_costs(pipe, shape: dict, kwargs: dict, steps: int) -> dict:
@@ -374,6 +442,13 @@ def main(argv=None) -> int:
     parser.add_argument("--merge-costs", action="store_true",
                         help="after the timed images, time merge_plan's costs on each adapter arm as set up (one "
                              "denoiser call unmerged / merged, one merge + unmerge): when merging pays")
+    parser.add_argument("--scheduler", choices=SCHEDULERS, default="ddim",
+                        help="ddim (the runs so far; its step makes the host wait for the GPU) or euler (SDXL's own, "
+                             "no wait); see make_scheduler")
+    parser.add_argument("--phases", action="store_true",
+                        help="after the timed images, more images per arm with the clock stamped at each step "
+                             "(first step, a step, after the last step, the host's time a step: phase_*_ms) and, "
+                             "on CUDA, one under torch.profiler (kernel_ms against profiled_wall_ms)")
     parser.add_argument("--repeats", type=int, default=3, help="images timed per arm, after one warm-up image")
     parser.add_argument("--train-batch", type=int, default=8)
     parser.add_argument("--train-rounds", type=int, default=4,
@@ -408,7 +483,7 @@ def main(argv=None) -> int:
                                   height=shape["resolution"], width=shape["resolution"], output_type="pt")
                              for s in (7, 8)]
         pipes = {arm: pipeline(name, adapt(unet, arm, INFERENCE_TARGETS), vae, arm, calibration_calls,
-                               min_rows=0 if args.smoke else 256) for arm in inference}
+                               min_rows=0 if args.smoke else 256, scheduler=args.scheduler) for arm in inference}
         times = {arm: [] for arm in inference}
         for round_ in range(repeats + 1):   # round 0 warms up (allocator, autotuning, the kept K / V)
             for arm in inference:
@@ -425,9 +500,15 @@ def main(argv=None) -> int:
             reference = images[(name, arm)] if arm == reference_arm else reference
             rows.append({"shape": name, "arm": arm, "seconds_per_image": seconds, "times": times[arm],
                          "fidelity_reference": reference_arm,
-                         "steps": steps, "lora_targets": " ".join(INFERENCE_TARGETS)})
+                         "steps": steps, "scheduler": args.scheduler, "lora_targets": " ".join(INFERENCE_TARGETS)})
             print(f"[{name} {arm}] {seconds:.3f} s per image ({' '.join(f'{t:.3f}' for t in times[arm])})",
                   flush=True)
+            if args.phases:
+                with fused_only(arm):
+                    rows[-1].update(image_phases(pipes[arm], kwargs, steps, shape["resolution"], device))
+                print(f"[{name} {arm}] phases: " + ", ".join(f"{k} {v:.1f}" for k, v in rows[-1].items()
+                                                             if k.startswith(("phase_", "kernel_", "profiled_"))),
+                      flush=True)
             parts = arm.split("+")
             if args.merge_costs and parts[0] != "base" and "merged" not in parts:
                 rows[-1].update(merge_costs(pipes[arm], shape, kwargs, steps))

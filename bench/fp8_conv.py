@@ -16,7 +16,8 @@ F.scaled_dot_product_attention under each backend that runs (flash, efficient, c
 The VAE part decodes one SDXL latent (128² -> 1024², random weights in SDXL's VAE shape, channels_last, the decoder
 compiled as sits_lora.diffusion.compile_blocks does) in bf16 and with the decoder's layers in fp8
 (sits_lora.diffusion.calibrate on another latent, then quantize_fp8(vae_decoder=True)): ms a decode (CUDA events,
-median of 10) and the fp8 image's PSNR against the bf16 one.
+median of 10), the fp8 image's PSNR against the bf16 one, the graph breaks of compiling the decoder and, on a GPU,
+one decode's kernel time by kind and its top kernels (torch.profiler).
 Writes OUT/fp8_conv.json and OUT/fp8_conv.csv.
 """
 
@@ -219,6 +220,7 @@ def vae_rows(device: str, smoke: bool) -> list[dict]:
     print(f"[vae] {report.summary()}", flush=True)
     rows, images = [], {}
     for arm, model in (("bf16", vae), ("fp8", fp8_vae)):
+        breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())
         if not smoke:
             model.decoder.compile()
         with torch.no_grad():
@@ -238,12 +240,24 @@ def vae_rows(device: str, smoke: bool) -> list[dict]:
                     times.append(float("nan"))
         images[arm] = (image.float() / 2 + 0.5).clamp(0, 1)
         rows.append({"arm": arm, "ms_per_decode": sorted(times)[len(times) // 2],
-                     "layers_fp8": len(report.quantized) if arm == "fp8" else 0})
+                     "layers_fp8": len(report.quantized) if arm == "fp8" else 0,
+                     "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks_before})
+        if device == "cuda":   # where the decode's time goes, by kind of kernel (what a faster convolution saves)
+            from profile_diffusion import top_kernels
+
+            def decode():
+                with torch.no_grad():
+                    model.decode(latents)
+
+            top, counts = top_kernels(decode, device, count=8)
+            rows[-1].update(kernels=counts["kernels"], ms_by_kind=counts["ms_by_kind"], top_kernels=top)
     mse = (images["fp8"] - images["bf16"]).pow(2).mean().item()
     rows[1]["psnr_db"] = 10 * math.log10(1 / mse) if mse > 0 else float("inf")
     rows[1]["speedup"] = rows[0]["ms_per_decode"] / rows[1]["ms_per_decode"]
     for row in rows:
-        print("[vae]", row, flush=True)
+        print("[vae]", {k: v for k, v in row.items() if k != "top_kernels"}, flush=True)
+        for kernel in row.get("top_kernels", []):
+            print(f"[vae {row['arm']}]   {kernel['ms']:7.2f} ms {kernel['calls']:4d}x  {kernel['name']}", flush=True)
     return rows
 
 
@@ -268,11 +282,12 @@ def main(argv=None) -> int:
         json.dump(result, f, indent=1, default=str)
     with open(os.path.join(args.out, "fp8_conv.csv"), "w", newline="") as f:
         rows = result.get("conv") or result["vae"]
-        fields = list(dict.fromkeys(k for row in rows for k in row if k != "best_config"))
+        fields = list(dict.fromkeys(k for row in rows for k in row
+                                    if k not in ("best_config", "top_kernels", "ms_by_kind")))
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         for row in rows:
-            writer.writerow({k: v for k, v in row.items() if k != "best_config"})
+            writer.writerow({k: v for k, v in row.items() if k not in ("best_config", "top_kernels", "ms_by_kind")})
     return 0
 
 

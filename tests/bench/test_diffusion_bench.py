@@ -34,6 +34,18 @@ def test_smoke_run_writes_every_arm_with_fidelity_and_the_training_step(tmp_path
         assert os.path.getsize(tmp_path / name) > 0
 
 
+def test_phases_split_an_image_into_its_first_step_a_step_and_the_decode(tmp_path):
+    assert diffusion.main(["--smoke", "--out", str(tmp_path), "--arms", "base", "--phases", "--scheduler",
+                           "euler"]) == 0
+    row = json.load(open(tmp_path / "diffusion.json"))["rows"][0]
+    assert row["scheduler"] == "euler"
+    parts = row["phase_first_step_ms"] + (row["steps"] - 1) * row["phase_step_ms"] + row["phase_after_steps_ms"]
+    # the stamps cover the whole call: its parts add up to the total (one step after the first: no median's spread)
+    assert row["steps"] == 2 and row["phase_total_ms"] > 0 and parts == pytest.approx(row["phase_total_ms"], rel=1e-6)
+    assert row["phase_host_step_ms"] > 0
+    assert "kernel_ms" not in row   # the profiled image is CUDA only
+
+
 def test_bad_options_stop_before_any_model_is_built(tmp_path, capsys):
     with pytest.raises(SystemExit):
         diffusion.main(["--smoke", "--out", str(tmp_path), "--repeats", "0"])
