@@ -178,13 +178,19 @@ class SitsLoraModel(LoraModel):
     @staticmethod
     def _create_new_module(lora_config, adapter_name, target, **kwargs):
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+        custom_layers = getattr(lora_config, "_custom_modules", None) or {}
+        if any(isinstance(base, layer_type) for layer_type in custom_layers):
+            # a layer class the user registered for this type (LoraConfig._register_custom_module) wins, as in PEFT
+            return LoraModel._create_new_module(lora_config, adapter_name, target, **kwargs)
         if kwargs.get("loaded_in_4bit") and _is_bnb_linear4bit(base) and kwargs.get("parameter_name") is None:
             from .layer_bnb import SitsLoraLinear4bit  # imports bitsandbytes: only for a model loaded in 4-bit
 
             return SitsLoraLinear4bit(target, adapter_name, config=lora_config, **kwargs)
         if type(base) is nn.Linear and kwargs.get("parameter_name") is None:
             if lora_config.fan_in_fan_out:
-                warnings.warn("fan_in_fan_out=True does not apply to torch.nn.Linear; setting it to False.")
+                # PEFT's own words: a drop-in raises the warnings LoraConfig raises
+                warnings.warn("fan_in_fan_out is set to True but the target module is `torch.nn.Linear`. Setting "
+                              "fan_in_fan_out to False.")
                 lora_config.fan_in_fan_out = False
             return SitsLoraLinear(target, adapter_name, config=lora_config, **kwargs)
         return LoraModel._create_new_module(lora_config, adapter_name, target, **kwargs)

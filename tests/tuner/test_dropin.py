@@ -198,10 +198,14 @@ def test_add_weighted_adapter_every_combination(combination):
         assert _close(sits_outcome[1], peft_outcome[1], tol=1e-4)
 
 
-def test_rank_above_a_layers_side_warns_naming_it_and_works():
+def test_rank_above_a_layers_side_logs_naming_it_and_works(caplog):
     torch.manual_seed(0)
-    with pytest.warns(UserWarning, match=r"r=8 is larger than the smaller dimension \(2\) of layer 'lin1'"):
+    with warnings.catch_warnings(record=True) as raised, caplog.at_level("WARNING", logger="sits_lora"):
+        warnings.simplefilter("always")
         model = get_peft_model(_MLP(), SitsLoraConfig(r=8, target_modules=["lin0", "lin1"]))
+    assert "r=8 is larger than the smaller dimension (2) of layer 'lin1'" in caplog.text
+    # a log line, not a warning: LoraConfig raises none here, and a drop-in raises what PEFT raises
+    assert not [w for w in raised if "smaller dimension" in str(w.message)]
     assert model.base_model.model.lin1.lora_A["default"].weight.shape == (8, 20)
     model(_x("mlp")).sum().backward()
 
@@ -234,3 +238,36 @@ def test_bad_configurations_fail_where_peft_fails(kwargs):
     assert (peft_outcome is None) == (sits_outcome is None)
     if peft_outcome is not None:
         assert issubclass(sits_outcome, peft_outcome) or issubclass(peft_outcome, sits_outcome)
+
+
+def _warnings_of(config_cls, name):
+    _, cls, kwargs = CASES[name]
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
+        get_peft_model(cls().eval(), config_cls(**kwargs))
+    # PEFT names the base model's class in one message; the categories and the rest must match
+    return sorted((w.category.__name__, str(w.message)) for w in raised)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_same_warnings_as_peft(name):
+    """Test suites check the last warning or turn warnings into errors: a drop-in raises what PEFT raises."""
+    assert _warnings_of(SitsLoraConfig, name) == _warnings_of(LoraConfig, name)
+
+
+def test_a_layer_class_registered_for_linear_wins_as_in_peft():
+    """LoraConfig._register_custom_module({nn.Linear: MyLayer}) puts the user's own layer on every Linear target,
+    in place of PEFT's lora.Linear; with SitsLoraConfig it must win over SitsLoraLinear the same way."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    class MyLoraLinear(LoraLinear):
+        def forward(self, x, *args, **kwargs):
+            return super().forward(x, *args, **kwargs) + 1.0
+
+    for config_cls in (LoraConfig, SitsLoraConfig):
+        config = config_cls(r=4, target_modules=["lin0", "lin1"])
+        config._register_custom_module({nn.Linear: MyLoraLinear})
+        model = get_peft_model(_MLP(), config)
+        assert type(model.base_model.model.lin0) is MyLoraLinear, config_cls
+        assert type(model.base_model.model.lin1) is MyLoraLinear, config_cls
