@@ -387,13 +387,18 @@ def test_profile_writes_csv_png_and_top10(capsys, tmp_path, tiny_model_dir):
         assert float(r["forward_ms"]) >= 0 and float(r["backward_ms"]) >= 0
     report = json.loads((out / "profile.json").read_text())
     assert report["step_ms"]["lora_noise_ms"] >= 0
-    # every cell but the LoRA ones is a window inside the step: their sum cannot exceed the step (a LoRA cell is the
-    # difference of two passes, clamped at 0: its noise can carry the total past the step, by construction)
+    # norm, attn_core, mlp_act and the head are windows inside the adapted pass, attn_proj / mlp_proj inside the
+    # pass with the adapter disabled: each pass's cells cannot sum past its own step time (with 2 steps a median
+    # is a mean, so the sums of medians are medians of sums). A LoRA cell (adapted minus disabled projections,
+    # clamped at 0) cannot pass the adapted step. The two passes are not compared with each other: a load spike
+    # on this machine in one of them is not a bug.
     for phase in ("forward", "backward"):
-        windows = sum(r[f"{phase}_ms"] for r in report["rows"] if r["op_type"] != "lora")
-        lora = sum(r[f"{phase}_ms"] for r in report["rows"] if r["op_type"] == "lora")
-        assert 0 < windows <= report["step_ms"][phase] * 1.001, phase
-        assert 0 <= lora <= report["step_ms"][phase], phase
+        def cells(kinds):
+            return sum(r[f"{phase}_ms"] for r in report["rows"] if r["op_type"] in kinds)
+
+        assert 0 < cells(("norm", "attn_core", "mlp_act", "lm_head")) <= report["step_ms"][phase] * 1.001, phase
+        assert 0 < cells(("attn_proj", "mlp_proj")) <= report["step_ms"][f"disabled_{phase}"] * 1.001, phase
+        assert 0 <= cells(("lora",)) <= report["step_ms"][phase] * 1.001, phase
     assert report["meta"]["timer"] == ("CUDA events" if torch.cuda.is_available() else "time.perf_counter")
     assert (out / "profile.png").read_bytes()[:8] == PNG_MAGIC
 

@@ -337,7 +337,9 @@ def profile_model(model: nn.Module, input_ids: torch.Tensor, steps: int = 3, war
                 measured[adapted] = (recorder.windows(origin), clock.since(origin, mid), clock.since(mid, end))
             if step >= warmup:
                 per_step.append(_cells(measured[True][0], measured[False][0]) | {
-                    ("step", "forward"): measured[True][1], ("step", "backward"): measured[True][2]})
+                    ("step", "forward"): measured[True][1], ("step", "backward"): measured[True][2],
+                    ("step_disabled", "forward"): measured[False][1],
+                    ("step_disabled", "backward"): measured[False][2]})
     finally:
         recorder.remove()
         model.zero_grad(set_to_none=True)
@@ -347,7 +349,7 @@ def profile_model(model: nn.Module, input_ids: torch.Tensor, steps: int = 3, war
     # a LoRA branch cannot cost less than nothing: a negative median is the two passes' noise
     noise = max((-v for k, v in median.items() if k[1] == "lora" and v < 0), default=0.0)
     median = {k: max(v, 0.0) if k[1] == "lora" else v for k, v in median.items()}
-    layers = sorted({k[0] for k in keys if k[0] not in ("step", "head")}, key=int)
+    layers = sorted({k[0] for k in keys if k[0] not in ("step", "step_disabled", "head")}, key=int)
     rows = []
     for layer in layers + ["head"]:
         ops = OP_TYPES if layer != "head" else ("norm", "lm_head")
@@ -357,7 +359,10 @@ def profile_model(model: nn.Module, input_ids: torch.Tensor, steps: int = 3, war
     step_ms = {"forward": median[("step", "forward")], "backward": median[("step", "backward")],
                "lora_forward": sum(r["forward_ms"] for r in rows if r["op_type"] == "lora"),
                "lora_backward": sum(r["backward_ms"] for r in rows if r["op_type"] == "lora"),
-               "lora_noise_ms": noise}
+               "lora_noise_ms": noise,
+               # the pass with the adapter disabled, where attn_proj / mlp_proj are measured
+               "disabled_forward": median[("step_disabled", "forward")],
+               "disabled_backward": median[("step_disabled", "backward")]}
     return rows, step_ms
 
 
