@@ -338,3 +338,14 @@ class SitsLoraConfig(LoraConfig):
         int4_checks.check_base_quant_config(self)
         super().__post_init__()
         self.peft_type = sits_lora_peft_type()
+
+    # PEFT's save_pretrained(path_initial_model_for_weight_conversion=...), which turns a PiSSA / OLoRA / CorDA
+    # adapter into a plain one, resets the initial adapter's init with ``init_lora_weights = True`` when the
+    # peft type is LORA and ``init_weights = True`` for any other type: both names are this config's one field
+    @property
+    def init_weights(self):
+        return self.init_lora_weights
+
+    @init_weights.setter
+    def init_weights(self, value) -> None:
+        self.init_lora_weights = value

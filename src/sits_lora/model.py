@@ -13,6 +13,7 @@ from torch import nn
 
 from .activations import attach_input_recompute, detach_input_recompute
 from .layer import FusedAdapterChoice, SitsLoraLinear
+from .peft_type import sits_lora_peft_type
 from .siblings import assign_sibling_groups
 
 logger = logging.getLogger("sits_lora")
@@ -24,13 +25,38 @@ def _module_names_matching(model: nn.Module, target: str) -> list[str]:
 
 
 def _linear_leaf_names(model: nn.Module) -> list[str]:
+    """Last names of the model's own linear / embedding / convolution modules (not the parts of LoRA layers)."""
     names: dict[str, None] = {}
+    inside_tuner_layers: list[str] = []
     for key, module in model.named_modules():
+        if any(key.startswith(prefix) for prefix in inside_tuner_layers):
+            continue  # base_layer, lora_A.default, ...: a LoRA layer's parts, not names to target
         if isinstance(module, BaseTunerLayer):
+            inside_tuner_layers.append(key + ".")
             module = module.get_base_layer()
         if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d)) and key:
             names.setdefault(key.rsplit(".", 1)[-1], None)
     return list(names)
+
+
+def _names_hint(model: nn.Module) -> str:
+    existing = _linear_leaf_names(model)
+    shown = ", ".join(repr(n) for n in existing[:12]) + (", ..." if len(existing) > 12 else "")
+    return f"Module names that exist in {type(model).__name__}: {shown}. Use some of these, or target_modules='all-linear'."
+
+
+def unmatched_target_modules(model: nn.Module, config) -> list[str]:
+    """The entries of a list-valued target_modules that match no module of the model (a regex or 'all-linear':
+    none, PEFT resolves those)."""
+    targets = config.target_modules
+    if targets is None or isinstance(targets, str):
+        return []
+    return [t for t in sorted(targets) if not _module_names_matching(model, t)]
+
+
+# the messages of PEFT's errors for an adapter that targets nothing (NoMatchingPeftModuleError, a ValueError)
+_NOTHING_TARGETED = ("not found in the base model", "No modules were targeted", "All modules were excluded",
+                     "No `target_modules` passed")
 
 
 def _fp8_layer(tuner):
@@ -65,20 +91,17 @@ def _register_dynamic_rank(config) -> None:
         SitsLoraLinear.register_variant("use_dynamic_rank", DynamicRankVariant)
 
 
-def check_target_modules_exist(model: nn.Module, config) -> None:
-    """Raise a ValueError naming each entry of target_modules that matches no module."""
-    targets = config.target_modules
-    if targets is None or isinstance(targets, str):
-        return  # a regex or "all-linear": PEFT resolves and checks those itself
-    missing = [t for t in sorted(targets) if not _module_names_matching(model, t)]
-    if missing:
-        existing = _linear_leaf_names(model)
-        shown = ", ".join(repr(n) for n in existing[:12]) + (", ..." if len(existing) > 12 else "")
-        raise ValueError(
-            f"SitsLoraConfig.target_modules has {', '.join(repr(m) for m in missing)}, which match no module "
-            f"of {type(model).__name__}. Module names that exist: {shown}. Use some of these, or "
-            f"target_modules='all-linear'."
-        )
+def _allow_hotswap() -> None:
+    """Hotswapping (``peft.utils.hotswap``, diffusers' ``load_lora_weights(..., hotswap=True)``) copies a new
+    adapter's weights into a loaded one of the same peft type, after checking the config fields it lists for that
+    type. A SITS_LORA adapter is a LoRA adapter: LoRA's fields, and whether it routes ranks per token. Added when
+    the first sits_lora adapter is made, not on import: PEFT stays as it was for programs that never use one."""
+    from peft.utils import hotswap
+    from peft.utils.peft_types import PeftType
+
+    checked = getattr(hotswap, "CONFIG_KEYS_TO_CHECK", None)
+    if isinstance(checked, dict) and PeftType.LORA in checked:
+        checked.setdefault(sits_lora_peft_type(), [*checked[PeftType.LORA], "use_dynamic_rank"])
 
 
 class SitsLoraModel(LoraModel):
@@ -107,8 +130,36 @@ class SitsLoraModel(LoraModel):
                 names += [f"{prefix}.{n}" if prefix else n for n, _ in module.named_buffers()]
         return [f"base_model.{n}" for n in names] + names
 
+    @classmethod
+    def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
+        to_return = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
+        # PEFT checks the saved LoRA factors' shapes (a ZeRO-3 / FSDP shard saved without gathering is 1-D) for its
+        # LORA and ADALORA types only; a SITS_LORA adapter saves the same factors (PEFT's warning, where it has it)
+        from peft.utils import save_and_load
+
+        validate = getattr(save_and_load, "_validate_lora_adapter_state_dict", None)
+        if validate is not None:
+            validate(to_return, adapter_name=adapter_name)
+        return to_return
+
     def inject_adapter(self, model: nn.Module, adapter_name: str, *args, **kwargs) -> None:
-        check_target_modules_exist(model, self.peft_config[adapter_name])
+        # what matches nothing is PEFT's to judge (an error only when nothing at all is targeted; a list naming
+        # the projections of several model families is common): its error gets the names to choose from, a
+        # partial miss a log line
+        _allow_hotswap()
+        unmatched = unmatched_target_modules(model, self.peft_config[adapter_name])
+        try:
+            self._inject_adapter(model, adapter_name, *args, **kwargs)
+        except ValueError as error:
+            if not any(phrase in str(error) for phrase in _NOTHING_TARGETED):
+                raise
+            raise type(error)(f"{error} {_names_hint(model)}") from None
+        if unmatched:
+            logger.warning("sits_lora: adapter %r: target_modules entries %s match no module; the others were "
+                           "adapted, as PEFT does. %s", adapter_name, ", ".join(repr(t) for t in unmatched),
+                           _names_hint(model))
+
+    def _inject_adapter(self, model: nn.Module, adapter_name: str, *args, **kwargs) -> None:
         _register_dynamic_rank(self.peft_config[adapter_name])  # before the layers resolve their variants
         fp8, int4 = _fp8_layer(self), _int4_layer(self)
         if fp8 is not None:

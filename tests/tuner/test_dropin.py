@@ -271,3 +271,61 @@ def test_a_layer_class_registered_for_linear_wins_as_in_peft():
         model = get_peft_model(_MLP(), config)
         assert type(model.base_model.model.lin0) is MyLoraLinear, config_cls
         assert type(model.base_model.model.lin1) is MyLoraLinear, config_cls
+
+
+def test_hotswap_copies_a_saved_adapter_in_place(tmp_path):
+    """peft.utils.hotswap (what diffusers' load_lora_weights(hotswap=True) calls) swaps a SITS_LORA adapter's
+    weights in place: the same outputs as loading the second adapter, no new module."""
+    from peft.utils.hotswap import hotswap_adapter
+
+    saved = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        model = get_peft_model(_MLP(), SitsLoraConfig(r=4, lora_alpha=8, target_modules=["lin0", "lin1"],
+                                                      init_lora_weights=False))
+        model.save_pretrained(tmp_path / f"a{seed}")
+        saved.append(tmp_path / f"a{seed}")
+    x = _x("mlp")
+    torch.manual_seed(0)
+    base = _MLP().eval()
+    second = PeftModel.from_pretrained(copy.deepcopy(base), saved[1]).eval()
+    model = PeftModel.from_pretrained(copy.deepcopy(base), saved[0]).eval()
+    layer = model.base_model.model.lin0
+    assert not _close(model(x), second(x))
+    hotswap_adapter(model, str(saved[1]), adapter_name="default")
+    assert model.base_model.model.lin0 is layer
+    assert _close(model(x), second(x))
+
+
+def test_pissa_adapter_converts_to_plain_lora_on_save(tmp_path):
+    """save_pretrained(path_initial_model_for_weight_conversion=...) turns a PiSSA adapter (which changed the base
+    weights) into one that applies to the original base, as with LoraConfig."""
+    x = _x("mlp")
+    torch.manual_seed(0)
+    base = _MLP().eval()
+    model = get_peft_model(copy.deepcopy(base), SitsLoraConfig(r=2, init_lora_weights="pissa",
+                                                                target_modules=["lin0", "lin1"]))
+    model.save_pretrained(tmp_path / "init")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.add_(0.05 * torch.randn_like(param))   # "training"
+    model.eval()
+    model.save_pretrained(tmp_path / "converted", path_initial_model_for_weight_conversion=str(tmp_path / "init"))
+    again = PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "converted").eval()
+    assert again.peft_config["default"].r == 4   # PiSSA's conversion doubles the rank
+    assert _close(again(x), model(x), tol=1e-4)
+
+
+def test_saving_an_ungathered_shard_warns_as_peft_does(tmp_path):
+    """PEFT warns when save_pretrained meets a 1-D lora_A / lora_B (a ZeRO-3 / FSDP shard saved without
+    gathering) for its LoRA types; a SITS_LORA adapter gets the same warning, and the files are still written."""
+    from peft.utils import save_and_load
+
+    if not hasattr(save_and_load, "_validate_lora_adapter_state_dict"):
+        pytest.skip("this PEFT version does not check the saved shapes")
+    model = get_peft_model(_MLP(), SitsLoraConfig(r=4, target_modules=["lin0"]))
+    model.base_model.model.lin0.lora_A["default"].weight.data = torch.zeros(32)
+    with pytest.warns(Warning, match="ZeRO-3 / FSDP shards"):
+        model.save_pretrained(tmp_path / "shard")
+    assert (tmp_path / "shard" / "adapter_config.json").exists()

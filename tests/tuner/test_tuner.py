@@ -327,11 +327,39 @@ def test_rank_larger_than_layer_logs_naming_layer_and_limit(caplog):
     assert model(torch.randn(3, 24)).shape == (3, 19)
 
 
-def test_unknown_target_module_lists_existing_names():
+def test_a_target_matching_nothing_raises_peft_error_with_the_names_that_exist():
     with pytest.raises(ValueError) as info:
-        get_peft_model(tiny_llama(), SitsLoraConfig(r=2, target_modules=["q_proj", "qkv_proj"]))
+        get_peft_model(tiny_llama(), SitsLoraConfig(r=2, target_modules=["qkv_proj"]))
+    assert type(info.value) is type(_peft_error(["qkv_proj"]))   # PEFT's own class (NoMatchingPeftModuleError)
     msg = str(info.value)
-    assert "'qkv_proj'" in msg and "'q_proj'" in msg.split("exist:")[1] and "'down_proj'" in msg
+    assert msg.startswith(str(_peft_error(["qkv_proj"])))         # PEFT's words first: what callers match on
+    assert "'q_proj'" in msg.split("exist in")[1] and "'down_proj'" in msg and "'default'" not in msg
+
+
+def test_a_second_adapter_matching_nothing_names_the_model_layers_not_lora_parts():
+    model = get_peft_model(tiny_llama(), SitsLoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(ValueError) as info:
+        model.add_adapter("other", SitsLoraConfig(r=2, target_modules=["qkv_proj"]))
+    names = str(info.value).split("exist in")[1]
+    assert "'q_proj'" in names and "'base_layer'" not in names and "'default'" not in names
+
+
+def test_a_partly_matching_list_adapts_the_rest_as_peft_and_logs_the_misses(caplog):
+    """A list naming the projections of several model families is common; PEFT adapts what matches."""
+    targets = ["q_proj", "qkv_proj"]
+    with caplog.at_level("WARNING", logger="sits_lora"):
+        model = get_peft_model(tiny_llama(), SitsLoraConfig(r=2, target_modules=targets))
+    peft_model = get_peft_model(tiny_llama(), LoraConfig(r=2, target_modules=targets))
+    assert model.targeted_module_names == peft_model.targeted_module_names
+    assert "'qkv_proj' match no module" in caplog.text and "'q_proj'" in caplog.text.split("exist in")[1]
+
+
+def _peft_error(targets):
+    try:
+        get_peft_model(tiny_llama(), LoraConfig(r=2, target_modules=targets))
+    except ValueError as error:
+        return error
+    raise AssertionError("PEFT accepted it")
 
 
 def test_apply_native_lora_is_get_peft_model():
