@@ -16,7 +16,7 @@ import torch
 
 from .. import __version__
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # src/sits_lora
 
 
 def _version(module: str) -> Optional[str]:
