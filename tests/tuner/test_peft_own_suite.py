@@ -1,0 +1,28 @@
+"""PEFT's own LoRA tests (test_custom_models.py -k LoRA of the installed PEFT, from its source distribution) pass with
+SitsLoraConfig in place of LoraConfig, and with sits_lora imported, wherever they pass as PEFT ships them, but for the
+differences bench/peft_suite.py names as kept on purpose. About 8 minutes on 2 CPU cores."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import bench_module
+
+peft_suite = bench_module("peft_suite")
+
+
+@pytest.mark.slow
+def test_pefts_own_lora_tests_pass_with_sits_lora(tmp_path):
+    try:
+        peft_suite.peft_source(str(tmp_path), None)
+    except peft_suite.SuiteError as error:  # no package index here, or a release without its tests
+        pytest.skip(f"PEFT's tests are not available: {error}")
+    code = peft_suite.main(["--out", str(tmp_path)])
+    summary = json.loads((tmp_path / "peft_suite.json").read_text())
+    unexplained = [(d["mode"], d["test"], d["message"]) for d in summary["differences"] if not d["known"]]
+    assert not unexplained, unexplained[:10]
+    assert code == 0
+    plain, swap = summary["modes"]["plain"]["counts"], summary["modes"]["swap"]["counts"]
+    assert swap["passed"] >= plain["passed"] - len(summary["differences"]) and swap["passed"] > 1000
