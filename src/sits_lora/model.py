@@ -42,7 +42,8 @@ def _linear_leaf_names(model: nn.Module) -> list[str]:
 def _names_hint(model: nn.Module) -> str:
     existing = _linear_leaf_names(model)
     shown = ", ".join(repr(n) for n in existing[:12]) + (", ..." if len(existing) > 12 else "")
-    return f"Module names that exist in {type(model).__name__}: {shown}. Use some of these, or target_modules='all-linear'."
+    return (f"Module names that exist in {type(model).__name__}: {shown}. Use some of these, or "
+            f"target_modules='all-linear'.")
 
 
 def unmatched_target_modules(model: nn.Module, config) -> list[str]:
