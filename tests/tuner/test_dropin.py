@@ -246,7 +246,7 @@ def _warnings_of(config_cls, name):
     with warnings.catch_warnings(record=True) as raised:
         warnings.simplefilter("always")
         get_peft_model(cls().eval(), config_cls(**kwargs))
-    # PEFT names the base model's class in one message; the categories and the rest must match
+    # every warning, category and words: the same model class, so even the messages that name it must match
     return sorted((w.category.__name__, str(w.message)) for w in raised)
 
 
