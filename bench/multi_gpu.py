@@ -27,8 +27,10 @@ and each run's metrics.json (its checkpoints and adapter go to a temporary folde
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -79,6 +81,26 @@ def _wrap(model, strategy: str, world: int, device: torch.device):
 
 
 def worker(args) -> None:
+    """One rank's run; a rank that fails leaves its traceback beside the result file for the parent's error row
+    (torch.distributed.run's own summary ends stderr and does not carry the exception)."""
+    try:
+        _worker(args)
+    except BaseException:
+        import traceback
+
+        with open(f"{args.result}.rank{os.environ.get('RANK', '0')}.error", "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # The run is over and its process group destroyed; leave without the interpreter's teardown, where a gloo
+        # rank can abort ("terminate called without an active exception", SIGABRT) after a run that succeeded:
+        # seen once in ~6 two-process runs on the CPU, and it failed the whole run.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _worker(args) -> None:
     import torch.distributed as dist
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
@@ -147,6 +169,21 @@ def worker(args) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # the parent
 
+def _error_line(code: int, stderr: str, folder: str | None = None) -> str:
+    """What went wrong in one run, in a line: the first failed rank's exception when it left one in ``folder``,
+    else the last line of stderr that names an exception (torch.distributed.run's summary comes after it)."""
+    what = "ran out of its --run-timeout" if code == 124 else f"exited with {code}"
+    if folder is not None:
+        for name in sorted(n for n in os.listdir(folder) if n.endswith(".error")):
+            with open(os.path.join(folder, name)) as f:
+                lines = f.read().strip().splitlines()
+            if lines:
+                return f"{what}: rank {name.split('.rank')[-1].split('.')[0]}: {lines[-1]}"
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    named = [line for line in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", line)]
+    return f"{what}: {(named or lines or [''])[-1]}"
+
+
 def _launch(command: list, timeout: float, one_thread: bool = False) -> tuple[int, str]:
     """(return code, the last lines of stderr); 124 when the run took longer than ``timeout`` seconds.
     ``one_thread``: one CPU thread per process (torch.distributed.run sets it for several processes; the
@@ -161,8 +198,8 @@ def _launch(command: list, timeout: float, one_thread: bool = False) -> tuple[in
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         _, stderr = proc.communicate()
-        return 124, stderr[-1500:]
-    return proc.returncode, stderr[-1500:]
+        return 124, stderr[-6000:]
+    return proc.returncode, stderr[-6000:]
 
 
 def run_setting(shape: str, strategy: str, world: int, args) -> dict:
@@ -178,10 +215,9 @@ def run_setting(shape: str, strategy: str, world: int, args) -> dict:
         if code == 0 and os.path.exists(result):
             with open(result) as f:
                 return json.load(f)
-    what = "ran out of its --run-timeout" if code == 124 else f"exited with {code}"
+        error = _error_line(code, stderr, tmp)
     return {"shape": shape, "arm": args.arm, "strategy": strategy if world > 1 else "one process",
-            "processes": world, "error": f"{what}: {stderr.strip().splitlines()[-1] if stderr.strip() else ''}",
-            "stderr_tail": stderr}
+            "processes": world, "error": error, "stderr_tail": stderr}
 
 
 def add_scaling(rows: list[dict]) -> None:
@@ -233,8 +269,7 @@ def _curve_run(world: int, args, common: list, folder: str) -> dict:
     code, stderr = _launch(launcher + common + ["--batch-size", str(batch), "--output-dir", folder], args.run_timeout)
     metrics_path = os.path.join(folder, "metrics.json")
     if code != 0 or not os.path.exists(metrics_path):
-        return {"error": f"exited with {code}: {stderr.strip().splitlines()[-1] if stderr.strip() else ''}",
-                "stderr_tail": stderr}
+        return {"error": _error_line(code, stderr), "stderr_tail": stderr}
     with open(metrics_path) as f:
         metrics = json.load(f)
     shutil.copy(metrics_path, os.path.join(args.out, f"multi_gpu_loss_curve_{world}proc_metrics.json"))
@@ -332,6 +367,9 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
+    if "liger" in args.arm and importlib.util.find_spec("liger_kernel") is None:
+        parser.error(f"--arm {args.arm} needs Liger-Kernel, which is not installed here: pip install liger-kernel, "
+                     "or run --arm sits")
     os.makedirs(args.out, exist_ok=True)
     if args.loss_curve:
         loss_curve(args, argv)

@@ -3,6 +3,7 @@ curves of the recipe on 1 and 2 processes, and its refusals."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -48,9 +49,24 @@ def test_a_run_past_its_time_limit_leaves_a_row_with_the_error(tmp_path):
     assert len(rows) == 2 and all("ran out of its --run-timeout" in r["error"] for r in rows)
 
 
+def test_a_failed_run_names_the_ranks_exception_not_the_launchers_summary(tmp_path):
+    bench = bench_module("multi_gpu")
+    # torch.distributed.run ends stderr with its summary; the exception comes before it
+    stderr = ("Traceback (most recent call last):\n  ...\nRuntimeError: Connection closed by peer\n"
+              "E1204 torch/distributed/elastic/multiprocessing/api.py failed (exitcode: 1)\n" + "=" * 40 + "\n")
+    assert bench._error_line(1, stderr) == "exited with 1: RuntimeError: Connection closed by peer"
+    # a rank that failed left its traceback beside the result: that wins
+    (tmp_path / "row.json.rank1.error").write_text("Traceback (most recent call last):\n  ...\n"
+                                                  "ValueError: shard sizes differ\n")
+    assert bench._error_line(1, stderr, str(tmp_path)) == "exited with 1: rank 1: ValueError: shard sizes differ"
+    assert bench._error_line(124, "", str(tmp_path)).startswith("ran out of its --run-timeout: rank 1")
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--smoke", "--world", "1"], "--world must be >= 2"),
     (["--smoke", "--settings", "70b:ddp"], "a setting is SHAPE:STRATEGY"),
+    pytest.param(["--smoke", "--arm", "sits+liger"], "needs Liger-Kernel", marks=pytest.mark.skipif(
+        importlib.util.find_spec("liger_kernel") is not None, reason="Liger-Kernel is installed: the run would start")),
     pytest.param(["--settings", "1b:ddp"], "needs 2 GPUs", marks=pytest.mark.skipif(
         torch.cuda.device_count() >= 2, reason="this machine has the GPUs: the run would start")),
 ])
