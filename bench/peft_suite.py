@@ -49,9 +49,6 @@ KNOWN_DIFFERENCES = {
     r"TestModelAndLayerStatus::test_(peft_types|adapter_model_type|model_status_with|model_target_parameters)":
         "the adapter's type: get_model_status reports peft type SITS_LORA and tuner SitsLoraModel, as "
         "adapter_config.json says",
-    r"test_mixed\.TestMixedAdapterTypes::|\[PeftMixedModel\]|TestModelAndLayerStatus::test_mixed_model_raises$":
-        "PeftMixedModel (get_peft_model(..., mixed=True)) takes only the peft types of PEFT's own list, not "
-        "SITS_LORA: mix LoRA with LoHa / LoKr adapters through LoraConfig",
     r"TestHotSwapping::test_hotswap_(different|wrong)_peft_types_raises$":
         "PEFT's errors name the types: 'Incompatible PEFT types found: SITS_LORA and IA3'; 'Hotswapping only "
         "supports LORA, SITS_LORA but IA3 was passed' once a sits_lora adapter exists (it registers for hotswap)",

@@ -105,6 +105,47 @@ def _allow_hotswap() -> None:
         checked.setdefault(sits_lora_peft_type(), [*checked[PeftType.LORA], "use_dynamic_rank"])
 
 
+# PeftMixedModel builds PEFT's own LoRA layers from any LoraConfig: the fields that need sits_lora's layers, with the
+# value each must keep there
+_PLAIN_LORA_VALUES = {"use_dynamic_rank": (False,), "fp8": ("off",), "base_quant": ("off",),
+                      "kernel": ("auto", "torch")}
+
+
+def _mixed_model_problems(config) -> list[str]:
+    """Why a SitsLoraConfig cannot go into a PeftMixedModel: the fields set to what only sits_lora's layers run."""
+    return [f"{name}={getattr(config, name)!r} (needs {' or '.join(repr(v) for v in allowed)})"
+            for name, allowed in _PLAIN_LORA_VALUES.items() if getattr(config, name, allowed[0]) not in allowed]
+
+
+def allow_mixed_models() -> None:
+    """PeftMixedModel (``get_peft_model(..., mixed=True)``, ``PeftMixedModel.from_pretrained``) mixes adapter types
+    (LoRA with LoHa, LoKr, ...) for inference. It makes PEFT's own layer for each config (for a SitsLoraConfig, a
+    LoraConfig subclass: PEFT's LoRA layer, no fused path) after checking the peft type against a fixed list. Let
+    SITS_LORA through that check when the adapter is plain LoRA, and refuse, naming the fields, one whose features
+    PEFT's layer would silently drop. Other types go to PEFT's check unchanged; a PEFT without this check (it is
+    private) keeps refusing SITS_LORA with its own message."""
+    from peft import mixed_model
+
+    original = getattr(mixed_model, "_check_config_compatible", None)
+    if original is None or getattr(original, "sits_lora_wrapped", False):
+        return
+
+    def _check_config_compatible(peft_config) -> None:
+        if getattr(peft_config, "peft_type", None) != sits_lora_peft_type():
+            return original(peft_config)
+        problems = _mixed_model_problems(peft_config)
+        if problems:
+            raise ValueError(
+                f"PeftMixedModel (get_peft_model(..., mixed=True)) runs PEFT's own LoRA layers, which do not have "
+                f"sits_lora's features; this SitsLoraConfig sets {', '.join(problems)}. Leave those fields at their "
+                f"defaults to mix it with other adapter types, or use get_peft_model(model, config) without "
+                f"mixed=True (several sits_lora adapters, add_weighted_adapter, adapter_names per row).")
+        return None
+
+    _check_config_compatible.sits_lora_wrapped = True
+    mixed_model._check_config_compatible = _check_config_compatible
+
+
 class SitsLoraModel(LoraModel):
     """LoRA tuner whose linear layers are SitsLoraLinear.
 

@@ -28,13 +28,16 @@ def register_with_peft() -> None:
     from peft.utils.peft_types import register_peft_method
 
     from .config import SitsLoraConfig
-    from .model import SitsLoraModel
+    from .model import SitsLoraModel, allow_mixed_models
 
     if PEFT_TYPE_TO_TUNER_MAPPING.get(sits_lora_peft_type()) is SitsLoraModel:
         return
     # prefix "lora_": the parameters keep PEFT LoRA's names (lora_A, lora_B), which is what makes
-    # merge, save and the export to a plain LoRA checkpoint work unchanged.
-    register_peft_method(name=SITS_LORA_NAME, config_cls=SitsLoraConfig, model_cls=SitsLoraModel, prefix="lora_")
+    # merge, save and the export to a plain LoRA checkpoint work unchanged. Mixed-compatible: a plain
+    # SITS_LORA adapter goes into a PeftMixedModel as PEFT's LoRA layer (allow_mixed_models says when).
+    register_peft_method(name=SITS_LORA_NAME, config_cls=SitsLoraConfig, model_cls=SitsLoraModel, prefix="lora_",
+                         is_mixed_compatible=True)
+    allow_mixed_models()
 
 
 # ----------------------------------------------------------------------------- registration on peft's import

@@ -329,3 +329,90 @@ def test_saving_an_ungathered_shard_warns_as_peft_does(tmp_path):
     with pytest.warns(Warning, match="ZeRO-3 / FSDP shards"):
         model.save_pretrained(tmp_path / "shard")
     assert (tmp_path / "shard" / "adapter_config.json").exists()
+
+
+def _mixed(config_cls, base):
+    """base + an adapter of config_cls + a LoHa adapter, both active, in a PeftMixedModel."""
+    from peft import LoHaConfig
+
+    torch.manual_seed(5)
+    model = get_peft_model(copy.deepcopy(base), config_cls(r=4, target_modules=["lin0", "lin1"],
+                                                           init_lora_weights=False), mixed=True)
+    model.add_adapter("loha", LoHaConfig(r=4, target_modules=["lin0"], init_weights=False))
+    model.set_adapter(["default", "loha"])
+    return model.eval()
+
+
+def test_a_plain_sits_adapter_mixes_with_other_types_as_a_lora_one(tmp_path):
+    """get_peft_model(..., mixed=True) and PeftMixedModel.from_pretrained take a SITS_LORA adapter (PEFT's LoRA
+    layer runs it there): the same outputs as LoraConfig in the same mix."""
+    from peft import PeftMixedModel
+
+    torch.manual_seed(0)
+    base = _MLP().eval()
+    x = _x("mlp")
+    lora, sits = _mixed(LoraConfig, base), _mixed(SitsLoraConfig, base)
+    assert sits.peft_config["default"].peft_type.value == "SITS_LORA"
+    assert not _close(lora(x), base(x))
+    assert _close(sits(x), lora(x))
+    # a saved sits adapter loads into a mixed model
+    torch.manual_seed(7)
+    saved = get_peft_model(copy.deepcopy(base), SitsLoraConfig(r=4, target_modules=["lin0"], init_lora_weights=False))
+    saved.save_pretrained(tmp_path / "a")
+    loaded = PeftMixedModel.from_pretrained(copy.deepcopy(base), tmp_path / "a").eval()
+    assert _close(loaded(x), saved.eval()(x))
+
+
+@pytest.mark.parametrize("field, value", [("fp8", "hybrid"), ("use_dynamic_rank", True), ("kernel", "triton")])
+def test_a_mixed_model_refuses_what_only_sits_layers_run(field, value):
+    needs = {"fp8": dict(fp8_emulate=True), "use_dynamic_rank": dict(rank_buckets=[1, 2, 4], target_mean_rank=2)}
+    extra = needs.get(field, {})
+    config = SitsLoraConfig(r=4, target_modules=["lin0"], **{field: value}, **extra)
+    with pytest.raises(ValueError, match=rf"sets {field}={value!r} \(needs .*without\s+mixed=True"):
+        get_peft_model(_MLP(), config, mixed=True)
+    # other types keep PEFT's own check and message
+    from peft import PromptTuningConfig
+
+    with pytest.raises(ValueError, match="is not compatible with the `PeftMixedModel`"):
+        get_peft_model(_MLP(), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2), mixed=True)
+
+
+def test_transformers_adapter_methods_take_a_sits_config(tiny_model_dir, tmp_path, monkeypatch):
+    """transformers' own adapter methods on a PreTrainedModel (add_adapter, disable / enable_adapters,
+    save_pretrained, load_adapter, AutoModelForCausalLM.from_pretrained on an adapter folder) with a
+    SitsLoraConfig give the outputs LoraConfig gives there."""
+    import json
+
+    import transformers.integrations.peft as transformers_peft
+    from packaging import version
+    from peft import __version__ as peft_version
+    from transformers import AutoModelForCausalLM
+
+    if version.parse(peft_version) < version.parse(transformers_peft.MIN_PEFT_VERSION):
+        # some transformers releases ask for a PEFT newer than PyPI's newest (5.25 asks for 0.22, PyPI has 0.21.2):
+        # their methods refuse PEFT's own LoraConfig too. Step past that gate to test the code behind it.
+        monkeypatch.setattr(transformers_peft, "check_peft_version", lambda min_version: None)
+    x = torch.arange(12)[None] % 50
+    outputs = {}
+    for name, config_cls in (("lora", LoraConfig), ("sits", SitsLoraConfig)):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        base = model(x).logits
+        torch.manual_seed(3)
+        model.add_adapter(config_cls(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+                          adapter_name="a")
+        adapted = model(x).logits
+        assert not _close(adapted, base)
+        model.disable_adapters()
+        assert _close(model(x).logits, base)
+        model.enable_adapters()
+        model.save_pretrained(tmp_path / name)
+        again = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        again.load_adapter(tmp_path / name, adapter_name="a")
+        assert _close(again(x).logits, adapted)
+        saved = json.loads((tmp_path / name / "adapter_config.json").read_text())
+        saved["base_model_name_or_path"] = str(tiny_model_dir)
+        (tmp_path / name / "adapter_config.json").write_text(json.dumps(saved))
+        assert _close(AutoModelForCausalLM.from_pretrained(tmp_path / name)(x).logits, adapted)
+        outputs[name] = adapted
+    assert json.loads((tmp_path / "sits" / "adapter_config.json").read_text())["peft_type"] == "SITS_LORA"
+    assert _close(outputs["sits"], outputs["lora"])
