@@ -242,7 +242,7 @@ def test_int4_rule_verdicts():
     needed = _verdict(seed_like)
     assert needed.status == "ok" and needed.details["rule_needed"] and "16 B +135%" in needed.summary
     assert needed.details["smallest_alignment_without_measured_cost"] == 32
-    assert "offset 16: +135.0% (seed claims +135%)" in needed.summary
+    assert "offset 16: +135.0% (the rule's source claims +135%)" in needed.summary
     sector = {**flat, 32: 0.3}  # an offset that obeys the 32-byte rule is slower: the rule is not enough
     broken = _verdict(sector)
     assert broken.status == "violated" and "does not hold: offsets [32]" in broken.summary

@@ -56,7 +56,7 @@ BACKENDS = ("auto", "cuda", "rocm", "cpu")
 INT4_MODES = ("strict", "warn", "off")
 ALIGNMENT_RULES = {"sits2026": 32, "none": None}
 DEFAULT_INT4_OFFSETS = (0, 4, 8, 16, 32, 64, 128)
-# The seed's claim, quoted next to the measurement.
+# The claim the "sits2026" rule comes from (the seed paper: see the docstring), quoted next to the measurement.
 SEED_INT4_CLAIM_US = {"aligned": 12.3, "offset_16": 28.9}
 # An offset counts as slower only beyond the run-to-run spread of the measurements, and never
 # below this floor.
@@ -115,8 +115,9 @@ def _resolve_backend(backend) -> str:
         raise BackendUnavailableError(f"backend 'cuda': this torch ({torch.__version__}) is a ROCm build (HIP {hip}); "
                                       f"use backend 'rocm' or 'auto'.")
     if backend == "rocm" and not hip:
+        usable = "'auto', 'cuda' or 'cpu'" if gpu else "'auto' or 'cpu' (no GPU is visible to torch either)"
         raise BackendUnavailableError(f"backend 'rocm': this torch ({torch.__version__}) has no ROCm support "
-                                      f"(torch.version.hip is None); use backend 'auto', 'cuda' or 'cpu'.")
+                                      f"(torch.version.hip is None); use backend {usable}.")
     if not gpu:
         raise BackendUnavailableError(f"backend {backend!r}: no GPU is visible to torch ({torch.__version__}: "
                                       f"torch.cuda.is_available() is False); use backend 'cpu' or 'auto'.")
@@ -653,7 +654,8 @@ class BenchmarkRunner:
                    "smallest_alignment_without_measured_cost": supported, "rule_bytes": rule, "measured": what,
                    "seed_claim_us": SEED_INT4_CLAIM_US}
         claimed = SEED_INT4_CLAIM_US["offset_16"] / SEED_INT4_CLAIM_US["aligned"] - 1
-        effect16 = f"offset 16: {slowdown[16]:+.1%} (seed claims +{claimed:.0%}); " if 16 in offsets else ""
+        effect16 = (f"offset 16: {slowdown[16]:+.1%} (the rule's source claims +{claimed:.0%}); " if 16 in offsets
+                    else "")
         support = (f"no cost measured at any offset down to {min(o for o in offsets if o)} B" if not slower
                    else f"the measurements support {supported}-byte alignment")
         if wrong:

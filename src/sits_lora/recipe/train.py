@@ -25,7 +25,8 @@ class TrainRecipe:
     dataset: Optional[str] = field(default=None, metadata={"help": "local .json/.jsonl/.txt; default the standard-library docs corpus"})
     output_dir: str = field(default="out/sits-smollm2", metadata={"help": "where the adapter, metrics.json and checkpoints go"})
     save_steps: int = field(default=0, metadata={
-        "help": "a checkpoint (adapter, optimizer, scheduler, RNG) every N optimizer steps; 0 = three per run"})
+        "help": "a checkpoint (adapter, optimizer, scheduler, RNG) every N optimizer steps; 0 = three per run; "
+                "the last two are kept"})
     resume: bool = field(default=False, metadata={
         "help": "continue from the latest checkpoint in output_dir (an interrupted run leaves its checkpoints there)"})
     overwrite: bool = field(default=False, metadata={
