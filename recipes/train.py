@@ -33,7 +33,7 @@ def _parser(fields) -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     from sits_lora.recipe.data import DatasetTooSmallError
-    from sits_lora.recipe.loading import ModelNotFoundError, resolve_model_source
+    from sits_lora.recipe.loading import ModelNotFoundError, require_reachable, resolve_model_source
     from sits_lora.recipe.train import ModelChoiceError, TrainRecipe, run
 
     fields = dataclasses.fields(TrainRecipe)
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
                 raise ValueError(f"--config {args.config}: unknown keys {unknown}; allowed: {TrainRecipe.field_names()}")
         values.update({f.name: getattr(args, f.name) for f in fields if getattr(args, f.name) is not None})
         recipe = TrainRecipe(**values)
-        resolve_model_source(recipe.model)  # fail now, in one line, not after minutes of loading
+        require_reachable(resolve_model_source(recipe.model))  # fail now, in one line, not after minutes of loading
         recipe.check_inputs()
     except (ModelNotFoundError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -295,6 +295,46 @@ def test_model_source_resolution(tiny_model_dir, tmp_path):
         resolve_model_source(str(tmp_path / ".."))
 
 
+def test_a_hub_id_the_machine_cannot_fetch_fails_at_once(tiny_model_dir, monkeypatch):
+    """Not in the local cache and the hub's host does not answer: one line naming both, without huggingface_hub's
+    retries; HF_HUB_OFFLINE says so itself; behind a proxy, a local folder or a cached model: no probe."""
+    import socket
+
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from sits_lora.recipe.loading import require_reachable
+
+    probes = []
+
+    def refuse(address, timeout):
+        probes.append((address, timeout))
+        raise OSError("unreachable")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: None)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY", "http_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    hub = resolve_model_source("org/model")
+    with pytest.raises(ModelNotFoundError, match=r"--model org/model: a hub id whose files are not in this "
+                                                 r"machine's cache .*does not answer from here \(unreachable\); "
+                                                 r"give a local model folder"):
+        require_reachable(hub)
+    assert probes and probes[0][1] == 3.0
+    require_reachable(resolve_model_source(str(tiny_model_dir)))
+    assert len(probes) == 1
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    require_reachable(hub)
+    assert len(probes) == 1
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelNotFoundError, match="and HF_HUB_OFFLINE is set"):
+        require_reachable(hub)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: "/cache/config.json")
+    require_reachable(hub)
+    assert len(probes) == 1
+
+
 @pytest.mark.parametrize(
     "content,needle",
     [

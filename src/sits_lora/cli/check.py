@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..recipe.loading import resolve_model_source
+from ..recipe.loading import require_reachable, resolve_model_source
 
 
 class CheckError(ValueError):
@@ -163,6 +163,7 @@ def model_config(spec: Optional[str]):
 
     try:
         source = resolve_model_source(spec)
+        require_reachable(source)
     except FileNotFoundError as error:  # ModelNotFoundError: already one clear line
         raise CheckError(str(error)) from None
     try:

@@ -95,6 +95,39 @@ def resolve_model_source(spec: Optional[str]) -> ModelSource:
     return ModelSource(spec)  # "org/name": a hub id, for users who have a hub
 
 
+_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY", "http_proxy")
+
+
+def require_reachable(source: ModelSource, timeout: float = 3.0) -> None:
+    """A hub id whose files are not in the local cache needs the hub: say so in one line at once when the hub is
+    off (HF_HUB_OFFLINE) or its host does not answer within ``timeout`` s, rather than after huggingface_hub's
+    retries (~30 s offline). Local folders, cached models and machines behind a proxy (where a direct connection
+    says nothing) pass without a probe."""
+    if source.gguf_file or os.path.isdir(source.location):
+        return
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(source.location, "config.json"), str):
+        return
+    where = (f"--model {source.location}: a hub id whose files are not in this machine's cache "
+             f"({constants.HF_HUB_CACHE})")
+    fix = "give a local model folder or .gguf file, or download the model on a machine that reaches the hub"
+    if constants.HF_HUB_OFFLINE:
+        raise ModelNotFoundError(f"{where}, and HF_HUB_OFFLINE is set; {fix}")
+    if any(os.environ.get(name) for name in _PROXY_VARIABLES):
+        return
+    endpoint = urlparse(constants.ENDPOINT)
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname, port), timeout=timeout).close()
+    except OSError as error:
+        raise ModelNotFoundError(f"{where}, and {endpoint.hostname}:{port} does not answer from here "
+                                 f"({error or type(error).__name__}); {fix}") from None
+
+
 def _forget_gguf_quantization(model) -> None:
     # transformers dequantizes GGUF tensors to ordinary float weights while loading, yet still marks
     # the model as quantized with method "gguf", which Trainer refuses to train. The weights in
@@ -114,6 +147,7 @@ def load_model(spec: Optional[str] = None, dtype=None, quantization_config=None)
     from transformers import AutoModelForCausalLM
 
     source = resolve_model_source(spec)
+    require_reachable(source)
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     if dtype is not None:
         kwargs["dtype"] = dtype
