@@ -145,6 +145,7 @@ def test_recipe_default_model_and_corpus_one_step(tmp_path):
     saved = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert saved["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"  # not a machine path
     assert "Unable to fetch remote file" not in proc.stderr  # a local model: PEFT's save asks no hub
+    assert "Could not find a config file" not in proc.stderr  # nor warns that it could not
 
 
 @pytest.mark.parametrize(

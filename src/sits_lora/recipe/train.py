@@ -13,6 +13,7 @@ import math
 import os
 import platform
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -441,6 +442,9 @@ def run(recipe: TrainRecipe) -> dict:
         # a local model: nothing to ask the hub, and PEFT would ask it at every save for the base model's
         # config (base_model_name_or_path is a hub id for the default GGUF), waiting on the network offline
         os.environ["HF_HUB_OFFLINE"] = "1"
+        # offline, that question goes unanswered and PEFT warns at every save that it assumes the vocabulary
+        # unchanged: the recipe never resizes the embeddings, so the assumption holds and the warning says nothing
+        warnings.filterwarnings("ignore", message=r"Could not find a config file in .* vocabulary was not modified")
     # a group size that fits no layer is refused before any slow work
     int4 = int4_fields(recipe, model, source_block=source.quantized_block() if recipe.base_quant == "int4" else None)
     use_liger, liger_note = resolve_liger(recipe.liger, model.config.model_type)
