@@ -226,36 +226,34 @@ def counts(outcomes: dict) -> dict:
 
 
 def draw(path: str, summary: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    sys.path.insert(0, HERE)
+    from harness import png  # here, not at the top: it imports torch, and the refusals come before any of that
 
     modes = list(summary["modes"])
     colours = {"passed": "#4c9f70", "skipped": "#bbbbbb", "failed": "#d1495b", "error": "#edae49"}
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.7 * len(modes)))
-    labels = []
-    for row, mode in enumerate(modes):
-        tally = summary["modes"][mode]["counts"]
-        total, left = sum(tally.values()), 0
-        for outcome, colour in colours.items():
-            ax.barh(row, tally[outcome], left=left, color=colour, label=outcome if row == 0 else None)
-            if tally[outcome] > 0.06 * total:  # a number only where it fits; every count is in the row's label
-                ax.text(left + tally[outcome] / 2, row, str(tally[outcome]), ha="center", va="center", fontsize=8)
-            left += tally[outcome]
-        labels.append(f"{mode}\n" + ", ".join(f"{tally[o]} {o}" for o in colours if tally[o]))
-    ax.set_yticks(range(len(modes)), labels, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("tests")
-    new = sum(1 for d in summary["differences"] if not d["known"])
-    ax.set_title(f"PEFT {summary['environment']['peft']}'s tests ({', '.join(summary['files'])}"
-                 f"{', -k ' + repr(summary['keyword']) if summary['keyword'] else ''}): "
-                 f"{len(summary['differences'])} differences from plain, {new} unexplained", fontsize=9, wrap=True)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(modes) > 2 else -0.5), ncol=4, fontsize=8,
-              frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with png(path, figsize=(9, 1.2 + 0.7 * len(modes))) as ax:
+        if ax is None:
+            return
+        labels = []
+        for row, mode in enumerate(modes):
+            tally = summary["modes"][mode]["counts"]
+            total, left = sum(tally.values()), 0
+            for outcome, colour in colours.items():
+                ax.barh(row, tally[outcome], left=left, color=colour, label=outcome if row == 0 else None)
+                if tally[outcome] > 0.06 * total:  # a number only where it fits; every count is in the row's label
+                    ax.text(left + tally[outcome] / 2, row, str(tally[outcome]), ha="center", va="center", fontsize=8)
+                left += tally[outcome]
+            labels.append(f"{mode}\n" + ", ".join(f"{tally[o]} {o}" for o in colours if tally[o]))
+        ax.set_yticks(range(len(modes)), labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("tests")
+        new = sum(1 for d in summary["differences"] if not d["known"])
+        ax.set_title(f"PEFT {summary['environment']['peft']}'s tests ({', '.join(summary['files'])}"
+                     f"{', -k ' + repr(summary['keyword']) if summary['keyword'] else ''}): "
+                     f"{len(summary['differences'])} differences from plain, {new} unexplained", fontsize=9,
+                     wrap=True)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(modes) > 2 else -0.5), ncol=4, fontsize=8,
+                  frameon=False)
 
 
 def main(argv=None) -> int:
