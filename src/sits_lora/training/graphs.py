@@ -43,7 +43,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..utils.cuda_graphs import (NotGraphable, adapter_state, copy_output, describe_call, first_line,
+from ..utils.cuda_graphs import (AdapterState, NotGraphable, copy_output, describe_call, first_line,
                                  run_on_side_stream, substitute)
 
 logger = logging.getLogger("sits_lora")
@@ -67,6 +67,7 @@ class GraphedTrainStep:
         self.step_fn = step_fn
         self.optimizers = list(optimizers)
         self.model = model
+        self._adapter_state = AdapterState(model)   # asked every step: walking the module tree is host time
         self.warmup = warmup
         self.max_graphs = max_graphs
         self._graphs: dict = {}          # signature -> (graph, static inputs, static output), or None: runs eagerly
@@ -116,7 +117,7 @@ class GraphedTrainStep:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         tensors: list = []
         try:
-            key = (describe_call((args, kwargs), tensors), adapter_state(self.model), torch.is_grad_enabled())
+            key = (describe_call((args, kwargs), tensors), self._adapter_state(), torch.is_grad_enabled())
         except NotGraphable as reason:
             self._note_eager(str(reason))
             return self._eager(args, kwargs)
