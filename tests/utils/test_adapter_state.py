@@ -51,3 +51,48 @@ def test_a_layer_injected_after_it_was_made_is_walked_again():
     model = get_peft_model(model, LoraConfig(r=4, target_modules=["3"]))   # replaces model[3] in place
     now = state()
     assert now != before and now == adapter_state(model.base_model.model)
+
+
+class SlicesItsLayers(nn.Module):
+    """A forward that slices a ModuleList, as diffusers' mid blocks (`resnets[1:]`) and transformers' decoders
+    (`layers[:n]`) do: a new ModuleList, whose submodules are registered again, every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, x):
+        for layer in self.layers[1:]:
+            x = layer(x)
+        return x
+
+
+def test_a_model_that_slices_its_layers_is_not_walked_again_each_call():
+    model = SlicesItsLayers()
+    state = AdapterState(model)
+    state()
+    walked = state._modules
+    model(torch.randn(2, 8))
+    state()
+    assert state._modules is walked   # the slice's registrations are outside the walked tree
+    model.layers[0] = nn.Linear(8, 8)   # a registration inside it
+    state()
+    assert state._modules is not walked
+
+
+def test_a_compiled_model_that_slices_its_layers_compiles_once():
+    # the registration hook ran under dynamo and bumped a global: every call failed its guard and compiled again
+    # (the SDXL VAE decoder recompiled at every image, ~2 s each on an H200)
+    AdapterState(nn.Linear(2, 2))   # sets the global hook
+    compiles = []
+
+    def backend(graph_module, example_inputs):
+        compiles.append(graph_module)
+        return graph_module.forward
+
+    model = SlicesItsLayers()
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(2, 8)
+    for _ in range(3):
+        assert torch.equal(compiled(x), model(x))
+    assert len(compiles) == 1

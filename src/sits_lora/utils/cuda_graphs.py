@@ -8,6 +8,7 @@ the call's tensors into the recorded inputs, replays, and returns a copy of the 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -73,16 +74,24 @@ def adapter_state(model: Optional[nn.Module]) -> tuple:
     return AdapterState(model)()
 
 
-# Bumped whenever any module anywhere registers a submodule (a global registration hook, set by the first
-# AdapterState): an AdapterState walks its model's tree again only after that. Deleting a module registers nothing,
-# but it leaves the state of the layers that stay, which is what a recording depends on.
+# Bumped whenever a module inside a tree some AdapterState walked registers a submodule (a global registration
+# hook, set by the first AdapterState): an AdapterState walks its model's tree again only after that. Registrations
+# elsewhere do not count: a model that slices a ModuleList in its forward (diffusers' mid blocks' `resnets[1:]`,
+# transformers' `layers[:n]`) builds a new container every call, and counting those would walk again every call.
+# Nor does anything traced by torch.compile: dynamo would guard the compiled code on the counter's value and
+# compile again at every call. Deleting a module registers nothing, but it leaves the state of the layers that
+# stay, which is what a recording depends on.
 _registrations = 0
 _hooked = False
+_walked: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 def _count_registration(module, name, submodule):
     global _registrations
-    _registrations += 1
+    if torch.compiler.is_compiling():
+        return
+    if module in _walked:
+        _registrations += 1
 
 
 class AdapterState:
@@ -110,6 +119,7 @@ class AdapterState:
 
             self._seen = _registrations
             self._modules = list(self.model.modules())
+            _walked.update(self._modules)
             self._tuners = [m for m in self._modules if isinstance(m, BaseTunerLayer)]
         modes = tuple([m.training for m in self._modules])
         tuners = []
