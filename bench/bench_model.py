@@ -58,7 +58,12 @@ OPTIONAL_ARMS = ["peft+liger", "sits+liger", "sits+gc", "peft+gc", "sits+fp8", "
                  # "+bnbdq": the NF4 weights dequantized by bitsandbytes' dequantize_4bit, not sits_lora's kernel
                  "sits+nf4+bnbdq", "sits+nf4+bnbdq+liger",
                  # "+nf4+fp8": NF4 storage, fp8 compute (fp8="hybrid" over the 4-bit layers: W formed in e4m3 per GEMM)
-                 "sits+nf4+fp8", "sits+nf4+fp8+liger"]
+                 "sits+nf4+fp8", "sits+nf4+fp8+liger",
+                 # "+graph": the whole step (forward, loss, backward, optimizer) recorded as one CUDA graph by
+                 # sits_lora.training.graph_train_step after two eager steps and replayed: the host's time leaves the
+                 # step. Not part of the floor: graphed arms are compared with the graphed frozen arm (bench/regress.py)
+                 "frozen+graph", "frozen+liger+graph", "peft+graph", "peft+liger+graph", "sits+graph",
+                 "sits+liger+graph"]
 
 
 @contextlib.contextmanager
@@ -190,10 +195,19 @@ def worker(args) -> None:
             update_scaling(model)  # what SitsHardwareCallback does after each optimizer step
         return loss
 
+    graphed = "graph" in parts
+    if graphed:
+        if device != "cuda":
+            raise SystemExit(f"arm {args.arm}: +graph records CUDA graphs (sits_lora.training.graph_train_step) and "
+                             "needs a CUDA GPU")
+        from sits_lora.training import graph_train_step
+
+        # two eager steps, then the recording: the timed steps are replays
+        step = graph_train_step(step, optimizer, model=model)
     t0 = time.perf_counter()
-    for _ in range(args.warmup):
+    for _ in range(max(args.warmup, 3) if graphed else args.warmup):
         step()
-    cuda_graphs = mode == "reduce-overhead"
+    cuda_graphs = mode == "reduce-overhead" or graphed
     if device == "cuda":
         torch.cuda.synchronize()
         # CUDA graphs allocate their memory pool while warming up and a replay allocates nothing new: their

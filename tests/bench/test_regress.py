@@ -163,3 +163,24 @@ def test_a_run_of_a_few_arms_updates_only_those(tmp_path):
     by_arm = {r["arm"]: r["vs_floor"] for r in now["rows"]}
     assert by_arm["sits"] == pytest.approx(1.1) and by_arm["sits+compile"] == pytest.approx(1.1)
     assert [r["command"] for r in now["runs"]] == ["full", "eager arms only"]  # the compiled row is still full's
+
+
+def test_graphed_arms_are_compared_with_the_graphed_frozen_arm_not_the_floor():
+    rows = _rows("1b", frozen=1.2, frozen_liger=0.9, frozen_liger_graph=0.8, sits_liger=1.2, sits_liger_graph=0.86)
+    assert rows[0]["vs_floor"] == pytest.approx(1.2 / 0.9)   # the floor: eager / compiled frozen arms only
+    checks = _by_what(regress.compare(rows, None, [], regress.TARGETS), "target")
+    graphed = checks[("1b", "best graphed sits <= 1.10x frozen+liger+graph")]
+    assert graphed["ok"] is True and "sits+liger+graph 1.075x frozen+liger+graph" in graphed["detail"]
+    assert checks[("1b", "best sits bf16 <= 1.10x floor")]["ok"] is False   # sits+liger 1.2 / 0.9: not a graph arm
+    rows = _rows("8b", frozen_liger=0.9, frozen_liger_graph=0.8, sits_liger_graph=0.86)
+    checks = _by_what(regress.compare(rows, None, [], regress.TARGETS), "target")
+    assert checks[("8b", "best graphed sits <= 1.05x frozen+liger+graph")]["ok"] is False   # 1.075 > 1.05
+
+
+def test_a_graph_arm_without_a_gpu_fails_with_the_reason():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the refusal on a machine without a GPU")
+    row = bench_module("bench_model").run_arm("tiny", "sits+graph", smoke=True, timeout_s=120)
+    assert "needs a CUDA GPU" in row["error"], row
