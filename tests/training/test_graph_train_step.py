@@ -194,7 +194,8 @@ def test_a_step_that_waits_for_the_gpu_is_refused_with_the_fix():
     graphed = graph_train_step(step, optimizer, warmup=1)
     ids = torch.randint(0, 97, (2, 16), device="cuda")
     graphed(ids)
-    with pytest.raises(GraphCaptureError, match=r"could not be recorded as a CUDA graph .*remove .item\(\)"):
+    with pytest.raises(GraphCaptureError, match=r"could not be recorded as a CUDA graph \(.*\), at \S+:\d+ in \w+\. "
+                                                r"Nothing .*remove .item\(\)"):
         graphed(ids)
     assert isinstance(inner(ids), torch.Tensor)                  # the model still trains eagerly
 
@@ -243,3 +244,26 @@ def test_replayed_unet_steps_match_eager_steps():
         if a.requires_grad:
             assert (a.float() - b.float()).abs().max().item() <= 2e-2 * a.float().abs().max().item() + 1e-3, name
 
+
+
+def test_a_failed_recording_names_where_it_stopped_and_a_known_sync():
+    from sits_lora.training.graphs import _known_sync_hint, failure_site
+
+    # a sync inside a library: its file and line; Liger's cross-entropy gets its own fix
+    namespace = {}
+    exec(compile("def count(t):\n    return t.sum().item() + undefined_name\n",
+                 "/site-packages/liger_kernel/ops/fused_linear_cross_entropy.py", "exec"), namespace)
+    try:
+        namespace["count"](torch.ones(2))
+    except NameError as error:
+        site = failure_site(error)
+    assert site == "liger_kernel/ops/fused_linear_cross_entropy.py:2 in count"
+    assert "fused_linear_cross_entropy=False" in _known_sync_hint(site)
+    # a sync inside torch's own Python names the caller
+    try:
+        torch.nn.utils.clip_grad_norm_([torch.nn.Parameter(torch.ones(1))], 1.0, norm_type="not a norm")
+    except Exception as error:   # noqa: BLE001
+        site = failure_site(error)
+    assert site.startswith("tests/training/test_graph_train_step.py:")
+    assert site.endswith(" in test_a_failed_recording_names_where_it_stopped_and_a_known_sync")
+    assert _known_sync_hint(site) == ""

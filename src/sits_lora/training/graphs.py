@@ -37,6 +37,8 @@ at recording): accumulate inside the step function, over micro-batches passed to
 from __future__ import annotations
 
 import logging
+import os
+import traceback
 import warnings
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -177,11 +179,13 @@ class GraphedTrainStep:
             self._note_eager(str(reason))
             return None
         except Exception as error:   # noqa: BLE001 (re-raised with the fix)
+            site = failure_site(error)
             raise GraphCaptureError(
-                f"graph_train_step: the step function could not be recorded as a CUDA graph ({first_line(error)}). "
-                "Nothing of this step was applied. A recorded step may not wait for the GPU: remove .item(), "
-                ".cpu(), printing or comparing CUDA tensors in Python, and ops whose output shape depends on values "
-                "(torch.nonzero, boolean indexing) from the step, or call the step function directly (eagerly)."
+                f"graph_train_step: the step function could not be recorded as a CUDA graph ({first_line(error)})"
+                f"{f', at {site}' if site else ''}. Nothing of this step was applied. A recorded step may not wait "
+                "for the GPU: remove .item(), .cpu(), printing or comparing CUDA tensors in Python, and ops whose "
+                "output shape depends on values (torch.nonzero, boolean indexing) from the step, or call the step "
+                "function directly (eagerly)." + _known_sync_hint(site)
             ) from error
         self.recordings += 1
         return graph, static_inputs, static_output
@@ -224,6 +228,25 @@ def _takes_tensor_lr(optimizer: torch.optim.Optimizer) -> bool:
     """Whether this optimizer steps with a tensor learning rate inside a graph (torch's Adam and AdamW, fused or
     capturable; the others bake a float in)."""
     return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+
+
+def failure_site(error: BaseException) -> str:
+    """Where a failed recording stopped, as "package/module/file.py:line in function": the innermost frame outside
+    torch's own package (a sync inside torch's Python, such as a check in clip_grad_norm_, names its caller)."""
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(torch_dir)]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f"{'/'.join(frame.filename.replace(os.sep, '/').split('/')[-3:])}:{frame.lineno} in {frame.name}"
+
+
+def _known_sync_hint(site: str) -> str:
+    if "liger_kernel/" in site and "cross_entropy" in site:
+        return (" Liger-Kernel's (fused linear) cross-entropy counts the labelled tokens with .item(): for a recorded "
+                "step apply Liger with fused_linear_cross_entropy=False (e.g. apply_liger_kernel_to_llama("
+                "fused_linear_cross_entropy=False)); transformers' own loss records.")
+    return ""
 
 
 def graph_train_step(step_fn: Callable,
