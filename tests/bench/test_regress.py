@@ -48,6 +48,10 @@ def test_failed_arms_graph_breaks_and_missing_baselines_are_reported():
     assert compiled[("-", "static")]["ok"] is True and compiled[("-", "fp8 hybrid")]["ok"] is False
     assert compiled[("-", "dynamic rank, random router")]["ok"] is False  # gated since it traces whole
     assert ("-", "some other") not in compiled  # a configuration outside the gated list: in the JSON only
+    # a configuration that compiles again at every call fails like a break
+    again = [{"config": "static", "graph_breaks": 0, "recompiles": 2}]
+    check = _by_what(regress.compare(rows, None, again, {}), "graph breaks")[("-", "static")]
+    assert check["ok"] is False and check["detail"] == "0 breaks, 2 recompiles on the next calls"
 
 
 def test_targets_use_the_floor_of_the_same_run():
