@@ -247,7 +247,7 @@ def test_replayed_unet_steps_match_eager_steps():
 
 
 def test_a_failed_recording_names_where_it_stopped_and_a_known_sync():
-    from sits_lora.training.graphs import _known_sync_hint, failure_site
+    from sits_lora.training.graphs import _failure_site, _known_sync_hint
 
     # a sync inside a library: its file and line; Liger's cross-entropy gets its own fix
     namespace = {}
@@ -256,14 +256,14 @@ def test_a_failed_recording_names_where_it_stopped_and_a_known_sync():
     try:
         namespace["count"](torch.ones(2))
     except NameError as error:
-        site = failure_site(error)
+        site = _failure_site(error)
     assert site == "liger_kernel/ops/fused_linear_cross_entropy.py:2 in count"
     assert "fused_linear_cross_entropy=False" in _known_sync_hint(site)
     # a sync inside torch's own Python names the caller
     try:
         torch.nn.utils.clip_grad_norm_([torch.nn.Parameter(torch.ones(1))], 1.0, norm_type="not a norm")
     except Exception as error:   # noqa: BLE001
-        site = failure_site(error)
+        site = _failure_site(error)
     assert site.startswith("tests/training/test_graph_train_step.py:")
     assert site.endswith(" in test_a_failed_recording_names_where_it_stopped_and_a_known_sync")
     assert _known_sync_hint(site) == ""

@@ -179,7 +179,7 @@ class GraphedTrainStep:
             self._note_eager(str(reason))
             return None
         except Exception as error:   # noqa: BLE001 (re-raised with the fix)
-            site = failure_site(error)
+            site = _failure_site(error)
             raise GraphCaptureError(
                 f"graph_train_step: the step function could not be recorded as a CUDA graph ({first_line(error)})"
                 f"{f', at {site}' if site else ''}. Nothing of this step was applied. A recorded step may not wait "
@@ -230,7 +230,7 @@ def _takes_tensor_lr(optimizer: torch.optim.Optimizer) -> bool:
     return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
 
 
-def failure_site(error: BaseException) -> str:
+def _failure_site(error: BaseException) -> str:
     """Where a failed recording stopped, as "package/module/file.py:line in function": the innermost frame outside
     torch's own package (a sync inside torch's Python, such as a check in clip_grad_norm_, names its caller)."""
     torch_dir = os.path.dirname(torch.__file__) + os.sep

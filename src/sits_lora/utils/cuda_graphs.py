@@ -119,7 +119,7 @@ class AdapterState:
 
             self._seen = _registrations
             self._modules = list(self.model.modules())
-            _walked.update(self._modules)
+            _walked.update(self._modules)   # hashable: torch's own module walk keeps a set of them
             self._tuners = [m for m in self._modules if isinstance(m, BaseTunerLayer)]
         modes = tuple([m.training for m in self._modules])
         tuners = []
