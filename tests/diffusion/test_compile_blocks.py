@@ -40,6 +40,27 @@ def test_compiled_blocks_give_the_eager_image(channels_last):
     torch.testing.assert_close(_image(compiled), _image(eager), rtol=1e-4, atol=1e-4)
 
 
+def test_compiled_blocks_compile_once_while_a_graph_wrapper_watches_the_model():
+    # graph_denoiser's AdapterState sets a module-registration hook; the VAE decoder's mid block slices its resnets
+    # every call, and the hook, traced into the compiled decoder, made it compile again at every image (an SDXL
+    # image took ~3 s instead of ~1 on an H200)
+    from torch._dynamo.utils import counters
+
+    from sits_lora.utils.cuda_graphs import AdapterState
+
+    torch.manual_seed(0)
+    unet = tiny_unet()
+    unet.add_adapter(SitsLoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, init_lora_weights=False))
+    pipe = tiny_pipeline(unet.eval())
+    compile_blocks(pipe)
+    AdapterState(pipe.unet)()
+    _image(pipe)
+    compiled = counters["stats"]["unique_graphs"]
+    _image(pipe)
+    _image(pipe)
+    assert counters["stats"]["unique_graphs"] == compiled
+
+
 def test_refusals_name_the_fix():
     with pytest.raises(ValueError, match="graph_denoiser"):
         compile_blocks(tiny_unet(), mode="reduce-overhead")
