@@ -39,7 +39,8 @@ MODELS = {
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ARMS = ["frozen", "frozen+compile", "peft", "peft+compile", "sits", "sits+compile"]
 # the frozen arms whose fastest step is "the floor"
-FLOOR_ARMS = ("frozen", "frozen+compile", "frozen+liger", "frozen+liger+compile", "frozen+compile+cg")
+FLOOR_ARMS = ("frozen", "frozen+compile", "frozen+liger", "frozen+liger+compile", "frozen+compile+cg",
+              "frozen+liger+nolce")
 # "+cg": torch.compile(mode="reduce-overhead"), CUDA graphs over the compiled forward and backward: the fp8
 # layers are launch-bound (bench/NOTES.md, session 3); the frozen floor is measured the same way next to them
 OPTIONAL_ARMS = ["peft+liger", "sits+liger", "sits+gc", "peft+gc", "sits+fp8", "sits+fp8+compile",
@@ -64,7 +65,10 @@ OPTIONAL_ARMS = ["peft+liger", "sits+liger", "sits+gc", "peft+gc", "sits+fp8", "
                  # step. Not part of the floor: graphed arms are compared with the graphed frozen arm (bench/regress.py).
                  # With Liger: without its fused linear cross-entropy (a host sync; see build)
                  "frozen+graph", "frozen+liger+graph", "peft+graph", "peft+liger+graph", "sits+graph",
-                 "sits+liger+graph"]
+                 "sits+liger+graph",
+                 # "+nolce": Liger without its fused linear cross-entropy, eager (what its two host syncs a step cost
+                 # a host-bound arm, against the logits it saves)
+                 "frozen+liger+nolce", "sits+liger+nolce"]
 
 
 @contextlib.contextmanager
@@ -123,7 +127,7 @@ def build(model_name: str, arm: str, device: str, dtype, layers: int = 0):
         # Liger's fused linear cross-entropy counts the labelled tokens with .item(), a host sync that a CUDA graph
         # cannot record: the +graph arms keep Liger's RMSNorm, SwiGLU and RoPE and take transformers' loss (the
         # logits materialized: more memory, a little more GPU time)
-        apply_liger_kernel_to_llama(fused_linear_cross_entropy="graph" not in arm.split("+"))
+        apply_liger_kernel_to_llama(fused_linear_cross_entropy=not {"graph", "nolce"} & set(arm.split("+")))
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype)
