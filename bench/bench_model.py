@@ -62,8 +62,8 @@ OPTIONAL_ARMS = ["peft+liger", "sits+liger", "sits+gc", "peft+gc", "sits+fp8", "
                  "sits+nf4+fp8", "sits+nf4+fp8+liger",
                  # "+graph": the whole step (forward, loss, backward, optimizer) recorded as one CUDA graph by
                  # sits_lora.training.graph_train_step after two eager steps and replayed: the host's time leaves the
-                 # step. Not part of the floor: graphed arms are compared with the graphed frozen arm (bench/regress.py).
-                 # With Liger: without its fused linear cross-entropy (a host sync; see build)
+                 # step. Not part of the floor: graphed arms are compared with the graphed frozen arm
+                 # (bench/regress.py). With Liger: without its fused linear cross-entropy (a host sync; see build)
                  "frozen+graph", "frozen+liger+graph", "peft+graph", "peft+liger+graph", "sits+graph",
                  "sits+liger+graph",
                  # "+nolce": Liger without its fused linear cross-entropy, eager (what its two host syncs a step cost
@@ -125,8 +125,8 @@ def build(model_name: str, arm: str, device: str, dtype, layers: int = 0):
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
         # Liger's fused linear cross-entropy counts the labelled tokens with .item(), a host sync that a CUDA graph
-        # cannot record: the +graph arms keep Liger's RMSNorm, SwiGLU and RoPE and take transformers' loss (the
-        # logits materialized: more memory, a little more GPU time)
+        # cannot record: the +graph arms (and +nolce, which measures what the syncs cost eagerly) keep Liger's
+        # RMSNorm, SwiGLU and RoPE and take transformers' loss (the logits materialized: more memory, more GPU time)
         apply_liger_kernel_to_llama(fused_linear_cross_entropy=not {"graph", "nolce"} & set(arm.split("+")))
     torch.manual_seed(0)
     with torch.device(device):

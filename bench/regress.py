@@ -21,8 +21,8 @@ cross-entropy weigh more in the step than in the full model (the ratios sit a li
 Graph breaks are counted first (bench/graph_breaks.py, on this machine's device).
 
 Exit status 1 when a sits arm's ratio to the floor is more than 5 % above the baseline's, when a gated
-configuration has a graph break or compiles again on later calls, or when a target below is missed; each failed check is printed. Writes
-OUT/regress.json, regress.csv and regress.png.
+configuration has a graph break or compiles again on later calls, or when a target below is missed; each failed
+check is printed. Writes OUT/regress.json, regress.csv and regress.png.
 """
 
 from __future__ import annotations
@@ -207,6 +207,16 @@ TARGETS["8b-full"] = FOUR_BIT_TARGETS + [
      _whole_weights(INT4_SITS, BF16_SITS, 0.35))]
 
 
+def _compile_finding(row: dict) -> str:
+    """One graph_breaks.py row in words. "recompiles": graphs compiled again by later calls with the same inputs
+    (absent from rows of an older graph_breaks.py)."""
+    if row.get("error"):
+        return row["error"]
+    recompiles = row.get("recompiles")
+    return f"{row.get('graph_breaks')} breaks" + (f", {recompiles} recompiles on the next calls"
+                                                  if recompiles is not None else "")
+
+
 def compare(rows: list[dict], baseline: Optional[dict], compile_rows: list[dict], targets: dict,
             tolerance: float = TOLERANCE) -> list[dict]:
     """Every check of the gate: {"kind", "shape", "what", "ok" (True / False / None: not measured), "detail"}."""
@@ -229,11 +239,8 @@ def compare(rows: list[dict], baseline: Optional[dict], compile_rows: list[dict]
     for c in compile_rows:
         if c["config"] not in GATED_COMPILE_CONFIGS:
             continue
-        # "recompiles": graphs compiled again by later calls with the same inputs (absent from older rows)
-        breaks, recompiles = c.get("graph_breaks"), c.get("recompiles")
-        detail = f"{breaks} breaks" + (f", {recompiles} recompiles on the next calls" if recompiles is not None else "")
-        checks.append(dict(kind="graph breaks", shape="-", what=c["config"], ok=breaks == 0 and not recompiles,
-                           detail=c.get("error") or detail))
+        checks.append(dict(kind="graph breaks", shape="-", what=c["config"],
+                           ok=c.get("graph_breaks") == 0 and not c.get("recompiles"), detail=_compile_finding(c)))
     for shape, shape_targets in targets.items():
         shape_rows = [r for r in rows if r["shape"] == shape]
         if not shape_rows:
@@ -341,8 +348,7 @@ def main(argv=None) -> int:
 
     compile_rows = [] if args.no_graph_breaks else count_graph_breaks(args.smoke, timeout_s=300)
     for c in compile_rows:
-        found = c.get("error") or f"{c.get('graph_breaks')} breaks, {c.get('recompiles')} recompiles"
-        print(f"[graph breaks] {c['config']}: {found}", flush=True)
+        print(f"[graph breaks] {c['config']}: {_compile_finding(c)}", flush=True)
     rows = []
     arms = args.arms or (SMOKE_ARMS if args.smoke else ARMS)
     if importlib.util.find_spec("bitsandbytes") is None and any("nf4" in a.split("+") for a in arms):

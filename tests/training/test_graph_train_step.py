@@ -245,7 +245,6 @@ def test_replayed_unet_steps_match_eager_steps():
             assert (a.float() - b.float()).abs().max().item() <= 2e-2 * a.float().abs().max().item() + 1e-3, name
 
 
-
 def test_a_failed_recording_names_where_it_stopped_and_a_known_sync():
     from sits_lora.training.graphs import _failure_site, _known_sync_hint
 
