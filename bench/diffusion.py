@@ -7,7 +7,9 @@
 Protocol of shared/ANCHORS.md ("Diffusion"): random weights in the real U-Net / VAE shapes (no hub), LoRA r16 on
 the cross-attention projections attn2.to_k / attn2.to_v, 30 denoising steps at batch 2 (classifier-free guidance)
 plus one VAE decode, bf16, eager; every arm's pipeline is built first, then one warm-up image each, then --repeats
-rounds of one image per arm in turn: the median of each arm's rounds. The text encoder does not
+rounds of one image per arm in turn (--order blocked: each arm's images in a row): the median of each arm's rounds.
+On CUDA each timed image is also split, without waiting, on the GPU's clock (an event at each step's end) and the
+host's: gpu_* / host_* first step, median step, after the last step (ms). The text encoder does not
 run: the prompt goes in as random embeddings (it is the same for every arm, and a pipeline runs it once an image).
 
 Arms, each on a copy of the same U-Net with the same LoRA weights (B drawn non-zero, so the LoRA changes the image):
@@ -251,16 +253,43 @@ def sync(device: str) -> None:
 
 
 def time_image(pipe, kwargs: dict, steps: int, resolution: int, device: str):
-    """(seconds, the image (C, H, W) in [0, 1], float32 on the CPU) of one generation, seeded alike for every arm."""
+    """(seconds, the image (C, H, W) in [0, 1], float32 on the CPU, the split) of one generation, seeded alike for
+    every arm. On CUDA the split says where the image's time went without changing it: a CUDA event recorded at the
+    end of each step (no wait) gives the GPU's clock there, the host's clock is read at the same points; milliseconds
+    from the start: the first step, the median step and what follows the last step, on each clock. A host step equal
+    to the GPU's step means the host set the pace."""
     gen = torch.Generator(device).manual_seed(3)
+    events, host_stamps = [], []
+
+    def mark(pipe_, step, timestep, callback_kwargs):
+        host_stamps.append(time.perf_counter())
+        events.append(torch.cuda.Event(enable_timing=True))
+        events[-1].record()
+        return {}
+
+    extra = {"callback_on_step_end": mark} if device == "cuda" else {}
     sync(device)
+    start_event = torch.cuda.Event(enable_timing=True) if device == "cuda" else None
     start = time.perf_counter()
+    if start_event is not None:
+        start_event.record()
     with torch.no_grad():
         out = pipe(**kwargs, num_inference_steps=steps, guidance_scale=7.5, height=resolution, width=resolution,
-                   generator=gen, output_type="pt")
+                   generator=gen, output_type="pt", **extra)
+    if start_event is not None:
+        end_event = torch.cuda.Event(enable_timing=True)
+        end_event.record()
     sync(device)
     seconds = time.perf_counter() - start
-    return seconds, out.images[0].float().cpu()
+    split = {}
+    if events:
+        gpu = [start_event.elapsed_time(e) for e in events] + [start_event.elapsed_time(end_event)]
+        host = [(t - start) * 1e3 for t in host_stamps]
+        split = {"gpu_first_step_ms": gpu[0], "gpu_step_ms": statistics.median(b - a for a, b in zip(gpu, gpu[1:-1]))
+                 if len(events) > 1 else None, "gpu_after_steps_ms": gpu[-1] - gpu[-2],
+                 "host_first_step_ms": host[0], "host_step_ms": statistics.median(b - a for a, b in zip(host, host[1:]))
+                 if len(host) > 1 else None, "host_after_steps_ms": seconds * 1e3 - host[-1]}
+    return seconds, out.images[0].float().cpu(), split
 
 
 def image_phases(pipe, kwargs: dict, steps: int, resolution: int, device: str) -> dict:
@@ -449,6 +478,9 @@ def main(argv=None) -> int:
                         help="after the timed images, more images per arm with the clock stamped at each step "
                              "(first step, a step, after the last step, the host's time a step: phase_*_ms) and, "
                              "on CUDA, one under torch.profiler (kernel_ms against profiled_wall_ms)")
+    parser.add_argument("--order", choices=("interleaved", "blocked"), default="interleaved",
+                        help="interleaved: the timed images in rounds, one per arm in turn (drift spreads over the "
+                             "arms alike); blocked: each arm's images in a row (what one arm costs after another's)")
     parser.add_argument("--repeats", type=int, default=3, help="images timed per arm, after one warm-up image")
     parser.add_argument("--train-batch", type=int, default=8)
     parser.add_argument("--train-rounds", type=int, default=4,
@@ -484,23 +516,30 @@ def main(argv=None) -> int:
                              for s in (7, 8)]
         pipes = {arm: pipeline(name, adapt(unet, arm, INFERENCE_TARGETS), vae, arm, calibration_calls,
                                min_rows=0 if args.smoke else 256, scheduler=args.scheduler) for arm in inference}
-        times = {arm: [] for arm in inference}
-        for round_ in range(repeats + 1):   # round 0 warms up (allocator, autotuning, the kept K / V)
-            for arm in inference:
-                with fused_only(arm):
-                    seconds, image = time_image(pipes[arm], kwargs, steps, shape["resolution"], device)
-                if round_:
-                    times[arm].append(seconds)
-                images[(name, arm)] = image
-                # each image as it comes: a run cut short by a time limit still says what it measured
-                print(f"[{name} {arm}] round {round_}{' (warm-up)' if not round_ else ''}: {seconds:.3f} s",
-                      flush=True)
+        times, splits = {arm: [] for arm in inference}, {arm: [] for arm in inference}
+        # round 0 warms up (allocator, autotuning, the kept K / V); "blocked" takes each arm's images in a row
+        order = ([(round_, arm) for round_ in range(repeats + 1) for arm in inference] if args.order == "interleaved"
+                 else [(round_, arm) for arm in inference for round_ in range(repeats + 1)])
+        for round_, arm in order:
+            with fused_only(arm):
+                seconds, image, split = time_image(pipes[arm], kwargs, steps, shape["resolution"], device)
+            if round_:
+                times[arm].append(seconds)
+                splits[arm].append(split)
+            images[(name, arm)] = image
+            # each image as it comes: a run cut short by a time limit still says what it measured
+            print(f"[{name} {arm}] round {round_}{' (warm-up)' if not round_ else ''}: {seconds:.3f} s"
+                  + "".join(f", {k} {v:.1f}" for k, v in split.items() if v is not None), flush=True)
         for arm in inference:
             seconds = statistics.median(times[arm])
             reference = images[(name, arm)] if arm == reference_arm else reference
             rows.append({"shape": name, "arm": arm, "seconds_per_image": seconds, "times": times[arm],
-                         "fidelity_reference": reference_arm,
+                         "fidelity_reference": reference_arm, "order": args.order,
                          "steps": steps, "scheduler": args.scheduler, "lora_targets": " ".join(INFERENCE_TARGETS)})
+            # the timed images' split (CUDA): the median of each field over the repeats
+            for key in splits[arm][0] if splits[arm] else ():
+                values = [sp[key] for sp in splits[arm] if sp.get(key) is not None]
+                rows[-1][key] = statistics.median(values) if values else None
             print(f"[{name} {arm}] {seconds:.3f} s per image ({' '.join(f'{t:.3f}' for t in times[arm])})",
                   flush=True)
             if args.phases:

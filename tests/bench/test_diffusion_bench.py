@@ -46,6 +46,16 @@ def test_phases_split_an_image_into_its_first_step_a_step_and_the_decode(tmp_pat
     assert "kernel_ms" not in row   # the profiled image is CUDA only
 
 
+def test_blocked_order_takes_each_arms_images_in_a_row(tmp_path, capsys):
+    assert diffusion.main(["--smoke", "--out", str(tmp_path), "--arms", "base", "sits", "--order", "blocked"]) == 0
+    rounds = [line.split("]")[0].lstrip("[").split()[-1] for line in capsys.readouterr().out.splitlines()
+              if "] round " in line]
+    assert rounds == ["base", "base", "sits", "sits"]   # --smoke: a warm-up image and a timed one, arm after arm
+    rows = json.load(open(tmp_path / "diffusion.json"))["rows"]
+    assert [(r["arm"], r["order"], len(r["times"])) for r in rows] == [("base", "blocked", 1), ("sits", "blocked", 1)]
+    assert "gpu_step_ms" not in rows[0]   # the event split is CUDA only
+
+
 def test_bad_options_stop_before_any_model_is_built(tmp_path, capsys):
     with pytest.raises(SystemExit):
         diffusion.main(["--smoke", "--out", str(tmp_path), "--repeats", "0"])

@@ -88,7 +88,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def _models(dtype=torch.float32, dropout=0.0):
-    kernel = "auto" if ON_GPU else "triton"
+    kernel = "triton"   # the decode kernel in fp32 on either device ("auto" takes the reference for fp32 on a GPU)
     ours = get_peft_model(tiny_llama(0), SitsLoraConfig(r=8, lora_alpha=16, lora_dropout=dropout,
                                                         target_modules=TARGETS, kernel=kernel))
     peft = get_peft_model(tiny_llama(0), LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, target_modules=TARGETS))
