@@ -283,13 +283,19 @@ def time_image(pipe, kwargs: dict, steps: int, resolution: int, device: str):
     seconds = time.perf_counter() - start
     split = {}
     if events:
-        gpu = [start_event.elapsed_time(e) for e in events] + [start_event.elapsed_time(end_event)]
+        gpu = [start_event.elapsed_time(e) for e in events]
         host = [(t - start) * 1e3 for t in host_stamps]
-        split = {"gpu_first_step_ms": gpu[0], "gpu_step_ms": statistics.median(b - a for a, b in zip(gpu, gpu[1:-1]))
-                 if len(events) > 1 else None, "gpu_after_steps_ms": gpu[-1] - gpu[-2],
-                 "host_first_step_ms": host[0], "host_step_ms": statistics.median(b - a for a, b in zip(host, host[1:]))
-                 if len(host) > 1 else None, "host_after_steps_ms": seconds * 1e3 - host[-1]}
+        split = {"gpu_first_step_ms": gpu[0], "gpu_step_ms": median_gap(gpu),
+                 "gpu_after_steps_ms": start_event.elapsed_time(end_event) - gpu[-1],
+                 "host_first_step_ms": host[0], "host_step_ms": median_gap(host),
+                 "host_after_steps_ms": seconds * 1e3 - host[-1]}
     return seconds, out.images[0].float().cpu(), split
+
+
+def median_gap(stamps: list):
+    """The median difference between consecutive stamps (in their unit), or None for fewer than two."""
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return statistics.median(gaps) if gaps else None
 
 
 def image_phases(pipe, kwargs: dict, steps: int, resolution: int, device: str) -> dict:
@@ -314,9 +320,9 @@ def image_phases(pipe, kwargs: dict, steps: int, resolution: int, device: str) -
         pipe(**call, generator=torch.Generator(device).manual_seed(3), callback_on_step_end=stamp)
     sync(device)
     end = time.perf_counter()
-    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    step = median_gap(stamps)
     phases = {"phase_total_ms": (end - start) * 1e3, "phase_first_step_ms": (stamps[0] - start) * 1e3,
-              "phase_step_ms": statistics.median(gaps) * 1e3 if gaps else None,
+              "phase_step_ms": step * 1e3 if step is not None else None,
               "phase_after_steps_ms": (end - stamps[-1]) * 1e3}
     # the host's own time a step: the same stamps without waiting for the GPU (the host runs ahead while the GPU
     # queue has room). Below phase_step_ms: the GPU sets the pace; about equal: the host does
@@ -325,8 +331,8 @@ def image_phases(pipe, kwargs: dict, steps: int, resolution: int, device: str) -
     with torch.no_grad():
         pipe(**call, generator=torch.Generator(device).manual_seed(3), callback_on_step_end=stamp)
     sync(device)
-    host_gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    phases["phase_host_step_ms"] = statistics.median(host_gaps) * 1e3 if host_gaps else None
+    host_step = median_gap(stamps)
+    phases["phase_host_step_ms"] = host_step * 1e3 if host_step is not None else None
     if device == "cuda":
         from torch.autograd import DeviceType
         from torch.profiler import ProfilerActivity, profile

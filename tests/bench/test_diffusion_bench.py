@@ -56,6 +56,11 @@ def test_blocked_order_takes_each_arms_images_in_a_row(tmp_path, capsys):
     assert "gpu_step_ms" not in rows[0]   # the event split is CUDA only
 
 
+def test_median_gap_is_the_median_step_between_stamps():
+    assert diffusion.median_gap([0.0, 1.0, 3.0, 4.0, 9.0]) == 1.5   # gaps 1, 2, 1, 5
+    assert diffusion.median_gap([2.0]) is None and diffusion.median_gap([]) is None
+
+
 def test_bad_options_stop_before_any_model_is_built(tmp_path, capsys):
     with pytest.raises(SystemExit):
         diffusion.main(["--smoke", "--out", str(tmp_path), "--repeats", "0"])
