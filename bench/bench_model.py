@@ -210,8 +210,9 @@ def worker(args) -> None:
                              "needs a CUDA GPU")
         from sits_lora.training import graph_train_step
 
-        # two eager steps, then the recording: the timed steps are replays
-        step = graph_train_step(step, optimizer, model=model)
+        # two eager steps, then the recording: the timed steps are replays. The batches are unpadded and unpacked:
+        # attention recorded causal without the mask transformers builds while a stream captures
+        step = graph_train_step(step, optimizer, model=model, assume_causal_attention=True)
     t0 = time.perf_counter()
     for _ in range(max(args.warmup, 3) if graphed else args.warmup):
         step()

@@ -35,6 +35,8 @@ def test_refusals_name_the_fix(monkeypatch):
         graph_train_step(_noop, optimizer, warmup=0)
     with pytest.raises(ValueError, match="max_graphs must be an int >= 1, got True"):
         graph_train_step(_noop, optimizer, max_graphs=True)
+    with pytest.raises(TypeError, match="assume_causal_attention must be True or False, got 'yes'"):
+        graph_train_step(_noop, optimizer, assume_causal_attention="yes")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA GPU: call the step function directly"):
             graph_train_step(_noop, optimizer)
@@ -125,8 +127,123 @@ def _llama_step(model, optimizer):
     return step
 
 
+def _capturing(monkeypatch):
+    """transformers told that a stream captures (its mask code asks import_utils.is_cuda_stream_capturing)."""
+    import_utils = pytest.importorskip("transformers.utils.import_utils")
+    if not hasattr(import_utils, "is_cuda_stream_capturing"):
+        pytest.skip("this transformers does not ask whether a stream captures")
+    monkeypatch.setattr(import_utils, "is_cuda_stream_capturing", lambda: True)
+
+
+def _attention_spy(monkeypatch):
+    """The masks and is_causal flags that reach torch's attention (under what _AttentionDecisions patches in)."""
+    calls, real = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        calls.append((attn_mask is None, is_causal))
+        return real(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def test_attention_masked_only_while_recording_is_made_as_the_eager_step_made_it(monkeypatch):
+    """On the CPU, a stream's capture simulated: transformers builds the causal mask as a tensor, which the
+    recording counts and, on request, replaces by is_causal=True as in the eager step; same logits either way."""
+    from sits_lora.training.graphs import _AttentionDecisions
+
+    model = tiny_llama(0).eval()
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)   # a collator's all-ones mask: eagerly transformers drops it for is_causal=True
+    calls = _attention_spy(monkeypatch)
+    decisions = _AttentionDecisions()
+    with torch.no_grad():
+        with decisions.watching():
+            eager = model(input_ids=ids, attention_mask=mask).logits
+        layers = len(decisions.eager)
+        assert layers == model.config.num_hidden_layers and calls == [(True, True)] * layers
+        _capturing(monkeypatch)
+        calls.clear()
+        with decisions.recording(rewrite=False):
+            masked = model(input_ids=ids, attention_mask=mask).logits
+        assert calls == [(False, False)] * layers and (decisions.masked_while_recording, decisions.rewritten) == (
+            layers, 0)
+        calls.clear()
+        with decisions.recording(rewrite=True):
+            causal = model(input_ids=ids, attention_mask=mask).logits
+    assert calls == [(True, True)] * layers and decisions.rewritten == layers
+    torch.testing.assert_close(masked, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(causal, eager, rtol=1e-5, atol=1e-5)
+    assert torch.nn.functional.scaled_dot_product_attention.__name__ == "spy"   # the patch is gone
+
+
+def test_a_mask_the_eager_step_needed_too_is_recorded_as_it_is(monkeypatch):
+    """Left padding: the eager step passed a mask as well, so the recording keeps it even when asked to assume
+    causal attention (only calls that were causal without a mask eagerly are changed)."""
+    from sits_lora.training.graphs import _AttentionDecisions
+
+    model = tiny_llama(0).eval()
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    calls = _attention_spy(monkeypatch)
+    decisions = _AttentionDecisions()
+    with torch.no_grad():
+        with decisions.watching():
+            eager = model(input_ids=ids, attention_mask=mask).logits
+        _capturing(monkeypatch)
+        calls.clear()
+        with decisions.recording(rewrite=True):
+            recorded = model(input_ids=ids, attention_mask=mask).logits
+    assert all(not masked_none for masked_none, _ in calls) and decisions.rewritten == 0
+    torch.testing.assert_close(recorded, eager, rtol=1e-5, atol=1e-5)
+
+
 def _halving(optimizer):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 0.5 ** i)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_recorded_attention_is_causal_on_request_and_trains_as_eager(caplog):
+    """A collator's all-ones attention_mask: transformers masks attention while a stream captures. By default the
+    recording says so once; with assume_causal_attention=True the replays run causal attention without a mask and
+    train as the eager steps do."""
+    eager_model = _llama_with_adapter()
+    models = {"eager": eager_model, "default": copy.deepcopy(eager_model), "causal": copy.deepcopy(eager_model)}
+    opts = {name: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2, fused=True,
+                                    capturable=True) for name, m in models.items()}
+    opts["eager"].param_groups[0]["lr"] = torch.tensor(1e-2, device="cuda")
+
+    def make(name):
+        model, optimizer = models[name], opts[name]
+
+        def step(input_ids, attention_mask):
+            loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return step
+
+    steps = {"eager": make("eager"),
+             "default": graph_train_step(make("default"), opts["default"], model=models["default"]),
+             "causal": graph_train_step(make("causal"), opts["causal"], model=models["causal"],
+                                        assume_causal_attention=True)}
+    gen = torch.Generator().manual_seed(3)
+    losses = collections.defaultdict(list)
+    with caplog.at_level("INFO", logger="sits_lora"):
+        for _ in range(5):
+            ids = torch.randint(0, 97, (2, 24), generator=gen).cuda()
+            for name, step in steps.items():
+                losses[name].append(step(ids, torch.ones_like(ids)).item())
+    layers = models["eager"].config.num_hidden_layers
+    assert steps["causal"]._attention.rewritten == layers and steps["causal"].replays == 2
+    masked = steps["default"]._attention.masked_while_recording
+    assert ("assume_causal_attention=True to graph_train_step" in caplog.text) == (masked > 0)
+    for name in ("default", "causal"):
+        assert losses[name] == pytest.approx(losses["eager"], rel=2e-2), name
 
 
 @pytest.mark.gpu

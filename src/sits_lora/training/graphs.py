@@ -32,10 +32,20 @@ records again when it changes. Another optimizer setting (weight decay, betas) c
 again, with one warning. A parameter *replaced* by a new tensor is not seen: call ``reset()``.
 Gradient accumulation across calls is not supported (whether a backward creates or adds to ``.grad`` is fixed
 at recording): accumulate inside the step function, over micro-batches passed together.
+
+Attention in transformers models: eagerly, transformers looks at the batch (packed sequences? padding?) and, when
+neither, calls ``scaled_dot_product_attention`` with ``is_causal=True`` and no mask. While a stream captures it
+cannot look, so it builds the causal mask as a tensor (transformers 5.17 for every call; later versions when an
+``attention_mask`` is passed), and a masked attention skips no blocks: on an H200 cuDNN's attention kernels of a
+1B Llama step ran 2.8x slower in the replays (bench/NOTES.md). ``assume_causal_attention=True`` records those calls
+as the eager warm-up step made them (``is_causal=True``, no mask): right only while no batch packs sequences or
+pads on the left (right padding is exact: causal attention never reads later positions). Without it, a recording
+that saw such masks says so once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import traceback
@@ -55,6 +65,66 @@ logger = logging.getLogger("sits_lora")
 _MAX_SETTING_CHANGES = 3
 
 
+class _AttentionDecisions:
+    """The attention calls of an eager step as transformers made them (mask or none, causal or not, query and key
+    lengths), in call order; while recording, the calls that were plain causal attention eagerly and now come with
+    a mask tensor are counted and, on request, made as the eager step made them (module docstring)."""
+
+    def __init__(self) -> None:
+        self.eager: list = []
+        self.masked_while_recording = 0
+        self.rewritten = 0
+
+    @contextlib.contextmanager
+    def _patched(self, call):
+        real = torch.nn.functional.scaled_dot_product_attention
+
+        def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *args, **kwargs):
+            if torch.compiler.is_compiling():   # a compiled model's attention is its own business
+                return real(query, key, value, attn_mask, dropout_p, is_causal, *args, **kwargs)
+            return call(real, query, key, value, attn_mask, dropout_p, is_causal, *args, **kwargs)
+
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+        try:
+            yield
+        finally:
+            torch.nn.functional.scaled_dot_product_attention = real
+
+    @staticmethod
+    def _decision(query, key, attn_mask, is_causal) -> tuple:
+        return attn_mask is None, bool(is_causal), query.shape[-2], key.shape[-2]
+
+    def watching(self):
+        """Within: the attention calls are noted (the last eager step's notes are the ones a recording follows)."""
+        self.eager = []
+
+        def call(real, query, key, value, attn_mask, dropout_p, is_causal, *args, **kwargs):
+            self.eager.append(self._decision(query, key, attn_mask, is_causal))
+            return real(query, key, value, attn_mask, dropout_p, is_causal, *args, **kwargs)
+
+        return self._patched(call)
+
+    def recording(self, rewrite: bool):
+        """Within: call i with a mask where the eager step's call i was causal without one, at the same lengths, is
+        counted, and with ``rewrite`` made causal without the mask."""
+        self.masked_while_recording = self.rewritten = 0
+        index = [0]
+
+        def call(real, query, key, value, attn_mask, dropout_p, is_causal, *args, **kwargs):
+            i = index[0]
+            index[0] += 1
+            eager = self.eager[i] if i < len(self.eager) else None
+            q_len, kv_len = query.shape[-2], key.shape[-2]
+            if attn_mask is not None and q_len == kv_len and eager == (True, True, q_len, kv_len):
+                self.masked_while_recording += 1
+                if rewrite:
+                    self.rewritten += 1
+                    attn_mask, is_causal = None, True
+            return real(query, key, value, attn_mask, dropout_p, is_causal, *args, **kwargs)
+
+        return self._patched(call)
+
+
 class GraphCaptureError(RuntimeError):
     """A step function could not be recorded as a CUDA graph (a host sync, a data-dependent shape, an optimizer
     that cannot step inside a graph)."""
@@ -65,8 +135,11 @@ class GraphedTrainStep:
     :func:`graph_train_step`. ``replays``, ``eager_calls`` and ``recordings`` count what the calls did."""
 
     def __init__(self, step_fn: Callable, optimizers: Sequence[torch.optim.Optimizer], model: Optional[nn.Module],
-                 warmup: int, max_graphs: int) -> None:
+                 warmup: int, max_graphs: int, assume_causal_attention: bool = False) -> None:
         self.step_fn = step_fn
+        self.assume_causal_attention = assume_causal_attention
+        self._attention = _AttentionDecisions()
+        self._attention_warned = False
         self.optimizers = list(optimizers)
         self.model = model
         self._adapter_state = AdapterState(model)   # asked every step: walking the module tree is host time
@@ -160,7 +233,8 @@ class GraphedTrainStep:
         """One step as written, on a side stream ordered with the current one both ways, as PyTorch asks of the
         calls before a recording (lazy initialization then happens off the stream a graph records)."""
         self.eager_calls += 1
-        return run_on_side_stream(self.step_fn, args, kwargs)
+        with self._attention.watching():
+            return run_on_side_stream(self.step_fn, args, kwargs)
 
     def _record(self, args: tuple, kwargs: dict, tensors: list):
         """(graph, static inputs, static output) of this signature: the call recorded (nothing runs while recording)."""
@@ -172,7 +246,7 @@ class GraphedTrainStep:
         torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            with self._attention.recording(rewrite=self.assume_causal_attention), torch.cuda.graph(graph):
                 static_output = self.step_fn(*static_args, **static_kwargs)
             copy_output(static_output)
         except NotGraphable as reason:
@@ -188,7 +262,21 @@ class GraphedTrainStep:
                 "function directly (eagerly)." + _known_sync_hint(site)
             ) from error
         self.recordings += 1
+        self._note_attention()
         return graph, static_inputs, static_output
+
+    def _note_attention(self) -> None:
+        masked, rewritten = self._attention.masked_while_recording, self._attention.rewritten
+        if rewritten:
+            logger.info("graph_train_step: %d attention calls recorded causal without a mask, as the eager step made "
+                        "them (assume_causal_attention=True)", rewritten)
+        elif masked and not self._attention_warned:
+            self._attention_warned = True
+            logger.warning(
+                "graph_train_step: %d attention calls got a mask tensor while recording where the eager step used "
+                "is_causal=True without one (transformers cannot look at the batch while a stream captures); masked "
+                "attention skips no blocks and ran 2.8x slower on an H200. If no batch packs sequences or pads on "
+                "the left, pass assume_causal_attention=True to graph_train_step.", masked)
 
     def _prepare_optimizers(self) -> None:
         """Make every group steppable inside a graph: ``capturable`` on (Adam, AdamW and the other optimizers that
@@ -251,12 +339,15 @@ def _known_sync_hint(site: str) -> str:
 
 def graph_train_step(step_fn: Callable,
                      optimizer: Union[None, torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
-                     model: Optional[nn.Module] = None, warmup: int = 2, max_graphs: int = 2) -> GraphedTrainStep:
+                     model: Optional[nn.Module] = None, warmup: int = 2, max_graphs: int = 2,
+                     assume_causal_attention: bool = False) -> GraphedTrainStep:
     """``step_fn`` (one whole training step on CUDA tensor arguments) recorded as a CUDA graph per input signature
     after ``warmup`` eager calls, and replayed (module docstring). ``optimizer``: the optimizer(s) ``step_fn``
     steps, made steppable inside a graph here (None: it steps none, e.g. forward + backward only). ``model``: the
     trained model, whose adapter state and train / eval mode become part of the signature. At most ``max_graphs``
-    recordings (each holds one step's activations)."""
+    recordings (each holds one step's activations). ``assume_causal_attention``: record the attention calls that
+    the last eager step made with ``is_causal=True`` and no mask that way, though transformers hands them a mask
+    tensor while recording (module docstring: only for batches that never pack sequences nor pad on the left)."""
     if not callable(step_fn):
         raise TypeError(f"graph_train_step: step_fn must be callable, got {type(step_fn).__name__}")
     if optimizer is None:
@@ -269,6 +360,9 @@ def graph_train_step(step_fn: Callable,
     for name, value, least in (("warmup", warmup, 1), ("max_graphs", max_graphs, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise ValueError(f"graph_train_step: {name} must be an int >= {least}, got {value!r}")
+    if not isinstance(assume_causal_attention, bool):
+        raise TypeError("graph_train_step: assume_causal_attention must be True or False, got "
+                        f"{assume_causal_attention!r}")
     if not torch.cuda.is_available():
         raise ValueError("graph_train_step records CUDA graphs, and this machine has no CUDA GPU: call the step "
                          "function directly")
@@ -280,7 +374,7 @@ def graph_train_step(step_fn: Callable,
                          "optimizer")
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"graph_train_step: model must be the nn.Module being trained, got {type(model).__name__}")
-    return GraphedTrainStep(step_fn, optimizers, model, warmup, max_graphs)
+    return GraphedTrainStep(step_fn, optimizers, model, warmup, max_graphs, assume_causal_attention)
 
 
 __all__ = ["GraphCaptureError", "GraphedTrainStep", "NotGraphable", "graph_train_step"]
