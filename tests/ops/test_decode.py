@@ -78,6 +78,36 @@ def test_wide_tiles_equal_the_reference(split_k):
     torch.testing.assert_close(y.double().cpu(), _reference(x, W, b, A, B, 0.7), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows_per_sample, config", [
+    (1, None), (3, dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=3, num_warps=4, num_stages=1))], ids=["decode", "split-k"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 3e-3)])
+def test_mixed_adapters_in_one_kernel_equal_the_reference(rows_per_sample, config, dtype, tol):
+    """Adapters of ranks 4, 8 and 5 stacked (R_max 8: rank G·R_max = 24, masked to a block of 32), rows of no
+    adapter, an adapter twice, bias; fp32 adapters over the activations' dtype, as PEFT keeps them."""
+    from sits_lora.ops import mixed_batch as mb
+
+    gen = torch.Generator().manual_seed(0)
+    K, N, ranks, scalings = 100, 40, [4, 8, 5], [2.0, 0.5, 1.25]
+    As = [(torch.randn(r, K, generator=gen) / K**0.5).to(DEVICE) for r in ranks]
+    Bs = [(torch.randn(N, r, generator=gen) / r**0.5).to(DEVICE) for r in ranks]
+    samples = [2, -1, 0, 2, 1]
+    plan = mb.mixed_batch_plan(samples, rows_per_sample, DEVICE)
+    x = torch.randn(len(samples) * rows_per_sample, K, generator=gen).to(DEVICE, dtype)
+    W = (torch.randn(N, K, generator=gen) / K**0.5).to(DEVICE, dtype)
+    b = torch.randn(N, generator=gen).to(DEVICE, dtype)
+    A, B, s = mb.stack_adapters(As, Bs, scalings)
+    got = ops.lora_linear_decode_mixed(x, W, b, A, B, s, plan.row_adapter, config=config)
+    base = x.double() @ W.double().t() + b.double()
+    want = mb.lora_mixed_batch_reference(x.double(), base, [a.double() for a in As], [m.double() for m in Bs],
+                                         scalings, plan.row_adapter)
+    assert got.shape == (len(samples) * rows_per_sample, N) and got.dtype == dtype
+    assert ((got.double() - want).norm() / want.norm()).item() < tol
+    none = plan.row_adapter < 0
+    torch.testing.assert_close(got[none].double(), base[none], rtol=tol, atol=tol)   # no adapter: the base output
+    with pytest.raises(ValueError, match="4 row adapters for 5 rows"):
+        ops.lora_linear_decode_mixed(x[:5], W, b, A, B, s, plan.row_adapter[:4])
+
+
 def test_more_rows_than_the_kernel_takes_are_refused():
     x, W, b, A, B = _problem(65, 32, 16, 4, torch.float32, False)
     with pytest.raises(ValueError, match="at most 64"):

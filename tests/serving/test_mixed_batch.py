@@ -75,15 +75,20 @@ def _models(kernel: str, dtype, device):
     return [m.to(device, dtype).eval() for m in models]
 
 
-def _count_kernel_calls(monkeypatch) -> list:
-    calls = []
-    real = mb.lora_mixed_batch_triton
+def _count_kernel_calls(monkeypatch) -> dict:
+    """Calls of the segmented kernels (base GEMM, shrink, expand) and of the one-kernel decode path, by name."""
+    from sits_lora import ops
 
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
+    calls = {"segmented": 0, "decode": 0}
+    paths = (("segmented", mb, "lora_mixed_batch_triton"), ("decode", ops, "lora_linear_decode_mixed"))
+    for name, module, attr in paths:
+        real = getattr(module, attr)
 
-    monkeypatch.setattr(mb, "lora_mixed_batch_triton", counting)
+        def counting(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, attr, counting)
     return calls
 
 
@@ -103,20 +108,23 @@ def test_bf16_mixed_batch_on_the_gpu_is_within_rounding_of_peft(monkeypatch):
         got = sits(input_ids=ids, adapter_names=names).logits.float()
         want = peft_model(input_ids=ids, adapter_names=names).logits.float()
     assert ((got - want).norm() / want.norm()).item() < 2e-2
-    assert len(calls) == 2 * len(TARGETS)
+    assert calls == {"segmented": 2 * len(TARGETS), "decode": 0}   # 102 rows: above the decode path's 64
 
 
-def test_a_mixed_batch_equals_peft_and_runs_one_kernel_pass_per_layer(monkeypatch):
+@pytest.mark.parametrize("tokens, path", [(9, "decode"), (13, "segmented")], ids=["45-rows", "65-rows"])
+def test_a_mixed_batch_equals_peft_and_runs_one_kernel_pass_per_layer(monkeypatch, tokens, path):
+    """At most 64 rows (a decode step's batch) run the one-kernel decode path, more the segmented kernels."""
     kernel, dtype, device, tol = _case()
     sits, peft_model = _models(kernel, dtype, device)
     calls = _count_kernel_calls(monkeypatch)
-    ids = torch.randint(0, 97, (5, 9), generator=torch.Generator().manual_seed(2)).to(device)
+    ids = torch.randint(0, 97, (5, tokens), generator=torch.Generator().manual_seed(2)).to(device)
     names = ["dogs", "__base__", "cats", "owls", "dogs"]
     with torch.no_grad():
         got = sits(input_ids=ids, adapter_names=names).logits.float()
         want = peft_model(input_ids=ids, adapter_names=names).logits.float()
     assert ((got - want).norm() / want.norm()).item() < tol
-    assert len(calls) == 2 * len(TARGETS)                    # every adapted layer of both decoder layers, once
+    # every adapted layer of both decoder layers, once, on one path
+    assert calls == {"segmented": 0, "decode": 0, path: 2 * len(TARGETS)}
     # each sample alone with its adapter, as set_adapter gives it
     with torch.no_grad():
         for i, name in enumerate(names):

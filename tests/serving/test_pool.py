@@ -72,11 +72,14 @@ def _close(a, b, tol):
 
 @pytest.mark.parametrize("kernel", ["auto", "triton"])   # on the CPU: PEFT's loop, and the mixed-batch kernels
 def test_pooled_adapters_give_their_own_outputs(folders, kernel, monkeypatch):
+    from sits_lora import ops
     from sits_lora.ops import mixed_batch as mb
 
     calls = []
     real = mb.lora_mixed_batch_triton
     monkeypatch.setattr(mb, "lora_mixed_batch_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real_decode = ops.lora_linear_decode_mixed   # 21 rows: the one-kernel decode path takes them
+    monkeypatch.setattr(ops, "lora_linear_decode_mixed", lambda *a, **k: calls.append(1) or real_decode(*a, **k))
     reference = _reference(folders)
     model, pool = _pooled(folders, kernel=kernel)
     ids = torch.randint(0, 97, (3, 7), generator=torch.Generator().manual_seed(1)).to(_device())
@@ -136,11 +139,14 @@ def test_refusals_name_the_fix(folders):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_pooled_bf16_batches_run_the_mixed_kernels_and_match(folders, monkeypatch):
+    from sits_lora import ops
     from sits_lora.ops import mixed_batch as mb
 
     calls = []
     real = mb.lora_mixed_batch_triton
     monkeypatch.setattr(mb, "lora_mixed_batch_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real_decode = ops.lora_linear_decode_mixed   # 21 rows: the one-kernel decode path takes them
+    monkeypatch.setattr(ops, "lora_linear_decode_mixed", lambda *a, **k: calls.append(1) or real_decode(*a, **k))
     reference = _reference(folders, torch.bfloat16)
     model, pool = _pooled(folders, capacity=3, dtype=torch.bfloat16)
     ids = torch.randint(0, 97, (4, 9), generator=torch.Generator().manual_seed(2)).cuda()

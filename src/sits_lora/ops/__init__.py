@@ -29,6 +29,14 @@ def lora_linear_decode(x, weight, bias, lora_A, lora_B, scaling: float, config=N
 
     return run(x, weight, bias, lora_A, lora_B, scaling, config)
 
+
+def lora_linear_decode_mixed(x, weight, bias, A, B, scalings, row_adapter, config=None):
+    """The decode kernel for a batch whose rows take different adapters (stacked by ops.mixed_batch.stack_adapters;
+    row_adapter: each row's adapter index, -1 for none), forward only (sits_lora.ops.decode)."""
+    from .decode import lora_linear_decode_mixed as run
+
+    return run(x, weight, bias, A, B, scalings, row_adapter, config)
+
 __all__ = [
     "DECODE_MAX_ROWS",
     "KERNELS",
@@ -39,6 +47,7 @@ __all__ = [
     "lora_linear",
     "lora_linear_aten",
     "lora_linear_decode",
+    "lora_linear_decode_mixed",
     "lora_linear_dynamic_rank_triton",
     "lora_linear_reference",
     "lora_linear_torch",

@@ -22,6 +22,12 @@ its part of x Wᵀ and of h, and s·h_slice·B_tileᵀ (the LoRA term is linear 
 it), written in fp32 to its own plane of a (SPLIT_K, M, N) buffer; a second small kernel adds the planes in a fixed
 order (deterministic, unlike atomics) and rounds once. Two launches instead of one: it pays only where the tuning
 measured it faster, and the default configuration does not split.
+
+Several adapters in one batch (``lora_linear_decode_mixed``, PEFT's ``adapter_names`` while decoding): the same
+kernel reads the adapters' stacks (ops.mixed_batch.stack_adapters) as one LoRA of rank G·R_max, h = x·A_allᵀ, then
+keeps, for each row, only its own adapter's R_max columns of h, scaled by that adapter's s (a row of no adapter
+keeps none), before the B product: one launch per projection where the segmented path issues the base GEMM, a
+shrink and an expand. Every program reads all the adapters' A (G times a single adapter's, from L2).
 """
 
 from __future__ import annotations
@@ -46,11 +52,11 @@ def rows_block(rows: int) -> int:
 
 @triton.jit
 def _lora_decode_kernel(
-    x_ptr, w_ptr, bias_ptr, a_ptr, b_ptr, y_ptr,
-    M, N, K, R, scaling, k_per_split, stride_split,
+    x_ptr, w_ptr, bias_ptr, a_ptr, b_ptr, y_ptr, row_adapter_ptr, scale_ptr,
+    M, N, K, R, scaling, rank_per_adapter, k_per_split, stride_split,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ar, stride_ak, stride_bn, stride_br, stride_ym, stride_yn,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, MIXED: tl.constexpr,
 ):
     dtype = x_ptr.dtype.element_ty     # the activation dtype: every product runs in it
     split = tl.program_id(2)           # the slice of K (0 when the call does not split)
@@ -78,7 +84,15 @@ def _lora_decode_kernel(
         h = tl.dot(x, a.to(dtype), h, input_precision=DOT_PRECISION)
     b = tl.load(b_ptr + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
                 mask=r_ok[:, None] & n_ok[None, :], other=0.0)                              # (BR, BN)
-    acc = tl.dot((h * scaling).to(dtype), b.to(dtype), acc, input_precision=DOT_PRECISION)
+    if MIXED:   # each row keeps its own adapter's columns of h (rank_per_adapter of them), scaled by its s
+        column_adapter = offs_r // rank_per_adapter
+        row_adapter = tl.load(row_adapter_ptr + offs_m, mask=m_ok, other=-1)
+        column_scale = tl.load(scale_ptr + column_adapter, mask=r_ok, other=0.0)
+        keep = (row_adapter[:, None] == column_adapter[None, :]) & r_ok[None, :]
+        h = tl.where(keep, h * column_scale[None, :], 0.0)
+    else:
+        h = h * scaling
+    acc = tl.dot(h.to(dtype), b.to(dtype), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:   # once: by the first slice
         bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         acc += tl.where(split == 0, bias, 0.0)[None, :]
@@ -126,6 +140,28 @@ def lora_linear_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_A
     """y = x Wᵀ + b + s·(x Aᵀ) Bᵀ in one kernel for x of at most :data:`MAX_ROWS` rows (any leading shape), W in x's
     dtype; no autograd (a call that needs gradients takes the training path). ``config``: launch configuration
     (BLOCK_N, BLOCK_K, num_warps, num_stages, optionally SPLIT_K) instead of the tuned one (tuning, benchmarks)."""
+    return _decode(x, weight, bias, lora_A, lora_B, float(scaling), None, None, lora_A.shape[0], config)
+
+
+def lora_linear_decode_mixed(x: Tensor, weight: Tensor, bias: Optional[Tensor], A: Tensor, B: Tensor,
+                             scalings: Tensor, row_adapter: Tensor, config: Optional[dict] = None) -> Tensor:
+    """y = x Wᵀ + b, plus for each row i of adapter g = row_adapter[i] (-1: none) s_g·(x_i A_gᵀ) B_gᵀ, in one
+    kernel for at most :data:`MAX_ROWS` rows (module docstring). A (G, R_max, K), B (G, N, R_max) and scalings (G,) as
+    ops.mixed_batch.stack_adapters makes them; row_adapter one integer per row of x flattened to (rows, K)."""
+    G, R, K = A.shape
+    if B.shape != (G, weight.shape[0], R) or scalings.shape != (G,):
+        raise ValueError(f"lora_linear_decode_mixed: stacks of {G} adapters expected as A (G, R, K) {tuple(A.shape)}, "
+                         f"B (G, N, R) {tuple(B.shape)}, scalings (G,) {tuple(scalings.shape)}")
+    if row_adapter.numel() != x.numel() // K:
+        raise ValueError(f"lora_linear_decode_mixed: {row_adapter.numel()} row adapters for {x.numel() // K} rows")
+    # one LoRA of rank G·R: A's rows and B's columns adapter after adapter (views for stack_adapters' layouts)
+    return _decode(x, weight, bias, A.reshape(G * R, K), B.permute(1, 0, 2).reshape(weight.shape[0], G * R), 1.0,
+                   row_adapter, scalings, R, config)
+
+
+def _decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_A: Tensor, lora_B: Tensor, scaling: float,
+            row_adapter: Optional[Tensor], scalings: Optional[Tensor], rank_per_adapter: int,
+            config: Optional[dict]) -> Tensor:
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     M, N, R = x2.shape[0], weight.shape[0], lora_A.shape[0]
@@ -145,15 +181,18 @@ def lora_linear_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_A
     split_k = max(1, min(int(cfg.get("SPLIT_K", 1)), cdiv(K, BLOCK_K)))
     k_per_split = cdiv(cdiv(K, split_k), BLOCK_K) * BLOCK_K
     out = y if split_k == 1 else torch.empty((split_k, M, N), device=x.device, dtype=torch.float32)
+    mixed = row_adapter is not None
     _DECODE((cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), split_k), x2, weight, bias if bias is not None else weight, lora_A,
-            lora_B, out, M, N, K, R, float(scaling), k_per_split, M * N if split_k > 1 else 0,
+            lora_B, out, row_adapter if mixed else y, scalings if mixed else y, M, N, K, R, scaling,
+            rank_per_adapter, k_per_split, M * N if split_k > 1 else 0,
             x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), lora_A.stride(0), lora_A.stride(1),
             lora_B.stride(0), lora_B.stride(1), out.stride(-2), out.stride(-1),
             HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_R=BLOCK_R,
-            DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            DOT_PRECISION=dot_precision(x.dtype), MIXED=mixed, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
     if split_k > 1:
         _SUM_SPLITS((cdiv(M * N, _SUM_BLOCK),), out, y, M * N, SPLIT_K=split_k, BLOCK=_SUM_BLOCK, num_warps=4)
     return y.view(*x.shape[:-1], N)
 
 
-__all__ = ["MAX_ROWS", "fitted", "lora_linear_decode", "rows_block"]
+__all__ = ["MAX_ROWS", "fitted", "lora_linear_decode", "lora_linear_decode_mixed", "rows_block"]

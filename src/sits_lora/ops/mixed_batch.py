@@ -65,14 +65,17 @@ def mixed_batch_plan(sample_adapter: Sequence[int], rows_per_sample: int, device
 
 def stack_adapters(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], scalings: Sequence[float]):
     """(A (G, R_max, K), B (G, N, R_max), scalings (G,) fp32) of adapters with ranks r_g (A_g (r_g, K),
-    B_g (N, r_g)), in the promotion of their dtypes, zero beyond each rank."""
+    B_g (N, r_g)), in the promotion of their dtypes, zero beyond each rank. A is contiguous, so A viewed as
+    (G·R_max, K) is every adapter's rows in turn; B is laid out (N, G, R_max) in memory (a permuted view), so B
+    viewed as (N, G·R_max) is every adapter's columns in turn: the one-kernel decode path
+    (ops.decode.lora_linear_decode_mixed) reads the stacks as one LoRA of rank G·R_max."""
     R = max(a.shape[0] for a in As)
     dtype = torch.result_type(As[0], Bs[0])
     for a, b in zip(As[1:], Bs[1:]):
         dtype = torch.promote_types(dtype, torch.promote_types(a.dtype, b.dtype))
     K, N, device = As[0].shape[1], Bs[0].shape[0], As[0].device
     A = torch.zeros((len(As), R, K), dtype=dtype, device=device)
-    B = torch.zeros((len(Bs), N, R), dtype=dtype, device=device)
+    B = torch.zeros((N, len(Bs), R), dtype=dtype, device=device).permute(1, 0, 2)
     for g, (a, b) in enumerate(zip(As, Bs)):
         A[g, : a.shape[0]] = a
         B[g, :, : b.shape[1]] = b

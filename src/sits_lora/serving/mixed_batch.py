@@ -4,7 +4,9 @@ The layer asks :func:`mixed_batch_forward` first; it answers None (PEFT's own mi
 unless every adapter the batch names is plain LoRA on this layer (no DoRA or other variant, no LoRA bias, not
 merged), the base is a plain ``nn.Linear`` and the input resolves to the Triton kernels (``SitsLoraConfig.kernel``:
 a CUDA GPU in bf16 / fp16, or the interpreter under kernel="triton"). Then the base layer runs once and
-``sits_lora.ops.mixed_batch`` adds every sample's adapter in one segmented shrink and one segmented expand.
+``sits_lora.ops.mixed_batch`` adds every sample's adapter in one segmented shrink and one segmented expand; a
+decode step's few rows (``ops.decode_call``) run the base product and every row's adapter as one kernel
+(``ops.lora_linear_decode_mixed``).
 
 Two things are made once and reused: the adapters' stacked A / B per layer (made again when an adapter is added or
 removed, or a weight is written: their version counters), and the batch's row plan, per adapter names, shared by
@@ -91,13 +93,16 @@ def mixed_batch_forward(layer, x: torch.Tensor, adapter_names: list) -> Optional
     requested = "auto" if all(layer.sits_kernel.get(a, "auto") == "auto" for a in named) else "triton"
     if ops.resolve_kernel(requested, x, layer.out_features) != "triton":
         return None
-    y = base(x)
     if not named:
-        return y
+        return base(x)
     order = tuple(sorted(named))          # the stack order: the same in every layer that has these adapters
     A, B, scalings = _stacks(layer, order)
     index = {a: g for g, a in enumerate(order)}
     plan = _plan(tuple(index.get(a, -1) for a in adapter_names), rows_per_sample, x.device)
+    if ops.decode_call(x, layer.in_features) and base.weight.dtype == x.dtype:
+        # a decode step's few rows: the base product and every row's adapter in one kernel (ops.decode)
+        return ops.lora_linear_decode_mixed(x, base.weight, base.bias, A, B, scalings, plan.row_adapter)
+    y = base(x)
     from ..ops.mixed_batch import lora_mixed_batch_triton
 
     lora_mixed_batch_triton(x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1]), A, B, scalings, plan)
