@@ -9,6 +9,8 @@ For each Llama-3 projection shape (K -> N) of --shapes, LoRA r16, bf16 activatio
   default   sits_lora.ops.lora_linear_decode at the first configuration of ops.tuning's "decode" space
   tuned     the same at the fastest configuration of that space, measured here
   unsplit   the fastest configuration that does not split K (SPLIT_K 1): tuned against it is what the split gains
+  gemv      at one row: the fastest configuration of the one-row kernel (ops.tuning's "decode_gemv" space); stored
+            in the cache only where it beats tuned, the only place the decode path then runs it
 Each time is the GPU's: 20 calls recorded as one CUDA graph, replayed --replays times between CUDA events, the
 median replay / 20 (launch costs left out, as under sits_lora.graph_decode). The fastest configurations are
 written in the tuning cache format to --cache (default OUT/decode_configs.json): run later scripts with
@@ -107,28 +109,42 @@ def main(argv=None) -> int:
                             torch.cuda.synchronize()
                             continue
                         timings.append((us, cfg))
+                    gemv_timings = []
+                    for cfg in CONFIG_SPACE["decode_gemv"] if rows == 1 else ():
+                        try:
+                            us = graph_us(lambda: ops.lora_linear_decode(x, W, None, A, B, 2.0,
+                                                                         config=dict(cfg, GEMV=True)), args.replays)
+                        except Exception as error:   # noqa: BLE001 (as above)
+                            print(f"  skipped one-row {cfg}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+                            torch.cuda.synchronize()
+                            continue
+                        gemv_timings.append((us, cfg))
                 if not timings:
                     raise SystemExit(f"no decode configuration ran at {K}->{N}, {rows} rows (see the skips above)")
                 default = next((us for us, cfg in timings if cfg is space[0]), None)
                 tuned, best = min(timings, key=lambda t: t[0])
+                gemv, gemv_best = min(gemv_timings, key=lambda t: t[0]) if gemv_timings else (None, None)
+                if gemv is not None and gemv < tuned:   # the decode path runs the one-row kernel only where stored
+                    best_configs[config_key("decode_gemv", device, (K, N, block_rank(args.rank)), torch.bfloat16)] = (
+                        gemv_best)
                 unsplit = min((us for us, cfg in timings if cfg.get("SPLIT_K", 1) == 1), default=None)
                 dims = (rows_block(rows), K, N, block_rank(args.rank))
                 best_configs[config_key("decode", device, dims, torch.bfloat16)] = best
                 rows_out.append({"shape": shape, "projection": name, "K": K, "N": N, "rows": rows,
                                  "merged_us": merged, "aten_us": aten, "default_us": default, "tuned_us": tuned,
-                                 "unsplit_us": unsplit,
+                                 "unsplit_us": unsplit, "gemv_us": gemv, "gemv_config": gemv_best,
                                  "tuned_over_merged": tuned / merged, "aten_over_merged": aten / merged,
                                  "config": best})
                 print(f"[{shape} {name} {K}->{N} rows {rows}] merged {merged:.2f} µs, aten {aten:.2f}, "
                       f"decode default {default if default is None else round(default, 2)}, tuned {tuned:.2f} "
-                      f"{best}", flush=True)
+                      f"{best}" + (f", one-row {gemv:.2f} {gemv_best}" if gemv is not None else ""), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
     with open(cache_path, "w") as f:
         json.dump(best_configs, f, indent=1, sort_keys=True)
     command = "python bench/decode_kernels.py " + " ".join(argv if argv is not None else sys.argv[1:])
     paths = write_results("decode_kernels", rows_out, args.out, {"command": command})
     print_table(rows_out, ["shape", "projection", "rows", "merged_us", "aten_us", "default_us", "unsplit_us",
-                           "tuned_us", "tuned_over_merged"])
+                           "gemv_us", "tuned_us", "tuned_over_merged"])
     with png(os.path.join(args.out, "decode_kernels.png"), figsize=(8, 3.5)) as ax:
         if ax is not None:
             labels = [f"{r['shape']} {r['projection']} x{r['rows']}" for r in rows_out]

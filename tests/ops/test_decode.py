@@ -108,6 +108,44 @@ def test_mixed_adapters_in_one_kernel_equal_the_reference(rows_per_sample, confi
         ops.lora_linear_decode_mixed(x[:5], W, b, A, B, s, plan.row_adapter[:4])
 
 
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("shape", [(100, 40, 6), (72, 33, 16)], ids=["r6", "r16-odd-out"])
+def test_the_one_row_kernel_equals_the_reference(split_k, shape):
+    """GEMV=True: one row, products summed in registers; K = 100 / 72 in 32-blocks, N not a multiple of the tile,
+    bias, fp32 and fp16 activations with fp32 adapters."""
+    d_in, d_out, r = shape
+    cfg = dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=split_k, num_warps=4, num_stages=1, GEMV=True)
+    x, W, b, A, B = _problem(1, d_in, d_out, r, torch.float32, True)
+    y = ops.lora_linear_decode(x, W, b, A, B, 1.3, config=cfg)
+    torch.testing.assert_close(y.double().cpu(), _reference(x, W, b, A, B, 1.3), rtol=1e-5, atol=1e-5)
+    x, W, b, A, B = _problem(1, d_in, d_out, r, torch.float16, True, torch.float32)
+    y = ops.lora_linear_decode(x.reshape(1, 1, d_in), W, b, A, B, 1.3, config=cfg)
+    assert y.shape == (1, 1, d_out) and y.dtype == torch.float16
+    torch.testing.assert_close(y.reshape(1, d_out).double().cpu(), _reference(x, W, b, A, B, 1.3), rtol=2e-2,
+                               atol=2e-2)
+    with pytest.raises(ValueError, match="GEMV=True runs one row; this call has 2"):
+        ops.lora_linear_decode(torch.cat([x, x]), W, b, A, B, 1.3, config=cfg)
+
+
+def test_the_one_row_kernel_runs_only_where_a_measured_configuration_is_stored(monkeypatch):
+    from sits_lora.ops import decode
+
+    runs = []
+    real = decode._gemv
+    monkeypatch.setattr(decode, "_gemv", lambda *a: runs.append(a[0].shape) or real(*a))
+    x, W, b, A, B = _problem(1, 64, 48, 8, torch.float32, False)
+    ops.lora_linear_decode(x, W, b, A, B, 0.5)                 # none stored (and on a CPU never): the dot kernel
+    assert runs == []
+    asked = []
+    stored = dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
+    monkeypatch.setattr(decode, "measured_config", lambda kernel, device, dims, dtype: asked.append((kernel, dims))
+                        or stored)
+    y = ops.lora_linear_decode(x, W, b, A, B, 0.5)
+    ops.lora_linear_decode(torch.cat([x, x]), W, b, A, B, 0.5)   # two rows: never the one-row kernel
+    assert runs == [(1, 64)] and asked == [("decode_gemv", (64, 48, 16))]
+    torch.testing.assert_close(y.double().cpu(), _reference(x, W, b, A, B, 0.5), rtol=1e-5, atol=1e-5)
+
+
 def test_more_rows_than_the_kernel_takes_are_refused():
     x, W, b, A, B = _problem(65, 32, 16, 4, torch.float32, False)
     with pytest.raises(ValueError, match="at most 64"):

@@ -28,6 +28,13 @@ kernel reads the adapters' stacks (ops.mixed_batch.stack_adapters) as one LoRA o
 keeps, for each row, only its own adapter's R_max columns of h, scaled by that adapter's s (a row of no adapter
 keeps none), before the B product: one launch per projection where the segmented path issues the base GEMM, a
 shrink and an expand. Every program reads all the adapters' A (G times a single adapter's, from L2).
+
+One row (batch-1 decoding): tl.dot needs 16 rows, so the call above pads the row to 16 and the products run on
+tensor cores over a staged W tile. ``_lora_decode_gemv_kernel`` instead multiplies each loaded W tile with the row
+in registers and sums along K (a GEMV: fp32 products of the activation-dtype values, as the dot's), h likewise from
+A, then rounds s·h to the activation dtype before the B product, as above. It runs only where a measured
+configuration of its own is stored (``tuning.measured_config("decode_gemv", ...)``, which bench/decode_kernels.py
+writes where it beat the tuned dot kernel), or when a call's ``config`` says ``GEMV=True``.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from torch import Tensor
 from .choice import DECODE_MAX_ROWS as MAX_ROWS   # above it the training kernels' split pays (prefill, training)
 from .fused import block_rank, cdiv, dot_precision
 from .launch import TritonLauncher
-from .tuning import config_for
+from .tuning import config_for, measured_config
 
 
 def rows_block(rows: int) -> int:
@@ -101,6 +108,45 @@ def _lora_decode_kernel(
 
 
 @triton.jit
+def _lora_decode_gemv_kernel(
+    x_ptr, w_ptr, bias_ptr, a_ptr, b_ptr, y_ptr,
+    N, K, R, scaling, k_per_split, stride_split,
+    stride_xk, stride_wn, stride_wk, stride_ar, stride_ak, stride_bn, stride_br,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """One row: y[tile] = x W[tile]ᵀ (+ b[tile]) + s·(x Aᵀ) B[tile]ᵀ, products summed along K in registers."""
+    dtype = x_ptr.dtype.element_ty
+    split = tl.program_id(1)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    r_ok = offs_r < R
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    h = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = k < k_end
+        x = tl.load(x_ptr + k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)                   # (BK,)
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :] * stride_wk,
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)                                # (BN, BK)
+        acc += tl.sum(w.to(dtype).to(tl.float32) * x[None, :], axis=1)
+        a = tl.load(a_ptr + offs_r[:, None] * stride_ar + k[None, :] * stride_ak,
+                    mask=r_ok[:, None] & k_ok[None, :], other=0.0)                                # (BR, BK)
+        h += tl.sum(a.to(dtype).to(tl.float32) * x[None, :], axis=1)
+    b = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
+                mask=n_ok[:, None] & r_ok[None, :], other=0.0)                                    # (BN, BR)
+    hs = (h * scaling).to(dtype).to(tl.float32)
+    acc += tl.sum(b.to(dtype).to(tl.float32) * hs[None, :], axis=1)
+    if HAS_BIAS:   # once: by the first slice
+        bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        acc += tl.where(split == 0, bias, 0.0)
+    tl.store(y_ptr + split * stride_split + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def _sum_splits_kernel(parts_ptr, y_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     """y = the sum of the SPLIT_K planes of ``parts`` (each ``size`` fp32 values), in plane order, rounded once."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -112,6 +158,7 @@ def _sum_splits_kernel(parts_ptr, y_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.
 
 
 _DECODE = TritonLauncher(_lora_decode_kernel)
+_DECODE_GEMV = TritonLauncher(_lora_decode_gemv_kernel)
 _SUM_SPLITS = TritonLauncher(_sum_splits_kernel)
 _SUM_BLOCK = 1024
 # Shared memory a configuration may plan for: under the H200's 227 KiB a block (and under the A100's 163 KiB)
@@ -139,7 +186,21 @@ def lora_linear_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_A
                        scaling: float, config: Optional[dict] = None) -> Tensor:
     """y = x Wᵀ + b + s·(x Aᵀ) Bᵀ in one kernel for x of at most :data:`MAX_ROWS` rows (any leading shape), W in x's
     dtype; no autograd (a call that needs gradients takes the training path). ``config``: launch configuration
-    (BLOCK_N, BLOCK_K, num_warps, num_stages, optionally SPLIT_K) instead of the tuned one (tuning, benchmarks)."""
+    (BLOCK_N, BLOCK_K, num_warps, num_stages, optionally SPLIT_K; GEMV=True for the one-row kernel) instead of the
+    tuned one (tuning, benchmarks)."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    M, N = x2.shape[0], weight.shape[0]
+    gemv = None
+    if config is None and M == 1:   # one row: the one-row kernel where it was measured faster on this GPU and shape
+        gemv = measured_config("decode_gemv", x.device, (K, N, block_rank(lora_A.shape[0])), x.dtype)
+    elif config is not None and config.get("GEMV", False):
+        gemv = config
+    if gemv is not None:
+        if M != 1:
+            raise ValueError(f"lora_linear_decode: config GEMV=True runs one row; this call has {M}")
+        y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+        return _gemv(x2, weight, bias, lora_A, lora_B, float(scaling), gemv, y).view(*x.shape[:-1], N)
     return _decode(x, weight, bias, lora_A, lora_B, float(scaling), None, None, lora_A.shape[0], config)
 
 
@@ -193,6 +254,24 @@ def _decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_A: Tensor, l
     if split_k > 1:
         _SUM_SPLITS((cdiv(M * N, _SUM_BLOCK),), out, y, M * N, SPLIT_K=split_k, BLOCK=_SUM_BLOCK, num_warps=4)
     return y.view(*x.shape[:-1], N)
+
+
+def _gemv(x2: Tensor, weight: Tensor, bias: Optional[Tensor], lora_A: Tensor, lora_B: Tensor, scaling: float,
+          cfg: dict, y: Tensor) -> Tensor:
+    K, N, R = x2.shape[1], weight.shape[0], lora_A.shape[0]
+    BLOCK_N, BLOCK_K = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    split_k = max(1, min(int(cfg.get("SPLIT_K", 1)), cdiv(K, BLOCK_K)))
+    k_per_split = cdiv(cdiv(K, split_k), BLOCK_K) * BLOCK_K
+    out = y if split_k == 1 else torch.empty((split_k, 1, N), device=x2.device, dtype=torch.float32)
+    _DECODE_GEMV((cdiv(N, BLOCK_N), split_k), x2, weight, bias if bias is not None else weight, lora_A, lora_B, out,
+                 N, K, R, float(scaling), k_per_split, N if split_k > 1 else 0,
+                 x2.stride(1), weight.stride(0), weight.stride(1), lora_A.stride(0), lora_A.stride(1),
+                 lora_B.stride(0), lora_B.stride(1),
+                 HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_R=block_rank(R),
+                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if split_k > 1:
+        _SUM_SPLITS((cdiv(N, _SUM_BLOCK),), out, y, N, SPLIT_K=split_k, BLOCK=_SUM_BLOCK, num_warps=4)
+    return y
 
 
 __all__ = ["MAX_ROWS", "fitted", "lora_linear_decode", "lora_linear_decode_mixed", "rows_block"]

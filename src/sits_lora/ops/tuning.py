@@ -55,6 +55,14 @@ CONFIG_SPACE: dict[str, list[dict]] = {
           for sk in (2, 4, 8) for bn in (32, 64) for bk in (128, 256)],
         *[dict(BLOCK_N=128, BLOCK_K=128, SPLIT_K=sk, num_warps=w, num_stages=3) for sk in (2, 4) for w in (4, 8)],
     ],
+    # the decode path's one-row kernel (ops.decode, a decode step at batch 1): dims (K, N, rank block). Used only
+    # where a measured configuration is stored (measured_config): otherwise the tuned "decode" kernel runs
+    "decode_gemv": [
+        *[dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
+          for bn in (16, 32, 64) for bk in (128, 256, 512) for w, s in ((4, 3), (8, 4))],
+        *[dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=4, num_stages=3)
+          for sk in (2, 4) for bn in (32, 64) for bk in (128, 256)],
+    ],
 }
 
 # Small blocks for the Triton interpreter and fp32 (tests): one config, no tuning.
@@ -64,6 +72,7 @@ INTERPRETER_CONFIG = {
     "dy_pass": dict(BLOCK_T=32, BLOCK_N=32, num_warps=4, num_stages=1),
     "x_pass": dict(BLOCK_T=32, BLOCK_K=32, num_warps=4, num_stages=1),
     "decode": dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1),
+    "decode_gemv": dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1),
 }
 
 _lock = threading.Lock()
@@ -119,6 +128,17 @@ def config_for(kernel: str, device: torch.device, dims: tuple, dtype: torch.dtyp
         found = _load().get(config_key(kernel, device, dims, dtype)) or CONFIG_SPACE[kernel][0]
         _answers[answer_key] = found
     return found
+
+
+def measured_config(kernel: str, device: torch.device, dims: tuple, dtype: torch.dtype) -> Optional[dict]:
+    """The configuration stored for ``kernel`` on this GPU at ``dims`` (measured: the tuning cache or the packaged
+    table), or None where none is: for a kernel that runs only where it was measured to win."""
+    if device.type != "cuda":
+        return None
+    answer_key = ("measured", kernel, device, dims, dtype)
+    if answer_key not in _answers:
+        _answers[answer_key] = _load().get(config_key(kernel, device, dims, dtype))
+    return _answers[answer_key]
 
 
 def fp8_layer_measurement(device: torch.device, in_features: int, out_features: int) -> Optional[dict]:
