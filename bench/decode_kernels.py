@@ -1,9 +1,11 @@
 """The decode path's kernel against the merged model's GEMM, per projection shape and row count, in GPU time.
 
-    python bench/decode_kernels.py --out OUT [--shapes 1b 8b] [--rows 1 8 32 64] [--cache PATH]
+    python bench/decode_kernels.py --out OUT [--shapes 1b 8b] [--rows 1 8 32 64] [--rank 16] [--adapter-dtype fp32]
+                                          [--cache PATH]
 
-For each Llama-3 projection shape (K -> N) of --shapes, LoRA r16, bf16 activations and weights with fp32 adapters
-(PEFT's default over a bf16 base), and each row count (the batch of a decode step), times one call of:
+For each Llama-3 projection shape (K -> N) of --shapes, LoRA r16 (--rank), bf16 activations and weights with fp32
+adapters (PEFT's default over a bf16 base; --adapter-dtype bf16 for adapters cast to the base's dtype), and each
+row count (the batch of a decode step), times one call of:
   merged    F.linear(x, W): the merged model's projection (the floor)
   aten      sits_lora.ops.lora_linear_aten without gradients: the small-call path (3 matmuls)
   default   sits_lora.ops.lora_linear_decode at the first configuration of ops.tuning's "decode" space
@@ -70,6 +72,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 32, 64])
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--replays", type=int, default=10)
+    parser.add_argument("--adapter-dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="the adapters' dtype (fp32: PEFT's default over a bf16 base)")
     parser.add_argument("--cache", default=None, help="tuning cache to write (default OUT/decode_configs.json)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -92,8 +96,9 @@ def main(argv=None) -> int:
     for shape in args.shapes:
         for name, (K, N) in projection_shapes(shape).items():
             W = torch.randn(N, K, device=device, dtype=torch.bfloat16, generator=gen) / K**0.5
-            A = torch.randn(args.rank, K, device=device, generator=gen) / K**0.5
-            B = torch.randn(N, args.rank, device=device, generator=gen) * 0.01
+            adapter_dtype = torch.float32 if args.adapter_dtype == "fp32" else torch.bfloat16
+            A = (torch.randn(args.rank, K, device=device, generator=gen) / K**0.5).to(adapter_dtype)
+            B = (torch.randn(N, args.rank, device=device, generator=gen) * 0.01).to(adapter_dtype)
             for rows in args.rows:
                 x = torch.randn(rows, K, device=device, dtype=torch.bfloat16, generator=gen)
                 with torch.no_grad():
