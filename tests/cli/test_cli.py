@@ -451,7 +451,8 @@ def test_packaged_tuning_versions_are_those_of_their_run():
     with open(os.path.join(run, "tuning.json")) as f:
         environment = json.load(f)["environment"]
     suffix = f"|torch{environment['torch'].split('+')[0]}|triton{environment['triton']}"
-    kernels = {k: v for k, v in packaged.items() if "|fp8_layer|" not in k and "|decode|" not in k}
+    kernels = {k: v for k, v in packaged.items() if not any(f"|{name}|" in k for name in ("fp8_layer", "decode",
+                                                                                          "decode_gemv"))}
     assert {k.removesuffix(suffix): v for k, v in measured.items() if k.endswith(suffix)} == kernels
     assert _PACKAGED_VERSIONS == {"torch": environment["torch"], "triton": environment["triton"]}
     fp8_run = os.path.join(REPO_ROOT, "bench", "results", "2026-12-01-h200-session8", "call4_gate_8b", "tune")
@@ -463,8 +464,19 @@ def test_packaged_tuning_versions_are_those_of_their_run():
         decode_measured = json.load(f)
     with open(os.path.join(decode_run, "decode_kernels.json")) as f:
         decode_environment = json.load(f)["environment"]
+    # rank 16 from that run; rank 128 (the block mixed batches of 8 adapters decode at) and the one-row kernel's
+    # configurations, stored where it beat the dot kernel, from a later run under the same torch / triton
+    later_run = os.path.join(REPO_ROOT, "bench", "results", "2026-12-04-h200-session29", "call2")
+    with open(os.path.join(later_run, "dk128", "decode_configs.json")) as f:
+        decode_measured.update(json.load(f))
+    with open(os.path.join(later_run, "dk16", "decode_configs.json")) as f:
+        one_row = {k: v for k, v in json.load(f).items() if "|decode_gemv|" in k}
+    with open(os.path.join(later_run, "dk16", "decode_kernels.json")) as f:
+        later_environment = json.load(f)["environment"]
     assert {k: v for k, v in packaged.items() if "|decode|" in k} == decode_measured
-    assert {k: decode_environment[k] for k in ("torch", "triton")} == _PACKAGED_VERSIONS
+    assert {k: v for k, v in packaged.items() if "|decode_gemv|" in k} == one_row and len(one_row) == 4
+    for env in (decode_environment, later_environment):
+        assert {k: env[k] for k in ("torch", "triton")} == _PACKAGED_VERSIONS
 
 
 def test_compile_report_names_the_versions_that_measured_each_entry(tmp_path):
