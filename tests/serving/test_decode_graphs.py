@@ -106,16 +106,20 @@ def test_mixed_batch_stacks_are_refreshed_in_place_and_kept_by_a_recording():
     with torch.no_grad():
         model(input_ids=ids, adapter_names=names)
     layer = model.base_model.model.model.layers[0].self_attn.q_proj
-    A, B, scalings = layer.__dict__["_mixed_batch_stacks"][1:]
+    order = ("one", "two")
+    A, B, scalings = mixed_batch._stacks(layer, order)
+    A16 = mixed_batch._stacks(layer, order, torch.float16)[0]    # what a half-precision decode step reads
     kept = mixed_batch.buffers_in_use([layer])
-    assert any(entry[1] is A for entry in kept if isinstance(entry, tuple))
+    assert any(entry[0] is A for entry in kept if isinstance(entry, tuple))
+    assert any(entry[0] is A16 for entry in kept if isinstance(entry, tuple))
     with torch.no_grad():
         layer.lora_A["two"].weight.mul_(2)
-        model(input_ids=ids, adapter_names=names)
-    A2 = layer.__dict__["_mixed_batch_stacks"][1]
-    assert A2 is A                                                   # same memory
-    two = sorted(["one", "two"]).index("two")
-    torch.testing.assert_close(A[two, :4], layer.lora_A["two"].weight)   # new values
+        model(input_ids=ids, adapter_names=names)                  # asks for the adapters' dtype only
+    assert mixed_batch._stacks(layer, order)[0] is A and mixed_batch._stacks(layer, order, torch.float16)[0] is A16
+    two = order.index("two")
+    torch.testing.assert_close(A[two, :4], layer.lora_A["two"].weight)   # new values, in the same memory
+    torch.testing.assert_close(A16[two, :4], layer.lora_A["two"].weight.half())
+    assert A16.dtype == torch.float16 and mixed_batch._stacks(layer, order)[2].dtype == torch.float32
 
 
 def test_refusals_name_the_fix():

@@ -44,8 +44,10 @@ def _plan(sample_adapter: tuple, rows_per_sample: int, device: torch.device):
     return plan
 
 
-def _stacks(layer, adapters: tuple):
-    """(A, B, scalings) of ``adapters`` stacked, made again when an adapter's weights or scaling changed."""
+def _stacks(layer, adapters: tuple, dtype: Optional[torch.dtype] = None):
+    """(A, B, scalings) of ``adapters`` stacked, in the adapters' dtype or cast to ``dtype``; every copy is made
+    again (in its old memory where the shape holds) when an adapter's weights or scaling changed, whichever copy the
+    call asks for: an eager call that takes one path refreshes what a recorded call on the other path reads."""
     weights = [(layer.lora_A[a].weight, layer.lora_B[a].weight) for a in adapters]
     key = (adapters, tuple((a.data_ptr(), a._version, b.data_ptr(), b._version) for a, b in weights),
            tuple(layer.scaling[a] for a in adapters))
@@ -53,25 +55,41 @@ def _stacks(layer, adapters: tuple):
     if cached is None or cached[0] != key:
         from ..ops.mixed_batch import stack_adapters
 
+        copies = {} if cached is None else cached[1]
         with torch.no_grad():
-            A, B, scalings = stack_adapters([a for a, _ in weights], [b for _, b in weights],
-                                               [layer.scaling[a] for a in adapters])
-            if cached is not None and all(old.shape == new.shape and old.dtype == new.dtype
-                                          for old, new in zip(cached[1:], (A, B, scalings))):
-                for old, new in zip(cached[1:], (A, B, scalings)):
-                    old.copy_(new)
-                A, B, scalings = cached[1:]
-        cached = (key, A, B, scalings)
+            stacked = stack_adapters([a for a, _ in weights], [b for _, b in weights],
+                                     [layer.scaling[a] for a in adapters])
+            for cast in set(copies) | {None}:
+                copies[cast] = _written_into(copies.get(cast), _cast(stacked, cast))
+        cached = (key, copies)
         layer.__dict__["_mixed_batch_stacks"] = cached   # not a buffer: no state dict entry, no .to()
-    return cached[1:]
+    copies = cached[1]
+    if dtype not in copies:
+        with torch.no_grad():
+            copies[dtype] = _cast(copies[None], dtype)
+    return copies[dtype]
+
+
+def _cast(stacked: tuple, dtype: Optional[torch.dtype]) -> tuple:
+    A, B, scalings = stacked
+    return stacked if dtype is None else (A.to(dtype), B.to(dtype), scalings)   # the scalings stay fp32
+
+
+def _written_into(old: Optional[tuple], new: tuple) -> tuple:
+    """``new``'s values in ``old``'s memory where the shapes and dtypes hold (a recorded graph reads that memory)."""
+    if old is None or any(o.shape != n.shape or o.dtype != n.dtype for o, n in zip(old, new)):
+        return new
+    for o, n in zip(old, new):
+        o.copy_(n)
+    return old
 
 
 def buffers_in_use(layers) -> list:
     """The row plans and the ``layers``' stacks the mixed-batch path holds now: a CUDA graph recorded over these
     layers reads them, so it keeps them alive (a plan dropped from the cache or a stack made in another shape would
     otherwise free memory the graph still reads)."""
-    return list(_PLANS.values()) + [layer.__dict__["_mixed_batch_stacks"] for layer in layers
-                                    if "_mixed_batch_stacks" in layer.__dict__]
+    return list(_PLANS.values()) + [stacks for layer in layers if "_mixed_batch_stacks" in layer.__dict__
+                                    for stacks in layer.__dict__["_mixed_batch_stacks"][1].values()]
 
 
 def mixed_batch_forward(layer, x: torch.Tensor, adapter_names: list) -> Optional[torch.Tensor]:
@@ -96,12 +114,15 @@ def mixed_batch_forward(layer, x: torch.Tensor, adapter_names: list) -> Optional
     if not named:
         return base(x)
     order = tuple(sorted(named))          # the stack order: the same in every layer that has these adapters
-    A, B, scalings = _stacks(layer, order)
     index = {a: g for g, a in enumerate(order)}
     plan = _plan(tuple(index.get(a, -1) for a in adapter_names), rows_per_sample, x.device)
     if ops.decode_call(x, layer.in_features) and base.weight.dtype == x.dtype:
-        # a decode step's few rows: the base product and every row's adapter in one kernel (ops.decode)
+        # a decode step's few rows: the base product and every row's adapter in one kernel (ops.decode). The
+        # stacks cast to the activations' dtype, which the kernel casts each tile to anyway: the same outputs,
+        # and half the bytes of fp32 adapters that every program of the kernel reads (all G adapters' A)
+        A, B, scalings = _stacks(layer, order, x.dtype)
         return ops.lora_linear_decode_mixed(x, base.weight, base.bias, A, B, scalings, plan.row_adapter)
+    A, B, scalings = _stacks(layer, order)
     y = base(x)
     from ..ops.mixed_batch import lora_mixed_batch_triton
 
