@@ -24,6 +24,8 @@ decode steps without the prefill. Arms, each on the same prompts:
   X+graph      arm X with its decode steps replayed as CUDA graphs (sits_lora.graph_decode, installed on every
                model; off for the other arms) into one transformers StaticCache per model and batch, reset between
                requests (what a server does); columns graph_replays / graph_recordings count what it did
+The graph arms also report gpu_step_ms: the median GPU time of one replayed decode step (CUDA events around each
+replay of the n-token request), free of the host's time between steps, and gpu_vs_merged against merged+graph's.
 The pool arms also report stall_ms_per_request (how long the GPU waited for adapter copies, AdapterPool's CUDA
 events) and copy_ms_predicted (one adapter's bytes over the measured pinned bandwidth: the stall of a swap that was
 not prefetched).
@@ -125,6 +127,43 @@ def static_cache(model, batch: int, length: int, caches: dict):
     return keyword, caches[key]
 
 
+class ReplayTimer:
+    """GPU milliseconds of each CUDA-graph replay while ``active``: an event before and after every replay (of any
+    graph: graph_decode's decode steps here), read after the request synchronized. ``install`` wraps the replay
+    method of ``graph_class``; ``uninstall`` puts it back."""
+
+    def __init__(self, graph_class=None, event=None) -> None:
+        self.graph_class = graph_class if graph_class is not None else torch.cuda.CUDAGraph
+        self.event = event if event is not None else (lambda: torch.cuda.Event(enable_timing=True))
+        self.active, self._pairs, self._original = False, [], None
+
+    def install(self) -> "ReplayTimer":
+        original, timer = self.graph_class.replay, self
+
+        def replay(graph, *args, **kwargs):
+            if not timer.active:
+                return original(graph, *args, **kwargs)
+            before, after = timer.event(), timer.event()
+            before.record()
+            result = original(graph, *args, **kwargs)
+            after.record()
+            timer._pairs.append((before, after))
+            return result
+
+        self._original, self.graph_class.replay = original, replay
+        return self
+
+    def uninstall(self) -> None:
+        if self._original is not None:
+            self.graph_class.replay, self._original = self._original, None
+
+    def take_ms(self) -> list:
+        """The replays' times since the last call, in order (the caller has synchronized)."""
+        times = [before.elapsed_time(after) for before, after in self._pairs]
+        self._pairs.clear()
+        return times
+
+
 def generate_seconds(model, ids, new_tokens: int, adapter_names, device: str, cache=None) -> float:
     kwargs = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
     if adapter_names is not None:
@@ -220,6 +259,9 @@ def main(argv=None) -> int:
             # one recorder per model, replaying only for the graph arms; each (arm, batch) records its own step
             graphs = {id(m): graph_decode(m, max_graphs=4 * len(args.arms) * len(args.batches))
                       for m in (sits, peft_model, pooled) if m is not None}
+            timer = ReplayTimer().install()
+        else:
+            timer = None
         for batch in args.batches:
             gen = torch.Generator().manual_seed(2)
             ids = torch.randint(3, MODELS[shape]["vocab_size"], (batch, args.prompt), generator=gen).to(device)
@@ -227,6 +269,7 @@ def main(argv=None) -> int:
             requests = {arm: [] for arm in args.arms}
             counts = {arm: [0, 0] for arm in args.arms}      # graph replays, recordings in the timed rounds
             stalls = {arm: 0.0 for arm in args.arms}         # ms the GPU waited for adapter copies, timed rounds
+            gpu_steps = {arm: [] for arm in args.arms}       # GPU ms of each replayed decode step, timed rounds
             for round_ in range(repeats + 1):     # round 0 warms up (autotuning, allocator, the mixed-batch plans)
                 for arm in args.arms:
                     kind = arm.removesuffix("+graph")
@@ -235,9 +278,13 @@ def main(argv=None) -> int:
                         recorder.active = arm.endswith("+graph")
                     before = {k: (g.replays, g.recordings) for k, g in graphs.items()}
                     stall_before = pool.measured_stall_ms() if kind in STREAM_ARMS else 0.0
+                    if timer is not None:
+                        timer.active = arm.endswith("+graph")
                     seconds, request = timed_arm(model, arm, ids, new_tokens, device, pool, turns.get(arm), caches)
+                    steps = timer.take_ms() if timer is not None else []
                     if round_:
                         times[arm].append(seconds)
+                        gpu_steps[arm].extend(steps)
                         requests[arm].append(request)
                         if kind in STREAM_ARMS:
                             stalls[arm] += pool.measured_stall_ms() - stall_before
@@ -249,10 +296,14 @@ def main(argv=None) -> int:
                 held_to = "merged+graph" if arm.endswith("+graph") and "merged+graph" in times else "merged"
                 merged = statistics.median(times[held_to]) if held_to in times else None
                 seconds = statistics.median(times[arm])
+                gpu_step = statistics.median(gpu_steps[arm]) if gpu_steps[arm] else None
+                merged_step = statistics.median(gpu_steps["merged+graph"]) if gpu_steps.get("merged+graph") else None
                 rows.append({"shape": shape, "layers": args.layers, "batch": batch, "arm": arm,
                              "ms_per_token": seconds * 1000, "tokens_per_s": batch / seconds,
                              "request_ms": statistics.median(requests[arm]) * 1000,
                              "vs_merged": seconds / merged if merged else None,
+                             "gpu_step_ms": gpu_step,
+                             "gpu_vs_merged": gpu_step / merged_step if gpu_step and merged_step else None,
                              "rounds_ms": [t * 1000 for t in times[arm]], "prompt": args.prompt,
                              "new_tokens": new_tokens, "graph_replays": counts[arm][0] if graphs else None,
                              "graph_recordings": counts[arm][1] if graphs else None,
@@ -261,13 +312,16 @@ def main(argv=None) -> int:
                              if arm.removesuffix("+graph") in STREAM_ARMS else None,
                              "copy_ms_predicted": pool.predicted_stall_ms(ADAPTERS[0])
                              if arm.removesuffix("+graph") in STREAM_ARMS and device == "cuda" else None})
-                print(f"[{shape} bs{batch} {arm}] {seconds * 1000:.2f} ms per token", flush=True)
+                print(f"[{shape} bs{batch} {arm}] {seconds * 1000:.2f} ms per token"
+                      + (f", GPU {gpu_step:.3f} ms a replayed step" if gpu_step else ""), flush=True)
         if pool is not None:
             for r in rows:
                 if r["shape"] == shape and r["arm"].removesuffix("+graph") in STREAM_ARMS:
                     r["pool_stats"] = dict(pool.stats)   # both pool arms together
         for recorder in graphs.values():
             recorder.release()
+        if timer is not None:
+            timer.uninstall()
         del sits, peft_model, pooled, pool, graphs, caches
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -281,7 +335,7 @@ def main(argv=None) -> int:
     command = "python bench/serve.py " + " ".join(argv if argv is not None else sys.argv[1:])
     paths = write_results("serve", rows, args.out, {"command": command})
     print_table(rows, ["shape", "batch", "arm", "ms_per_token", "tokens_per_s", "request_ms", "vs_merged",
-                       "peft_mixed8_over_this"])
+                       "gpu_step_ms", "gpu_vs_merged", "peft_mixed8_over_this"])
     with png(os.path.join(args.out, "serve.png"), figsize=(7, 3.5)) as ax:
         if ax is not None:
             groups = sorted({(r["shape"], r["batch"]) for r in rows})

@@ -24,3 +24,37 @@ def test_refusals_name_the_flag(capsys):
     with pytest.raises(SystemExit):
         serve.main(["--smoke", "--out", "x", "--new-tokens", "1"])
     assert "--new-tokens must be >= 2" in capsys.readouterr().err
+
+
+def test_the_replay_timer_times_replays_only_while_active_and_puts_replay_back():
+    serve = bench_module("serve")
+    clock = iter(range(100))
+
+    class Event:
+        def record(self):
+            self.at = next(clock)
+
+        def elapsed_time(self, end):
+            return float(end.at - self.at)
+
+    class Graph:
+        def replay(self):
+            next(clock)            # the replay's own work: one tick between its two events
+
+    original = Graph.replay
+    timer = serve.ReplayTimer(Graph, Event).install()
+    Graph().replay()               # not active: no events
+    timer.active = True
+    Graph().replay()
+    Graph().replay()
+    assert timer.take_ms() == [2.0, 2.0] and timer.take_ms() == []
+    timer.uninstall()
+    assert Graph.replay is original
+
+
+def test_rows_without_graph_arms_carry_no_gpu_step(tmp_path):
+    serve = bench_module("serve")
+    assert serve.main(["--smoke", "--out", str(tmp_path), "--batches", "2", "--arms", "merged", "sits"]) == 0
+    rows = json.loads((tmp_path / "serve.json").read_text())["rows"]
+    assert [(r["arm"], r["gpu_step_ms"], r["gpu_vs_merged"]) for r in rows] == [("merged", None, None),
+                                                                                 ("sits", None, None)]

@@ -27,7 +27,8 @@ Several adapters in one batch (``lora_linear_decode_mixed``, PEFT's ``adapter_na
 kernel reads the adapters' stacks (ops.mixed_batch.stack_adapters) as one LoRA of rank G·R_max, h = x·A_allᵀ, then
 keeps, for each row, only its own adapter's R_max columns of h, scaled by that adapter's s (a row of no adapter
 keeps none), before the B product: one launch per projection where the segmented path issues the base GEMM, a
-shrink and an expand. Every program reads all the adapters' A (G times a single adapter's, from L2).
+shrink and an expand. Every program reads all the adapters' A (G times a single adapter's, from L2), which is
+why serving.mixed_batch passes stacks cast to the activations' dtype (half the bytes of PEFT's fp32 adapters).
 
 One row (batch-1 decoding): tl.dot needs 16 rows, so the call above pads the row to 16 and the products run on
 tensor cores over a staged W tile. ``_lora_decode_gemv_kernel`` instead multiplies each loaded W tile with the row
