@@ -1,7 +1,7 @@
 """The decode path's kernel against the merged model's GEMM, per projection shape and row count, in GPU time.
 
     python bench/decode_kernels.py --out OUT [--shapes 1b 8b] [--rows 1 8 32 64] [--rank 16] [--adapter-dtype fp32]
-                                          [--cache PATH]
+                                          [--warm-l2] [--cache PATH]
 
 For each Llama-3 projection shape (K -> N) of --shapes, LoRA r16 (--rank), bf16 activations and weights with fp32
 adapters (PEFT's default over a bf16 base; --adapter-dtype bf16 for adapters cast to the base's dtype), and each
@@ -13,10 +13,13 @@ row count (the batch of a decode step), times one call of:
   unsplit   the fastest configuration that does not split K (SPLIT_K 1): tuned against it is what the split gains
   gemv      at one row: the fastest configuration of the one-row kernel (ops.tuning's "decode_gemv" space); stored
             in the cache only where it beats tuned, the only place the decode path then runs it
-Each time is the GPU's: 20 calls recorded as one CUDA graph, replayed --replays times between CUDA events, the
-median replay / 20 (launch costs left out, as under sits_lora.graph_decode). The fastest configurations are
-written in the tuning cache format to --cache (default OUT/decode_configs.json): run later scripts with
-SITS_LORA_TUNING_CACHE=that file to use them, or merge them into src/sits_lora/ops/tuned_configs.json.
+Each time is the GPU's: 20 calls (or one per copy of W, below) recorded as one CUDA graph, replayed --replays times
+between CUDA events, the median replay / calls (launch costs left out, as under sits_lora.graph_decode). The calls
+cycle through copies of W (column w_copies) that together fill twice the L2, so that every call reads W from memory
+as a model's decode step does (each layer's W once); --warm-l2 times every call on one W (earlier runs did). The
+fastest configurations are written in the tuning cache format to --cache (default OUT/decode_configs.json): run
+later scripts with SITS_LORA_TUNING_CACHE=that file to use them, or merge them into
+src/sits_lora/ops/tuned_configs.json.
 Writes OUT/decode_kernels.json, .csv and .png.
 """
 
@@ -45,15 +48,23 @@ def projection_shapes(shape: str) -> dict[str, tuple[int, int]]:
     return {"q/o": (hidden, hidden), "k/v": (hidden, kv), "gate/up": (hidden, inter), "down": (inter, hidden)}
 
 
-def graph_us(fn, replays: int) -> float:
-    """GPU microseconds of one fn() call: CALLS calls recorded as one graph, the median of ``replays`` replays."""
-    for _ in range(2):
-        fn()                                       # compile and autotune off the recording
+def copies_for_cold_l2(nbytes: int, l2_bytes: int, most: int = 64) -> int:
+    """How many copies of a weight of ``nbytes`` the timed calls cycle through so that a copy is evicted from an L2
+    of ``l2_bytes`` before it is read again (the other copies in between fill twice the L2), as in a model's decode
+    step, where each layer's weight is read once; at most ``most``."""
+    return max(1, min(most, -(-2 * l2_bytes // max(1, nbytes)) + 1))
+
+
+def graph_us(fn, replays: int, calls: int = CALLS) -> float:
+    """GPU microseconds of one fn(i) call: ``calls`` calls (i = 0 .. calls - 1) recorded as one graph, the median of
+    ``replays`` replays."""
+    for i in range(2):
+        fn(i)                                      # compile and autotune off the recording
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
+        for i in range(calls):
+            fn(i)
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -61,7 +72,7 @@ def graph_us(fn, replays: int) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS)
+        times.append(start.elapsed_time(end) * 1000 / calls)
     return statistics.median(times)
 
 
@@ -72,6 +83,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 32, 64])
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--replays", type=int, default=10)
+    parser.add_argument("--warm-l2", action="store_true",
+                        help="time every call on the same W (by default the calls cycle through copies of W that "
+                             "do not fit in L2 together, as a model's layers do)")
     parser.add_argument("--adapter-dtype", choices=["fp32", "bf16"], default="fp32",
                         help="the adapters' dtype (fp32: PEFT's default over a bf16 base)")
     parser.add_argument("--cache", default=None, help="tuning cache to write (default OUT/decode_configs.json)")
@@ -88,6 +102,7 @@ def main(argv=None) -> int:
     from sits_lora.ops.tuning import CONFIG_SPACE, config_key
 
     device = torch.device("cuda")
+    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
     space = CONFIG_SPACE["decode"]
     cache_path = args.cache or os.path.join(args.out, "decode_configs.json")
     best_configs: dict = {}
@@ -96,19 +111,26 @@ def main(argv=None) -> int:
     for shape in args.shapes:
         for name, (K, N) in projection_shapes(shape).items():
             W = torch.randn(N, K, device=device, dtype=torch.bfloat16, generator=gen) / K**0.5
+            # a model reads each layer's W once a step: copies cycled through so that W is not in L2 when read
+            # (the 1B shapes' 8-32 MB would stay in the H200's 50 MB L2 across 20 calls of one W)
+            n_copies = 1 if args.warm_l2 else copies_for_cold_l2(W.nbytes, l2_bytes)
+            Ws = [W] + [W.clone() for _ in range(n_copies - 1)]
+            calls = max(CALLS, n_copies)        # every copy read once a replay
             adapter_dtype = torch.float32 if args.adapter_dtype == "fp32" else torch.bfloat16
             A = (torch.randn(args.rank, K, device=device, generator=gen) / K**0.5).to(adapter_dtype)
             B = (torch.randn(N, args.rank, device=device, generator=gen) * 0.01).to(adapter_dtype)
             for rows in args.rows:
                 x = torch.randn(rows, K, device=device, dtype=torch.bfloat16, generator=gen)
                 with torch.no_grad():
-                    merged = graph_us(lambda: F.linear(x, W), args.replays)
-                    aten = graph_us(lambda: ops.lora_linear_aten(x, x, W, None, A, B, 2.0), args.replays)
+                    merged = graph_us(lambda i: F.linear(x, Ws[i % n_copies]), args.replays, calls)
+                    aten = graph_us(lambda i: ops.lora_linear_aten(x, x, Ws[i % n_copies], None, A, B, 2.0),
+                                    args.replays, calls)
                     timings = []
                     for cfg in space:
                         try:
-                            us = graph_us(lambda: ops.lora_linear_decode(x, W, None, A, B, 2.0, config=cfg),
-                                          args.replays)
+                            us = graph_us(lambda i: ops.lora_linear_decode(x, Ws[i % n_copies], None, A, B, 2.0,
+                                                                           config=cfg),
+                                          args.replays, calls)
                         except Exception as error:   # noqa: BLE001 (a config this GPU cannot run: too much smem)
                             print(f"  skipped {cfg}: {type(error).__name__}: {str(error)[:200]}", flush=True)
                             torch.cuda.synchronize()
@@ -117,8 +139,9 @@ def main(argv=None) -> int:
                     gemv_timings = []
                     for cfg in CONFIG_SPACE["decode_gemv"] if rows == 1 else ():
                         try:
-                            us = graph_us(lambda: ops.lora_linear_decode(x, W, None, A, B, 2.0,
-                                                                         config=dict(cfg, GEMV=True)), args.replays)
+                            gemv_cfg = dict(cfg, GEMV=True)
+                            us = graph_us(lambda i: ops.lora_linear_decode(x, Ws[i % n_copies], None, A, B, 2.0,
+                                                                         config=gemv_cfg), args.replays, calls)
                         except Exception as error:   # noqa: BLE001 (as above)
                             print(f"  skipped one-row {cfg}: {type(error).__name__}: {str(error)[:200]}", flush=True)
                             torch.cuda.synchronize()
@@ -135,7 +158,7 @@ def main(argv=None) -> int:
                 unsplit = min((us for us, cfg in timings if cfg.get("SPLIT_K", 1) == 1), default=None)
                 dims = (rows_block(rows), K, N, block_rank(args.rank))
                 best_configs[config_key("decode", device, dims, torch.bfloat16)] = best
-                rows_out.append({"shape": shape, "projection": name, "K": K, "N": N, "rows": rows,
+                rows_out.append({"shape": shape, "projection": name, "K": K, "N": N, "rows": rows, "w_copies": n_copies,
                                  "merged_us": merged, "aten_us": aten, "default_us": default, "tuned_us": tuned,
                                  "unsplit_us": unsplit, "gemv_us": gemv, "gemv_config": gemv_best,
                                  "tuned_over_merged": tuned / merged, "aten_over_merged": aten / merged,

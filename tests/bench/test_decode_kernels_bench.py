@@ -1,0 +1,29 @@
+"""bench/decode_kernels.py on the CPU: how many copies of W keep its timed calls reading W from memory, and its
+refusal without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import bench_module
+
+MB = 2**20
+
+
+def test_copies_fill_twice_the_l2_between_two_reads_of_one_copy():
+    bench = bench_module("decode_kernels")
+    l2 = 50 * MB
+    for nbytes in (2 * MB, 8 * MB, 32 * MB, 117 * MB):
+        n = bench.copies_for_cold_l2(nbytes, l2, most=1000)
+        assert (n - 1) * nbytes >= 2 * l2 and (n - 2) * nbytes < 2 * l2   # the fewest that do
+    assert bench.copies_for_cold_l2(117 * MB, l2) == 2           # a W larger than twice the L2: itself and one more
+    assert bench.copies_for_cold_l2(MB // 4, l2) == 64           # bounded
+    assert bench.copies_for_cold_l2(0, l2) == 64
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_without_a_gpu_it_says_so(tmp_path, capsys):
+    bench = bench_module("decode_kernels")
+    with pytest.raises(SystemExit):
+        bench.main(["--out", str(tmp_path), "--warm-l2"])
+    assert "needs a CUDA GPU" in capsys.readouterr().err
