@@ -36,6 +36,18 @@ def test_a_sits_arm_more_than_five_percent_over_its_baseline_fails():
     assert all(c["ok"] for c in regress.compare(slower, baseline, [], {}))
 
 
+def test_a_host_bound_arm_is_named_so_and_judged_the_same():
+    baseline = {"rows": _rows("1b", frozen_liger=0.8, sits_liger=1.0)}
+    now = _rows("1b", frozen_liger=0.8, sits_liger=1.1)
+    now[0]["host_s"], now[1]["host_s"] = 0.6, 1.09                  # the floor GPU-bound, sits' host ~ its step
+    check = _by_what(regress.compare(now, baseline, [], {}), "regression")[("1b", "sits+liger")]
+    assert check["ok"] is False
+    assert "host-bound (the host took 1090.0 of the step's 1100.0 ms)" in check["detail"]
+    now[1]["host_s"] = 0.5
+    check = _by_what(regress.compare(now, baseline, [], {}), "regression")[("1b", "sits+liger")]
+    assert check["ok"] is False and "host-bound" not in check["detail"]
+
+
 def test_failed_arms_graph_breaks_and_missing_baselines_are_reported():
     rows = _rows("8b", frozen=1.0, sits=1.1) + [{"shape": "8b", "arm": "sits+fp8", "error": "CUDA out of memory"}]
     breaks = [{"config": "static", "graph_breaks": 0}, {"config": "fp8 hybrid", "graph_breaks": 3},
