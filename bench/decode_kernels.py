@@ -76,6 +76,19 @@ def graph_us(fn, replays: int, calls: int = CALLS) -> float:
     return statistics.median(times)
 
 
+def timed_configs(configs: list, time_us, label: str) -> list:
+    """(µs, configuration) of each configuration ``time_us`` could run; one this GPU cannot run (too much shared
+    memory) is skipped and named."""
+    timings = []
+    for cfg in configs:
+        try:
+            timings.append((time_us(cfg), cfg))
+        except Exception as error:   # noqa: BLE001 (the launch's own error, printed)
+            print(f"  skipped {label}{cfg}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+            torch.cuda.synchronize()
+    return timings
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
@@ -103,6 +116,7 @@ def main(argv=None) -> int:
 
     device = torch.device("cuda")
     l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
+    adapter_dtype = torch.float32 if args.adapter_dtype == "fp32" else torch.bfloat16
     space = CONFIG_SPACE["decode"]
     cache_path = args.cache or os.path.join(args.out, "decode_configs.json")
     best_configs: dict = {}
@@ -116,7 +130,6 @@ def main(argv=None) -> int:
             n_copies = 1 if args.warm_l2 else copies_for_cold_l2(W.nbytes, l2_bytes)
             Ws = [W] + [W.clone() for _ in range(n_copies - 1)]
             calls = max(CALLS, n_copies)        # every copy read once a replay
-            adapter_dtype = torch.float32 if args.adapter_dtype == "fp32" else torch.bfloat16
             A = (torch.randn(args.rank, K, device=device, generator=gen) / K**0.5).to(adapter_dtype)
             B = (torch.randn(N, args.rank, device=device, generator=gen) * 0.01).to(adapter_dtype)
             for rows in args.rows:
@@ -125,28 +138,14 @@ def main(argv=None) -> int:
                     merged = graph_us(lambda i: F.linear(x, Ws[i % n_copies]), args.replays, calls)
                     aten = graph_us(lambda i: ops.lora_linear_aten(x, x, Ws[i % n_copies], None, A, B, 2.0),
                                     args.replays, calls)
-                    timings = []
-                    for cfg in space:
-                        try:
-                            us = graph_us(lambda i: ops.lora_linear_decode(x, Ws[i % n_copies], None, A, B, 2.0,
-                                                                           config=cfg),
-                                          args.replays, calls)
-                        except Exception as error:   # noqa: BLE001 (a config this GPU cannot run: too much smem)
-                            print(f"  skipped {cfg}: {type(error).__name__}: {str(error)[:200]}", flush=True)
-                            torch.cuda.synchronize()
-                            continue
-                        timings.append((us, cfg))
-                    gemv_timings = []
-                    for cfg in CONFIG_SPACE["decode_gemv"] if rows == 1 else ():
-                        try:
-                            gemv_cfg = dict(cfg, GEMV=True)
-                            us = graph_us(lambda i: ops.lora_linear_decode(x, Ws[i % n_copies], None, A, B, 2.0,
-                                                                         config=gemv_cfg), args.replays, calls)
-                        except Exception as error:   # noqa: BLE001 (as above)
-                            print(f"  skipped one-row {cfg}: {type(error).__name__}: {str(error)[:200]}", flush=True)
-                            torch.cuda.synchronize()
-                            continue
-                        gemv_timings.append((us, cfg))
+
+                    def decode_us(cfg: dict) -> float:
+                        return graph_us(lambda i: ops.lora_linear_decode(x, Ws[i % n_copies], None, A, B, 2.0,
+                                                                         config=cfg), args.replays, calls)
+
+                    timings = timed_configs(space, decode_us, "")
+                    gemv_timings = timed_configs(CONFIG_SPACE["decode_gemv"] if rows == 1 else [],
+                                                 lambda cfg: decode_us(dict(cfg, GEMV=True)), "one-row ")
                 if not timings:
                     raise SystemExit(f"no decode configuration ran at {K}->{N}, {rows} rows (see the skips above)")
                 default = next((us for us, cfg in timings if cfg is space[0]), None)

@@ -21,6 +21,20 @@ def test_copies_fill_twice_the_l2_between_two_reads_of_one_copy():
     assert bench.copies_for_cold_l2(0, l2) == 64
 
 
+def test_a_configuration_that_cannot_run_is_skipped_and_named(capsys, monkeypatch):
+    bench = bench_module("decode_kernels")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    small, big = dict(BLOCK_N=16), dict(BLOCK_N=512)
+
+    def time_us(cfg):
+        if cfg is big:
+            raise RuntimeError("out of resource: shared memory")
+        return 3.0
+
+    assert bench.timed_configs([small, big], time_us, "one-row ") == [(3.0, small)]
+    assert "skipped one-row {'BLOCK_N': 512}: RuntimeError: out of resource" in capsys.readouterr().out
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_without_a_gpu_it_says_so(tmp_path, capsys):
     bench = bench_module("decode_kernels")
