@@ -228,3 +228,35 @@ def test_on_a_gpu_bf16_decode_kernel_at_llama_shapes(rows, shape):
     want = _reference(x, W, b, A, B, 2.0)
     err = (y.double().cpu() - want).norm() / want.norm()
     assert err < 1e-2, err
+
+
+def test_half_precision_decode_steps_read_adapter_copies_made_again_when_written(monkeypatch):
+    """fp32 adapters over an fp16 base (PEFT's default): the kernel gets copies in fp16, made once and made again
+    in their memory when a weight is written; the outputs stay PEFT's."""
+    from sits_lora.utils.cast_copies import kept_cast_copies
+
+    seen = []
+    real = ops.lora_linear_decode
+    monkeypatch.setattr(ops, "lora_linear_decode", lambda *a, **k: seen.append((a[3], a[4])) or real(*a, **k))
+    ours, peft = _models()
+    for model in (ours, peft):
+        model.half()
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.data = p.data.float()
+    ids = torch.randint(0, 97, (3, 1), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    with torch.no_grad():
+        got, want = ours(input_ids=ids).logits, peft(input_ids=ids).logits
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert len(seen) == 2 * len(TARGETS) and all(A.dtype == B.dtype == torch.float16 for A, B in seen)
+    layer = ours.base_model.model.model.layers[0].self_attn.q_proj
+    A_first = seen[0][0]
+    assert any(copies[0] is A_first for copies in kept_cast_copies([layer]))
+    with torch.no_grad():
+        for model in (ours, peft):
+            model.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"].weight.mul_(3)
+        seen.clear()
+        got, want = ours(input_ids=ids).logits, peft(input_ids=ids).logits
+    assert seen[0][0] is A_first                                          # the same memory, read again
+    torch.testing.assert_close(seen[0][1], layer.lora_B["default"].weight.half())
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
+from functools import partial
 from typing import Optional
 
 import torch
 from torch import nn
 
 from .. import ops
+from ..utils.cast_copies import cast_copies
 
 # Whether each device type has an autocast mode ("meta", used by plans and shape checks, has none).
 # torch.amp.is_autocast_available is a builtin that torch.compile cannot trace on torch 2.11: asked in
@@ -39,6 +41,10 @@ def autocast_inputs(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optio
     dtype = torch.get_autocast_dtype(device_type)
     return (x.to(dtype), None if weight is None else weight.to(dtype), None if bias is None else bias.to(dtype),
             torch.autocast(device_type, enabled=False))
+
+
+def _adapter_weights(layer, adapter: str) -> tuple:
+    return layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
 
 
 class Bf16Base:
@@ -93,9 +99,14 @@ class Bf16Base:
         x, weight, bias, autocast_off = autocast_inputs(x, base.weight, base.bias)
         if weight.dtype != x.dtype:
             return None
+        A, B = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+        if (A.dtype != x.dtype or B.dtype != x.dtype) and not torch.compiler.is_compiling():
+            # every program of the kernel reads all of A: a copy in the activations' dtype, which the kernel casts
+            # each tile to anyway, gives the same outputs from half the bytes of PEFT's fp32 adapters (not under
+            # torch.compile: the copies' bookkeeping reads version counters, which a traced call must not guard on)
+            A, B = cast_copies(layer, adapter, partial(_adapter_weights, layer, adapter), x.dtype)
         with autocast_off:
-            return ops.lora_linear_decode(x, weight, bias, layer.lora_A[adapter].weight, layer.lora_B[adapter].weight,
-                                          layer.scaling[adapter])
+            return ops.lora_linear_decode(x, weight, bias, A, B, layer.scaling[adapter])
 
     def __repr__(self) -> str:
         return "BF16_BASE"

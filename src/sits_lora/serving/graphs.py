@@ -36,6 +36,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ..utils.cast_copies import kept_cast_copies, refresh_cast_copies
 from ..utils.cuda_graphs import (NotGraphable, adapter_state, copy_output, describe_call, first_line,
                                  run_on_side_stream, substitute)
 from .mixed_batch import buffers_in_use
@@ -142,6 +143,7 @@ class DecodeGraphs:
         if (not self.active or tokens is None or tokens > self.max_tokens or torch.is_grad_enabled()
                 or self.lm.training):
             self._state = None          # a prefill (or another call): the adapter state is read again next time
+            refresh_cast_copies(self._layers)   # weights written since the last request: the replays read the copies
             return self._eager(args, kwargs)
         caches = {key: value for key, value in kwargs.items() if _is_cache(value)}
         rest = {key: value for key, value in kwargs.items() if key not in caches}
@@ -206,7 +208,8 @@ class DecodeGraphs:
                              "forward?)")
             return None
         self.recordings += 1
-        return _Recording(graph, static_inputs, static_output, buffers_in_use(self._layers))
+        return _Recording(graph, static_inputs, static_output,
+                          buffers_in_use(self._layers) + kept_cast_copies(self._layers))
 
     def _note_eager(self, reason: str) -> None:
         if reason not in self._eager_reasons:   # once per reason: generate makes this call every token

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..utils.cast_copies import source_key, written_into
 
 _PLANS: "OrderedDict[tuple, object]" = OrderedDict()
 _MAX_PLANS = 32      # a generation makes one plan per prompt length and one for decoding: a few per request
@@ -49,8 +50,7 @@ def _stacks(layer, adapters: tuple, dtype: Optional[torch.dtype] = None):
     again (in its old memory where the shape holds) when an adapter's weights or scaling changed, whichever copy the
     call asks for: an eager call that takes one path refreshes what a recorded call on the other path reads."""
     weights = [(layer.lora_A[a].weight, layer.lora_B[a].weight) for a in adapters]
-    key = (adapters, tuple((a.data_ptr(), a._version, b.data_ptr(), b._version) for a, b in weights),
-           tuple(layer.scaling[a] for a in adapters))
+    key = (adapters, source_key(tuple(t for pair in weights for t in pair)), tuple(layer.scaling[a] for a in adapters))
     cached = layer.__dict__.get("_mixed_batch_stacks")
     if cached is None or cached[0] != key:
         from ..ops.mixed_batch import stack_adapters
@@ -60,7 +60,7 @@ def _stacks(layer, adapters: tuple, dtype: Optional[torch.dtype] = None):
             stacked = stack_adapters([a for a, _ in weights], [b for _, b in weights],
                                      [layer.scaling[a] for a in adapters])
             for cast in set(copies) | {None}:
-                copies[cast] = _written_into(copies.get(cast), _cast(stacked, cast))
+                copies[cast] = written_into(copies.get(cast), _cast(stacked, cast))
         cached = (key, copies)
         layer.__dict__["_mixed_batch_stacks"] = cached   # not a buffer: no state dict entry, no .to()
     copies = cached[1]
@@ -73,15 +73,6 @@ def _stacks(layer, adapters: tuple, dtype: Optional[torch.dtype] = None):
 def _cast(stacked: tuple, dtype: Optional[torch.dtype]) -> tuple:
     A, B, scalings = stacked
     return stacked if dtype is None else (A.to(dtype), B.to(dtype), scalings)   # the scalings stay fp32
-
-
-def _written_into(old: Optional[tuple], new: tuple) -> tuple:
-    """``new``'s values in ``old``'s memory where the shapes and dtypes hold (a recorded graph reads that memory)."""
-    if old is None or any(o.shape != n.shape or o.dtype != n.dtype for o, n in zip(old, new)):
-        return new
-    for o, n in zip(old, new):
-        o.copy_(n)
-    return old
 
 
 def buffers_in_use(layers) -> list:

@@ -55,6 +55,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from ..utils.cast_copies import note_replayed_weight_writes
 from ..utils.cuda_graphs import (AdapterState, NotGraphable, copy_output, describe_call, first_line,
                                  run_on_side_stream, substitute)
 
@@ -222,6 +223,7 @@ class GraphedTrainStep:
             if static.data_ptr() != given.data_ptr():
                 static.copy_(given)
         graph.replay()
+        note_replayed_weight_writes()   # the recorded optimizer step moved no version counter
         self.replays += 1
         return copy_output(static_output)
 

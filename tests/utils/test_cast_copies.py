@@ -1,0 +1,45 @@
+"""Cast copies of adapter weights (sits_lora.utils.cast_copies): made once, made again in their old memory when a
+source is written, moved, or a recorded step replayed, dropped with their adapter."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sits_lora.utils import cast_copies as cc
+
+
+def _owner():
+    owner = nn.Module()
+    owner.weights = nn.ParameterDict({"a": nn.Parameter(torch.randn(4, 8)), "b": nn.Parameter(torch.randn(8, 4))})
+    return owner
+
+
+def _sources(owner):
+    return lambda: (owner.weights["a"], owner.weights["b"])
+
+
+def test_a_copy_is_made_once_and_again_in_place_when_a_source_is_written():
+    owner = _owner()
+    A, B = cc.cast_copies(owner, "one", _sources(owner), torch.float16)
+    assert A.dtype == B.dtype == torch.float16 and not A.requires_grad
+    assert cc.cast_copies(owner, "one", _sources(owner), torch.float16)[0] is A          # nothing changed
+    with torch.no_grad():
+        owner.weights["a"].mul_(2)
+    A2, _ = cc.cast_copies(owner, "one", _sources(owner), torch.float16)
+    assert A2 is A and torch.equal(A, owner.weights["a"].detach().half())                 # same memory, new values
+    assert cc.kept_cast_copies([owner]) == [(A, B)]
+
+
+def test_refresh_follows_replaced_weights_replayed_writes_and_deleted_adapters():
+    owner = _owner()
+    A, _ = cc.cast_copies(owner, "one", _sources(owner), torch.float16)
+    assert cc.refresh_cast_copies([owner]) == 0
+    owner.weights["a"] = nn.Parameter(torch.ones(4, 8))                   # replaced (load_adapter), same shape
+    assert cc.refresh_cast_copies([owner]) == 1 and torch.equal(A, torch.ones(4, 8, dtype=torch.float16))
+    cc.note_replayed_weight_writes()                                      # a recorded optimizer step replayed
+    assert cc.refresh_cast_copies([owner]) == 1 and cc.refresh_cast_copies([owner]) == 0
+    owner.weights["a"] = nn.Parameter(torch.ones(2, 8))                   # another shape: new memory
+    assert cc.cast_copies(owner, "one", _sources(owner), torch.float16)[0].shape == (2, 8)
+    del owner.weights["a"]
+    assert cc.refresh_cast_copies([owner]) == 0 and cc.kept_cast_copies([owner]) == []
