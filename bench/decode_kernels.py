@@ -1,12 +1,13 @@
 """The decode path's kernel against the merged model's GEMM, per projection shape and row count, in GPU time.
 
     python bench/decode_kernels.py --out OUT [--shapes 1b 8b] [--rows 1 8 32 64] [--rank 16] [--adapter-dtype fp32]
-                                          [--warm-l2] [--cache PATH]
+                                          [--projections ...] [--warm-l2] [--cache PATH]
 
-For each Llama-3 projection shape (K -> N) of --shapes, LoRA r16 (--rank), bf16 activations and weights with fp32
-adapters (PEFT's default over a bf16 base; --adapter-dtype bf16 for adapters cast to the base's dtype), and each
-row count (the batch of a decode step), times one call of:
-  merged    F.linear(x, W): the merged model's projection (the floor)
+For each Llama-3 projection shape (K -> N) of --shapes, and each sibling group the decode path runs as one kernel
+(q+k+v, gate+up: K -> the N of each), LoRA r16 (--rank), bf16 activations and weights with fp32 adapters (PEFT's
+default over a bf16 base; --adapter-dtype bf16 for adapters cast to the base's dtype), and each row count (the
+batch of a decode step), times one call of:
+  merged    F.linear(x, W): the merged model's projection (the floor); for a group, its GEMMs one after another
   aten      sits_lora.ops.lora_linear_aten without gradients: the small-call path (3 matmuls)
   default   sits_lora.ops.lora_linear_decode at the first configuration of ops.tuning's "decode" space
   tuned     the same at the fastest configuration of that space, measured here
@@ -41,11 +42,17 @@ from harness import png, print_table, write_results  # noqa: E402
 CALLS = 20
 
 
-def projection_shapes(shape: str) -> dict[str, tuple[int, int]]:
+def projection_shapes(shape: str) -> dict[str, tuple[int, tuple]]:
+    """name -> (K, the N of each projection one call computes): the single projections, and the sibling groups
+    that the decode path runs as one kernel (q+k+v, gate+up)."""
     c = MODELS[shape]
     hidden, inter = c["hidden_size"], c["intermediate_size"]
     kv = hidden // c["num_attention_heads"] * c["num_key_value_heads"]
-    return {"q/o": (hidden, hidden), "k/v": (hidden, kv), "gate/up": (hidden, inter), "down": (inter, hidden)}
+    return {"q/o": (hidden, (hidden,)), "k/v": (hidden, (kv,)), "gate/up": (hidden, (inter,)),
+            "down": (inter, (hidden,)), "q+k+v": (hidden, (hidden, kv, kv)), "gate+up": (hidden, (inter, inter))}
+
+
+PROJECTIONS = ("q/o", "k/v", "gate/up", "down", "q+k+v", "gate+up")
 
 
 def copies_for_cold_l2(nbytes: int, l2_bytes: int, most: int = 64) -> int:
@@ -94,6 +101,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--shapes", nargs="+", choices=["1b", "8b"], default=["1b", "8b"])
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 32, 64])
+    parser.add_argument("--projections", nargs="+", choices=PROJECTIONS, default=list(PROJECTIONS),
+                        help="single projections and sibling groups (q+k+v, gate+up: one kernel for the group, "
+                             "merged = the group's GEMMs one after another)")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--replays", type=int, default=10)
     parser.add_argument("--warm-l2", action="store_true",
@@ -123,28 +133,39 @@ def main(argv=None) -> int:
     rows_out = []
     gen = torch.Generator(device=device).manual_seed(0)
     for shape in args.shapes:
-        for name, (K, N) in projection_shapes(shape).items():
-            W = torch.randn(N, K, device=device, dtype=torch.bfloat16, generator=gen) / K**0.5
+        for name, (K, widths) in projection_shapes(shape).items():
+            if name not in args.projections:
+                continue
+            N = sum(widths)
+            group = len(widths) > 1
+            Ws = [torch.randn(n, K, device=device, dtype=torch.bfloat16, generator=gen) / K**0.5 for n in widths]
             # a model reads each layer's W once a step: copies cycled through so that W is not in L2 when read
             # (the 1B shapes' 8-32 MB would stay in the H200's 50 MB L2 across 20 calls of one W)
-            n_copies = 1 if args.warm_l2 else copies_for_cold_l2(W.nbytes, l2_bytes)
-            Ws = [W] + [W.clone() for _ in range(n_copies - 1)]
+            n_copies = 1 if args.warm_l2 else copies_for_cold_l2(sum(W.nbytes for W in Ws), l2_bytes)
+            copies = [[W] + [W.clone() for _ in range(n_copies - 1)] for W in Ws]
             calls = max(CALLS, n_copies)        # every copy read once a replay
-            A = (torch.randn(args.rank, K, device=device, generator=gen) / K**0.5).to(adapter_dtype)
-            B = (torch.randn(N, args.rank, device=device, generator=gen) * 0.01).to(adapter_dtype)
+            As = [(torch.randn(args.rank, K, device=device, generator=gen) / K**0.5).to(adapter_dtype) for _ in widths]
+            Bs = [(torch.randn(n, args.rank, device=device, generator=gen) * 0.01).to(adapter_dtype) for n in widths]
+
+            def siblings(i):
+                return [(c[i % n_copies], None, A, B, 2.0) for c, A, B in zip(copies, As, Bs)]
+
             for rows in args.rows:
                 x = torch.randn(rows, K, device=device, dtype=torch.bfloat16, generator=gen)
                 with torch.no_grad():
-                    merged = graph_us(lambda i: F.linear(x, Ws[i % n_copies]), args.replays, calls)
-                    aten = graph_us(lambda i: ops.lora_linear_aten(x, x, Ws[i % n_copies], None, A, B, 2.0),
-                                    args.replays, calls)
+                    merged = graph_us(lambda i: [F.linear(x, W) for W, *_ in siblings(i)], args.replays, calls)
+                    aten = graph_us(lambda i: [ops.lora_linear_aten(x, x, W, None, A, B, s)
+                                               for W, _, A, B, s in siblings(i)], args.replays, calls)
 
                     def decode_us(cfg: dict) -> float:
-                        return graph_us(lambda i: ops.lora_linear_decode(x, Ws[i % n_copies], None, A, B, 2.0,
-                                                                         config=cfg), args.replays, calls)
+                        if group:
+                            return graph_us(lambda i: ops.lora_linear_decode_siblings(x, siblings(i), config=cfg),
+                                            args.replays, calls)
+                        return graph_us(lambda i: ops.lora_linear_decode(x, *siblings(i)[0], config=cfg),
+                                        args.replays, calls)
 
                     timings = timed_configs(space, decode_us, "")
-                    gemv_timings = timed_configs(CONFIG_SPACE["decode_gemv"] if rows == 1 else [],
+                    gemv_timings = timed_configs(CONFIG_SPACE["decode_gemv"] if rows == 1 and not group else [],
                                                  lambda cfg: decode_us(dict(cfg, GEMV=True)), "one-row ")
                 if not timings:
                     raise SystemExit(f"no decode configuration ran at {K}->{N}, {rows} rows (see the skips above)")
@@ -155,6 +176,7 @@ def main(argv=None) -> int:
                     best_configs[config_key("decode_gemv", device, (K, N, block_rank(args.rank)), torch.bfloat16)] = (
                         gemv_best)
                 unsplit = min((us for us, cfg in timings if cfg.get("SPLIT_K", 1) == 1), default=None)
+                # a group's configuration is stored at its total N (ops.decode looks it up there)
                 dims = (rows_block(rows), K, N, block_rank(args.rank))
                 best_configs[config_key("decode", device, dims, torch.bfloat16)] = best
                 rows_out.append({"shape": shape, "projection": name, "K": K, "N": N, "rows": rows, "w_copies": n_copies,
@@ -162,9 +184,10 @@ def main(argv=None) -> int:
                                  "unsplit_us": unsplit, "gemv_us": gemv, "gemv_config": gemv_best,
                                  "tuned_over_merged": tuned / merged, "aten_over_merged": aten / merged,
                                  "config": best})
-                print(f"[{shape} {name} {K}->{N} rows {rows}] merged {merged:.2f} µs, aten {aten:.2f}, "
-                      f"decode default {default if default is None else round(default, 2)}, tuned {tuned:.2f} "
-                      f"{best}" + (f", one-row {gemv:.2f} {gemv_best}" if gemv is not None else ""), flush=True)
+                print(f"[{shape} {name} {K}->{'+'.join(map(str, widths))} rows {rows}] merged {merged:.2f} µs, "
+                      f"aten {aten:.2f}, decode default {default if default is None else round(default, 2)}, "
+                      f"tuned {tuned:.2f} {best}" + (f", one-row {gemv:.2f} {gemv_best}" if gemv is not None else ""),
+                      flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
     with open(cache_path, "w") as f:
         json.dump(best_configs, f, indent=1, sort_keys=True)

@@ -180,11 +180,37 @@ def generate_seconds(model, ids, new_tokens: int, adapter_names, device: str, ca
     return time.perf_counter() - start
 
 
+def kernel_events(fn) -> list:
+    """(name, µs) of every CUDA kernel (and copy) ``fn()`` ran, from torch.profiler (kernels replayed from CUDA graphs
+    included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def per_step_kernels(long: list, short: list, steps: int) -> list:
+    """[(kernel, calls a step, µs a step)], longest first: the kernels of a long request less those of a short one
+    (the same prompt: the prefill and the first token cancel), over the long one's ``steps`` extra decode steps."""
+    totals: dict = {}
+    for sign, events in ((1, long), (-1, short)):
+        for name, us in events:
+            calls, total = totals.get(name, (0, 0.0))
+            totals[name] = (calls + sign, total + sign * us)
+    rows = [(name, calls / steps, total / steps) for name, (calls, total) in totals.items() if calls > 0]
+    return sorted(rows, key=lambda row: -row[2])
+
+
 def timed_arm(model, arm: str, ids, new_tokens: int, device: str, pool=None, turn=None,
-              caches: dict | None = None) -> tuple[float, float]:
+              caches: dict | None = None, kernels: list | None = None, timer=None) -> tuple[float, float]:
     """(seconds per decoded token, seconds of the request of ``new_tokens`` tokens) of ``arm`` on ``model`` (set up
     and undone here). A pool arm: each of the two requests takes the next adapter of ``turn`` (an iterator over
-    STREAM_ARMS[arm]) and prefetches the one after it. A graph arm decodes into a static cache of ``caches``."""
+    STREAM_ARMS[arm]) and prefetches the one after it. A graph arm decodes into a static cache of ``caches``.
+    ``kernels``: a list that gets the arm's kernels per decode step (per_step_kernels), profiled after the timing
+    with ``timer`` (a ReplayTimer) off."""
     graphed = arm.endswith("+graph")
     arm = arm.removesuffix("+graph")
     length = ids.shape[1] + new_tokens
@@ -211,7 +237,16 @@ def timed_arm(model, arm: str, ids, new_tokens: int, device: str, pool=None, tur
 
     try:
         request = run(new_tokens)
-        return (request - run(1)) / (new_tokens - 1), request
+        seconds = (request - run(1)) / (new_tokens - 1)
+        if kernels is not None:
+            timing, timer = (timer.active, timer) if timer is not None else (False, None)
+            if timer is not None:
+                timer.active = False
+            kernels.extend(per_step_kernels(kernel_events(lambda: run(new_tokens)), kernel_events(lambda: run(1)),
+                                            new_tokens - 1))
+            if timer is not None:
+                timer.active = timing
+        return seconds, request
     finally:
         if arm == "merged":
             model.unmerge_adapter()
@@ -228,6 +263,9 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="tiny config on any device (checks the script)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the last round, profile each arm (but the pool arms) once: its CUDA kernels per "
+                             "decode step, OUT/serve_kernels.json and .csv")
     args = parser.parse_args(argv)
     for flag in ("prompt", "repeats"):
         if getattr(args, flag) < 1:
@@ -241,12 +279,14 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if device == "cpu" and not args.smoke:
         parser.error("the 1B / 8B shapes need a CUDA GPU; --smoke runs a tiny config on a CPU")
+    if device == "cpu" and args.profile:
+        parser.error("--profile lists CUDA kernels: it needs a CUDA GPU")
     if device == "cpu" and any(a.endswith("+graph") for a in args.arms):
         parser.error("the +graph arms record CUDA graphs: they need a CUDA GPU (drop them from --arms on a CPU)")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes = ["tiny"] if args.smoke else args.shapes
     new_tokens, repeats = (3, 1) if args.smoke else (args.new_tokens, args.repeats)
-    rows = []
+    rows, kernel_rows = [], []
     for shape in shapes:
         sits, peft_model = build(shape, args.layers, device, dtype)
         streamed = [a for a in args.arms if a.removesuffix("+graph") in STREAM_ARMS]
@@ -280,8 +320,16 @@ def main(argv=None) -> int:
                     stall_before = pool.measured_stall_ms() if kind in STREAM_ARMS else 0.0
                     if timer is not None:
                         timer.active = arm.endswith("+graph")
-                    seconds, request = timed_arm(model, arm, ids, new_tokens, device, pool, turns.get(arm), caches)
+                    kernels = [] if args.profile and round_ == repeats and kind not in STREAM_ARMS else None
+                    seconds, request = timed_arm(model, arm, ids, new_tokens, device, pool, turns.get(arm), caches,
+                                                 kernels, timer)
                     steps = timer.take_ms() if timer is not None else []
+                    if kernels:
+                        kernel_rows += [{"shape": shape, "batch": batch, "arm": arm, "kernel": name,
+                                         "calls_per_step": calls, "us_per_step": us} for name, calls, us in kernels]
+                        print(f"[{shape} bs{batch} {arm}] kernels a decode step: {sum(k[2] for k in kernels):.1f} µs",
+                              *(f"    {us:8.1f} µs  {calls:6.2f} x  {name[:100]}" for name, calls, us in kernels[:12]),
+                              sep="\n", flush=True)
                     if round_:
                         times[arm].append(seconds)
                         gpu_steps[arm].extend(steps)
@@ -334,6 +382,8 @@ def main(argv=None) -> int:
                     r["peft_mixed8_over_this"] = peft_mixed / r["ms_per_token"] if peft_mixed else None
     command = "python bench/serve.py " + " ".join(argv if argv is not None else sys.argv[1:])
     paths = write_results("serve", rows, args.out, {"command": command})
+    if args.profile:
+        paths += write_results("serve_kernels", kernel_rows, args.out, {"command": command})
     print_table(rows, ["shape", "batch", "arm", "ms_per_token", "tokens_per_s", "request_ms", "vs_merged",
                        "gpu_step_ms", "gpu_vs_merged", "peft_mixed8_over_this"])
     with png(os.path.join(args.out, "serve.png"), figsize=(7, 3.5)) as ax:

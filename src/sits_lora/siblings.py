@@ -154,6 +154,54 @@ class SiblingGroup:
         call then only hands it over, and saves nothing for backward."""
         return self._pending_x is not None and _same_tensor(x, self._pending_x) and id(layer) in self._pending
 
+    def _handed_over(self, layer, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """layer's output when a sibling's call computed it for this x; None otherwise (and the group off for good
+        when a sibling read another tensor: this parent does not feed its siblings one input)."""
+        if not self._pending:
+            return None
+        key = id(layer)
+        same = _same_tensor(x, self._pending_x)
+        if same and _version(x) == self._pending_version and key in self._pending:
+            out = self._pending.pop(key)
+            if not self._pending:
+                self._clear()
+            return out
+        if not same:
+            self.enabled = False
+            self._clear()
+        return None
+
+    def _hand_over(self, layer, x: torch.Tensor, outputs: list) -> torch.Tensor:
+        """layer's output of ``outputs`` (one a sibling); the others' kept for their calls with x."""
+        self._pending_x, self._pending_version = x, _version(x)
+        self._pending = {id(other): y for other, y in zip(self.layers, outputs) if other is not layer}
+        return outputs[self.layers.index(layer)]
+
+    def decode_forward(self, layer, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """layer's output of a decode call (``ops.decode_call``), every sibling's computed by one kernel
+        (``ops.lora_linear_decode_siblings``), or None when a sibling cannot take that path (each layer then runs
+        its own decode kernel or another path)."""
+        if not self.enabled:
+            return None
+        out = self._handed_over(layer, x)
+        if out is not None or not self.enabled:
+            return out
+        operands = []
+        for other in self.layers:
+            adapter = other._fused_adapter((), {})
+            if adapter is None or not other.frozen_base.fuses_siblings:
+                return None
+            found = other.frozen_base.decode_operands(other, adapter, x)
+            if found is None:
+                return None
+            operands.append(found)
+        projections = [found[1] for found in operands]
+        if not ops.decode_siblings_fuse(projections):
+            return None
+        with operands[0][2]:
+            outputs = ops.lora_linear_decode_siblings(operands[0][0], projections)
+        return self._hand_over(layer, x, outputs)
+
     def forward(self, layer, x: torch.Tensor) -> Optional[torch.Tensor]:
         """layer's output through the group, or None when the layer must run on its own."""
         if not self.enabled:
@@ -164,19 +212,9 @@ class SiblingGroup:
             if self.keep_under_compile and self.reuse_across_calls and not torch.is_grad_enabled():
                 return kept_sibling_output(x, layer.base_layer.weight)
             return None
-        key = id(layer)
-        if self._pending:
-            same = _same_tensor(x, self._pending_x)
-            if same and _version(x) == self._pending_version and key in self._pending:
-                out = self._pending.pop(key)
-                if not self._pending:
-                    self._clear()
-                return out
-            if not same:
-                # a sibling read another tensor: this parent does not feed its siblings one input
-                self.enabled = False
-                self._clear()
-                return None
+        out = self._handed_over(layer, x)
+        if out is not None or not self.enabled:
+            return out
         keep = self.keeps_now()
         if keep:
             out = self._kept_output(layer, x)
@@ -204,9 +242,7 @@ class SiblingGroup:
         if keep:
             self._keep(x, plan, adapters, outputs)
             return outputs[self.layers.index(layer)]   # the others find their outputs kept
-        self._pending_x, self._pending_version = x, _version(x)
-        self._pending = {id(other): y for other, y in zip(self.layers, outputs) if other is not layer}
-        return outputs[self.layers.index(layer)]
+        return self._hand_over(layer, x, outputs)
 
     def keeps_now(self) -> bool:
         """Whether a call now may keep its outputs or answer from kept ones: reuse on, nothing to differentiate,

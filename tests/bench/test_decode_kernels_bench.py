@@ -41,3 +41,10 @@ def test_without_a_gpu_it_says_so(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--out", str(tmp_path), "--warm-l2"])
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_sibling_groups_are_timed_at_each_projection_width():
+    bench = bench_module("decode_kernels")
+    shapes = bench.projection_shapes("8b")
+    assert shapes["q+k+v"] == (4096, (4096, 1024, 1024)) and shapes["gate+up"] == (4096, (14336, 14336))
+    assert shapes["down"] == (14336, (4096,)) and set(shapes) == set(bench.PROJECTIONS)

@@ -58,3 +58,19 @@ def test_rows_without_graph_arms_carry_no_gpu_step(tmp_path):
     rows = json.loads((tmp_path / "serve.json").read_text())["rows"]
     assert [(r["arm"], r["gpu_step_ms"], r["gpu_vs_merged"]) for r in rows] == [("merged", None, None),
                                                                                  ("sits", None, None)]
+
+
+def test_kernels_a_step_are_the_long_request_less_the_short_one():
+    serve = bench_module("serve")
+    prefill = [("gemm", 50.0), ("attention", 20.0)]
+    step = [("gemm", 5.0), ("lora", 2.0), ("gemm", 5.0)]
+    long = prefill + step * 4                    # 4 decode steps more than the short request
+    got = serve.per_step_kernels(long, prefill, 4)
+    assert got == [("gemm", 2.0, 10.0), ("lora", 1.0, 2.0)]   # the prefill's kernels cancel; longest first
+
+
+def test_profile_needs_a_gpu(capsys):
+    serve = bench_module("serve")
+    with pytest.raises(SystemExit):
+        serve.main(["--smoke", "--out", "x", "--profile"])
+    assert "--profile lists CUDA kernels: it needs a CUDA GPU" in capsys.readouterr().err

@@ -146,6 +146,46 @@ def test_the_one_row_kernel_runs_only_where_a_measured_configuration_is_stored(m
     torch.testing.assert_close(y.double().cpu(), _reference(x, W, b, A, B, 0.5), rtol=1e-5, atol=1e-5)
 
 
+def _siblings(rows, d_in, widths, r, dtype, bias, adapter_dtype=None):
+    """(x, [(W, b, A, B, s)] per sibling): projections of one input, as q / k / v or gate / up."""
+    projections = []
+    for i, d_out in enumerate(widths):
+        x, W, b, A, B = _problem(rows, d_in, d_out, r, dtype, bias, adapter_dtype, seed=i)
+        projections.append((W, b, A, B, 0.5 + i))
+    return _problem(rows, d_in, 8, r, dtype, False, seed=9)[0], projections
+
+
+@pytest.mark.parametrize("widths", [(40, 24, 24), (72, 33)], ids=["q-k-v", "gate-up-odd"])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("rows, bias", [(1, True), (17, False)], ids=["1-row-bias", "17-rows-nobias"])
+def test_sibling_projections_in_one_kernel_equal_each_alone(widths, split_k, rows, bias):
+    """Two or three projections of one x: widths that are not multiples of the 16-column tile (a sibling's last
+    tile is part of one), split K summed into each sibling's own contiguous output; fp32 and fp16 activations."""
+    cfg = dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=split_k, num_warps=4, num_stages=1)
+    for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 2e-2)):
+        x, projections = _siblings(rows, 100, widths, 6, dtype, bias, torch.float32 if dtype == torch.float32 else None)
+        for order in (projections, projections[::-1]):     # siblings 1 and 2 before and after sibling 0 in memory
+            ys = ops.lora_linear_decode_siblings(x, order, config=cfg)
+            assert [y.shape for y in ys] == [(rows, W.shape[0]) for W, *_ in order]
+            for y, (W, b, A, B, s) in zip(ys, order):
+                assert y.dtype == dtype and y.is_contiguous()
+                torch.testing.assert_close(y.double().cpu(), _reference(x, W, b, A, B, s), rtol=tol, atol=tol)
+
+
+def test_siblings_that_cannot_share_a_kernel_are_told_apart():
+    from sits_lora.ops.decode import siblings_fuse
+
+    x, (q, k) = _siblings(3, 64, (32, 16), 4, torch.float32, False)
+    assert siblings_fuse([q, k])
+    other_rank = _siblings(3, 64, (16,), 8, torch.float32, False)[1][0]
+    with_bias = _siblings(3, 64, (16,), 4, torch.float32, True)[1][0]
+    transposed = (k[0].t().contiguous().t(), *k[1:])           # W of the same shape, column-major
+    for odd in (other_rank, with_bias, transposed, (k[0].half(), *k[1:])):
+        assert not siblings_fuse([q, odd])
+        with pytest.raises(ValueError, match="share dtype, layout and rank"):
+            ops.lora_linear_decode_siblings(x, [q, odd])
+
+
 def test_more_rows_than_the_kernel_takes_are_refused():
     x, W, b, A, B = _problem(65, 32, 16, 4, torch.float32, False)
     with pytest.raises(ValueError, match="at most 64"):
@@ -171,20 +211,40 @@ def _models(dtype=torch.float32, dropout=0.0):
 
 
 def _counting(monkeypatch):
+    """The decode kernel's calls: (rows, how many projections the call computed)."""
     calls = []
-    real = ops.lora_linear_decode
-    monkeypatch.setattr(ops, "lora_linear_decode", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    real, real_siblings = ops.lora_linear_decode, ops.lora_linear_decode_siblings
+    monkeypatch.setattr(ops, "lora_linear_decode", lambda *a, **k: calls.append((a[0].shape[0], 1)) or real(*a, **k))
+    monkeypatch.setattr(ops, "lora_linear_decode_siblings",
+                        lambda *a, **k: calls.append((a[0].shape[0], len(a[1]))) or real_siblings(*a, **k))
     return calls
 
 
-def test_a_decode_step_runs_one_kernel_per_projection_and_equals_peft(monkeypatch):
+def test_a_decode_step_runs_one_kernel_per_sibling_group_and_equals_peft(monkeypatch):
+    """Per layer: q / k / v in one kernel, gate / up in one, o and down alone: 4 launches for 7 projections."""
     calls = _counting(monkeypatch)
     ours, peft = _models()
     ids = torch.randint(0, 97, (3, 1), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     with torch.no_grad():
         got, want = ours(input_ids=ids).logits, peft(input_ids=ids).logits
-    assert len(calls) == 2 * len(TARGETS)                    # every projection of both layers, siblings included
+    assert calls == [(3, 3), (3, 1), (3, 2), (3, 1)] * 2
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_siblings_decode_alone_when_one_cannot_take_the_kernel(monkeypatch):
+    """k_proj's adapter on another rank than q / v (rank_pattern): the group's kernel cannot take the three, and
+    each projection runs its own; a group told apart by its parent (one sibling called with another tensor) too."""
+    calls = _counting(monkeypatch)
+    ours = get_peft_model(tiny_llama(0), SitsLoraConfig(r=8, target_modules=TARGETS, kernel="triton",
+                                                        rank_pattern={"k_proj": 4}, init_lora_weights=False)).eval()
+    ours = ours.to(DEVICE)
+    ids = torch.randint(0, 97, (2, 1), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    with torch.no_grad():
+        got = ours(input_ids=ids).logits
+        assert calls[:5] == [(2, 1)] * 3 + [(2, 1), (2, 2)]
+        with ours.disable_adapter():
+            base = ours(input_ids=ids).logits
+    assert not torch.allclose(got, base)
 
 
 def test_calls_that_are_not_decode_steps_take_the_other_paths(monkeypatch):
@@ -230,14 +290,30 @@ def test_on_a_gpu_bf16_decode_kernel_at_llama_shapes(rows, shape):
     assert err < 1e-2, err
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 32])
+@pytest.mark.parametrize("widths", [(2048, 512, 512), (8192, 8192), (4096, 1024, 1024)], ids=["1b-qkv", "1b-gate-up",
+                                                                                                "8b-qkv"])
+def test_on_a_gpu_bf16_sibling_decode_at_llama_shapes(rows, widths):
+    """The tuned configuration at each group's total width (split K or not), bf16 adapter copies as the layers pass."""
+    x, projections = _siblings(rows, 4096 if widths[0] == 4096 else 2048, widths, 16, torch.bfloat16, False)
+    ys = ops.lora_linear_decode_siblings(x, projections)
+    for y, (W, b, A, B, s) in zip(ys, projections):
+        want = _reference(x, W, b, A, B, s)
+        err = (y.double().cpu() - want).norm() / want.norm()
+        assert y.shape == (rows, W.shape[0]) and err < 1e-2, err
+
+
 def test_half_precision_decode_steps_read_adapter_copies_made_again_when_written(monkeypatch):
     """fp32 adapters over an fp16 base (PEFT's default): the kernel gets copies in fp16, made once and made again
     in their memory when a weight is written; the outputs stay PEFT's."""
     from sits_lora.utils.cast_copies import kept_cast_copies
 
     seen = []
-    real = ops.lora_linear_decode
+    real, real_siblings = ops.lora_linear_decode, ops.lora_linear_decode_siblings
     monkeypatch.setattr(ops, "lora_linear_decode", lambda *a, **k: seen.append((a[3], a[4])) or real(*a, **k))
+    monkeypatch.setattr(ops, "lora_linear_decode_siblings",
+                        lambda x, siblings, **k: seen.extend(s[2:4] for s in siblings) or real_siblings(x, siblings, **k))
     ours, peft = _models()
     for model in (ours, peft):
         model.half()

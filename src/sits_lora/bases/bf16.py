@@ -79,17 +79,32 @@ class Bf16Base:
                 layer.scaling[adapter], kernel,
             )
 
-    @staticmethod
-    def _decode_forward(layer, adapter: str, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """A decode step's call (a few rows, nothing to differentiate) as one kernel (ops.decode), or None. Ahead
-        of the sibling group: a projection's one kernel is the merged model's count of launches, where the
-        group's shared shrink adds its own; but not ahead of a group that keeps its outputs across calls (a
-        cross-attention to_k / to_v pair: answering from what it kept costs nothing)."""
+    def _decode_forward(self, layer, adapter: str, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """A decode step's call (a few rows, nothing to differentiate) as one kernel (ops.decode), or None. The
+        layer's siblings (q / k / v, gate / up) share that kernel when each can take this path
+        (``SiblingGroup.decode_forward``): one launch for the group where the merged model issues one a projection.
+        Not so in a group that keeps its outputs across calls (a cross-attention to_k / to_v pair: answering from
+        what it kept costs nothing): the group's own path runs."""
         if not ops.decode_call(x, layer.in_features):
             return None
         group = layer._sibling_group
-        if group is not None and group.reuse_across_calls:
+        if group is not None:
+            if group.reuse_across_calls:
+                return None
+            out = group.decode_forward(layer, x)
+            if out is not None:
+                return out
+        operands = self.decode_operands(layer, adapter, x)
+        if operands is None:
             return None
+        x, projection, autocast_off = operands
+        with autocast_off:
+            return ops.lora_linear_decode(x, *projection)
+
+    @staticmethod
+    def decode_operands(layer, adapter: str, x: torch.Tensor) -> Optional[tuple]:
+        """(x, (W, b, A, B, s), autocast context) for the decode kernel when ``layer``'s call with ``adapter`` can
+        take it (the Triton kernel setting, no active dropout, W in the activations' dtype), else None."""
         dropout = layer.lora_dropout[adapter]
         if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0:
             return None
@@ -105,8 +120,7 @@ class Bf16Base:
             # each tile to anyway, gives the same outputs from half the bytes of PEFT's fp32 adapters (not under
             # torch.compile: the copies' bookkeeping reads version counters, which a traced call must not guard on)
             A, B = cast_copies(layer, adapter, partial(_adapter_weights, layer, adapter), x.dtype)
-        with autocast_off:
-            return ops.lora_linear_decode(x, weight, bias, A, B, layer.scaling[adapter])
+        return x, (weight, bias, A, B, layer.scaling[adapter]), autocast_off
 
     def __repr__(self) -> str:
         return "BF16_BASE"

@@ -30,6 +30,21 @@ def lora_linear_decode(x, weight, bias, lora_A, lora_B, scaling: float, config=N
     return run(x, weight, bias, lora_A, lora_B, scaling, config)
 
 
+def lora_linear_decode_siblings(x, siblings, config=None):
+    """The decode kernel for two or three projections of one x (q / k / v, gate / up): ``siblings`` a list of
+    (W, b, A, B, s), one output each, from one launch (sits_lora.ops.decode)."""
+    from .decode import lora_linear_decode_siblings as run
+
+    return run(x, siblings, config)
+
+
+def decode_siblings_fuse(siblings) -> bool:
+    """Whether projections (W, b, A, B, s) of one x can share one decode kernel (same dtypes, layouts and rank)."""
+    from .decode import siblings_fuse
+
+    return siblings_fuse(siblings)
+
+
 def lora_linear_decode_mixed(x, weight, bias, A, B, scalings, row_adapter, config=None):
     """The decode kernel for a batch whose rows take different adapters (stacked by ops.mixed_batch.stack_adapters;
     row_adapter: each row's adapter index, -1 for none), forward only (sits_lora.ops.decode)."""
@@ -43,11 +58,13 @@ __all__ = [
     "KernelUnavailableError",
     "aten_below_flops",
     "decode_call",
+    "decode_siblings_fuse",
     "gemm_backend",
     "lora_linear",
     "lora_linear_aten",
     "lora_linear_decode",
     "lora_linear_decode_mixed",
+    "lora_linear_decode_siblings",
     "lora_linear_dynamic_rank_triton",
     "lora_linear_reference",
     "lora_linear_torch",

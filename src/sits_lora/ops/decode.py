@@ -30,6 +30,15 @@ keeps none), before the B product: one launch per projection where the segmented
 shrink and an expand. Every program reads all the adapters' A (G times a single adapter's, from L2), which is
 why serving.mixed_batch passes stacks cast to the activations' dtype (half the bytes of PEFT's fp32 adapters).
 
+Sibling projections (``lora_linear_decode_siblings``: q / k / v, gate / up, which read the same x): one launch
+computes all of them. The grid is the siblings' output tiles one after another; a program finds its sibling from its
+tile index and reads that sibling's W, b, A, B and s through element offsets from sibling 0's tensors (so they must
+share dtype, strides and rank: ``siblings_fuse``), and writes the sibling's own contiguous output (or its columns of
+the split-K planes, which the summing kernel hands to each output). A decode call's cost at these sizes is mostly
+not its bytes (a 1B k / v projection reads 2 MB, 0.5 µs at the H200's bandwidth, and takes ~6 µs): the group's one
+launch replaces the merged model's three GEMMs (two for gate / up). The configuration is tuned at the group's total
+width.
+
 One row (batch-1 decoding): tl.dot needs 16 rows, so the call above pads the row to 16 and the products run on
 tensor cores over a staged W tile. ``_lora_decode_gemv_kernel`` instead multiplies each loaded W tile with the row
 in registers and sums along K (a GEMV: fp32 products of the activation-dtype values, as the dot's), h likewise from
@@ -63,15 +72,29 @@ def _lora_decode_kernel(
     x_ptr, w_ptr, bias_ptr, a_ptr, b_ptr, y_ptr, row_adapter_ptr, scale_ptr,
     M, N, K, R, scaling, rank_per_adapter, k_per_split, stride_split,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ar, stride_ak, stride_bn, stride_br, stride_ym, stride_yn,
+    tiles_1, tiles_2, n_1, n_2, s_1, s_2, dw_1, dw_2, dbias_1, dbias_2, da_1, da_2, db_1, db_2, dy_1, dy_2, ym_1, ym_2,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, MIXED: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, MIXED: tl.constexpr, SIBLINGS: tl.constexpr,
 ):
     dtype = x_ptr.dtype.element_ty     # the activation dtype: every product runs in it
     split = tl.program_id(2)           # the slice of K (0 when the call does not split)
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    tile = tl.program_id(0)
+    if SIBLINGS > 1:   # output tiles from tiles_1 on are sibling 1's, from tiles_2 on sibling 2's (module docstring)
+        second = tile >= tiles_1
+        third = tile >= tiles_2
+        tile -= tl.where(third, tiles_2, tl.where(second, tiles_1, 0))
+        N = tl.where(third, n_2, tl.where(second, n_1, N))
+        scaling = tl.where(third, s_2, tl.where(second, s_1, scaling))
+        w_ptr += tl.where(third, dw_2, tl.where(second, dw_1, 0))
+        bias_ptr += tl.where(third, dbias_2, tl.where(second, dbias_1, 0))
+        a_ptr += tl.where(third, da_2, tl.where(second, da_1, 0))
+        b_ptr += tl.where(third, db_2, tl.where(second, db_1, 0))
+        y_ptr += tl.where(third, dy_2, tl.where(second, dy_1, 0))
+        stride_ym = tl.where(third, ym_2, tl.where(second, ym_1, stride_ym))
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
@@ -148,14 +171,26 @@ def _lora_decode_gemv_kernel(
 
 
 @triton.jit
-def _sum_splits_kernel(parts_ptr, y_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """y = the sum of the SPLIT_K planes of ``parts`` (each ``size`` fp32 values), in plane order, rounded once."""
+def _sum_splits_kernel(parts_ptr, y_ptr, size, width, col_1, col_2, n_0, n_1, n_2, dy_1, dy_2,
+                       SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, SIBLINGS: tl.constexpr):
+    """y = the sum of the SPLIT_K planes of ``parts`` (each ``size`` fp32 values), in plane order, rounded once.
+    Siblings: a plane's rows are ``width`` wide, sibling 1's columns from col_1 on, sibling 2's from col_2 on; each
+    sibling's sum goes to its own output (rows n_i wide, at dy_i elements from y_ptr)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < size
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for split in tl.static_range(SPLIT_K):
         acc += tl.load(parts_ptr + split * size + offs, mask=ok, other=0.0)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    dest = offs
+    if SIBLINGS > 1:
+        row = offs // width
+        col = offs % width
+        second = col >= col_1
+        third = col >= col_2
+        dest = (row * tl.where(third, n_2, tl.where(second, n_1, n_0))
+                + col - tl.where(third, col_2, tl.where(second, col_1, 0))
+                + tl.where(third, dy_2, tl.where(second, dy_1, 0)))
+    tl.store(y_ptr + dest, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 _DECODE = TritonLauncher(_lora_decode_kernel)
@@ -202,7 +237,34 @@ def lora_linear_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_A
             raise ValueError(f"lora_linear_decode: config GEMV=True runs one row; this call has {M}")
         y = torch.empty((M, N), device=x.device, dtype=x.dtype)
         return _gemv(x2, weight, bias, lora_A, lora_B, float(scaling), gemv, y).view(*x.shape[:-1], N)
-    return _decode(x, weight, bias, lora_A, lora_B, float(scaling), None, None, lora_A.shape[0], config)
+    return _decode(x, [(weight, bias, lora_A, lora_B, float(scaling))], None, None, lora_A.shape[0], config)[0]
+
+
+def lora_linear_decode_siblings(x: Tensor, siblings: list, config: Optional[dict] = None) -> list:
+    """Each sibling's y_i = x W_iᵀ + b_i + s_i·(x A_iᵀ) B_iᵀ, from one kernel, for two or three projections that read
+    the same x (q / k / v, gate / up): ``siblings`` a list of (W, b or None, A, B, s), one output each. Their W, A and
+    B must share dtype, strides and rank, and have a bias all or none (:func:`siblings_fuse` says whether they do)."""
+    if not 1 <= len(siblings) <= 3 or not siblings_fuse(siblings):
+        raise ValueError(f"lora_linear_decode_siblings: {len(siblings)} projections; one kernel takes 1 to 3 whose W, "
+                         "A and B share dtype, layout and rank, with a bias on all or none")
+    return _decode(x, [(w, b, A, B, float(s)) for w, b, A, B, s in siblings], None, None, siblings[0][2].shape[0],
+                   config)
+
+
+def siblings_fuse(siblings: list) -> bool:
+    """Whether projections (W, b, A, B, s) can share one decode kernel: the kernel addresses siblings 1 and 2 from
+    sibling 0's pointers and strides, so the tensors at each position must agree in dtype and strides (and in
+    alignment to their element size), and the ranks must be equal."""
+    first = siblings[0]
+    for other in siblings[1:]:
+        for t0, t in zip(first, other):
+            if (t0 is None) != (t is None):
+                return False
+            if isinstance(t0, Tensor) and (t.dtype != t0.dtype or t.device != t0.device or t.dim() != t0.dim()
+                                           or t.shape[1:] != t0.shape[1:] or t.stride() != t0.stride()
+                                           or (t.data_ptr() - t0.data_ptr()) % t.element_size()):
+                return False
+    return True
 
 
 def lora_linear_decode_mixed(x: Tensor, weight: Tensor, bias: Optional[Tensor], A: Tensor, B: Tensor,
@@ -217,19 +279,31 @@ def lora_linear_decode_mixed(x: Tensor, weight: Tensor, bias: Optional[Tensor], 
     if row_adapter.numel() != x.numel() // K:
         raise ValueError(f"lora_linear_decode_mixed: {row_adapter.numel()} row adapters for {x.numel() // K} rows")
     # one LoRA of rank G·R: A's rows and B's columns adapter after adapter (views for stack_adapters' layouts)
-    return _decode(x, weight, bias, A.reshape(G * R, K), B.permute(1, 0, 2).reshape(weight.shape[0], G * R), 1.0,
-                   row_adapter, scalings, R, config)
+    lora = (weight, bias, A.reshape(G * R, K), B.permute(1, 0, 2).reshape(weight.shape[0], G * R), 1.0)
+    return _decode(x, [lora], row_adapter, scalings, R, config)[0]
 
 
-def _decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_A: Tensor, lora_B: Tensor, scaling: float,
-            row_adapter: Optional[Tensor], scalings: Optional[Tensor], rank_per_adapter: int,
-            config: Optional[dict]) -> Tensor:
+def _offset(t: Optional[Tensor], t0: Optional[Tensor]) -> int:
+    """Elements from t0's address to t's (siblings_fuse checked that it is a whole number)."""
+    return 0 if t is None else (t.data_ptr() - t0.data_ptr()) // t.element_size()
+
+
+def _split_plan(K: int, cfg: dict) -> tuple:
+    """(slices, K per slice): a slice is whole K blocks, no more slices than blocks."""
+    split_k = max(1, min(int(cfg.get("SPLIT_K", 1)), cdiv(K, cfg["BLOCK_K"])))
+    return split_k, cdiv(cdiv(K, split_k), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+
+
+def _decode(x: Tensor, siblings: list, row_adapter: Optional[Tensor], scalings: Optional[Tensor],
+            rank_per_adapter: int, config: Optional[dict]) -> list:
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
-    M, N, R = x2.shape[0], weight.shape[0], lora_A.shape[0]
+    weight, bias, lora_A, lora_B, scaling = siblings[0]
+    widths = [s[0].shape[0] for s in siblings]
+    M, N, R = x2.shape[0], sum(widths), lora_A.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"lora_linear_decode: {M} rows; the decode kernel takes at most {MAX_ROWS}")
-    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    ys = [torch.empty((M, n), device=x.device, dtype=x.dtype) for n in widths]
     BLOCK_M, BLOCK_R = rows_block(M), block_rank(R)
     if config is None:   # a decode step makes this call per projection: the fitting is looked up, not redone
         tuned = config_for("decode", x.device, (BLOCK_M, K, N, BLOCK_R), x.dtype)
@@ -239,30 +313,50 @@ def _decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_A: Tensor, l
             config = _FITTED[key] = fitted(tuned, BLOCK_M, BLOCK_R, x.element_size(), lora_A.element_size())
     cfg = config
     BLOCK_N, BLOCK_K = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    # a slice is whole K blocks; a split with nothing left of K writes zeros (its plane must still be written)
-    split_k = max(1, min(int(cfg.get("SPLIT_K", 1)), cdiv(K, BLOCK_K)))
-    k_per_split = cdiv(cdiv(K, split_k), BLOCK_K) * BLOCK_K
-    out = y if split_k == 1 else torch.empty((split_k, M, N), device=x.device, dtype=torch.float32)
+    # a slice with nothing left of K writes zeros (its plane must still be written)
+    split_k, k_per_split = _split_plan(K, cfg)
+    tiles = [cdiv(n, BLOCK_N) for n in widths] + [0, 0]
+    columns = [0, widths[0], widths[0] + (widths[1] if len(widths) > 1 else 0)]
+    if split_k == 1:   # each sibling's tiles go to its own output
+        out, out_offsets, out_rows = ys[0], [_offset(y, ys[0]) for y in ys], widths
+    else:              # to its columns of the planes, summed into its output below
+        out = torch.empty((split_k, M, N), device=x.device, dtype=torch.float32)
+        out_offsets, out_rows = columns, [N] * len(siblings)
+    out_offsets, out_rows = out_offsets + [0, 0], out_rows + [0, 0]
+    more = siblings[1:] + [siblings[0]] * (3 - len(siblings))   # siblings 1 and 2 (unused ones: sibling 0 again)
+    deltas = [[_offset(s[i], siblings[0][i]) for s in more[:2]] for i in range(4)]   # W, b, A, B
     mixed = row_adapter is not None
-    _DECODE((cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), split_k), x2, weight, bias if bias is not None else weight, lora_A,
-            lora_B, out, row_adapter if mixed else y, scalings if mixed else y, M, N, K, R, scaling,
+    _DECODE((sum(tiles), cdiv(M, BLOCK_M), split_k), x2, weight, bias if bias is not None else weight, lora_A,
+            lora_B, out, row_adapter if mixed else out, scalings if mixed else out, M, widths[0], K, R, scaling,
             rank_per_adapter, k_per_split, M * N if split_k > 1 else 0,
             x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), lora_A.stride(0), lora_A.stride(1),
-            lora_B.stride(0), lora_B.stride(1), out.stride(-2), out.stride(-1),
+            lora_B.stride(0), lora_B.stride(1), out_rows[0], out.stride(-1),
+            tiles[0], tiles[0] + tiles[1], more[0][0].shape[0], more[1][0].shape[0], more[0][4], more[1][4],
+            *deltas[0], *deltas[1], *deltas[2], *deltas[3], out_offsets[1], out_offsets[2], out_rows[1], out_rows[2],
             HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_R=BLOCK_R,
-            DOT_PRECISION=dot_precision(x.dtype), MIXED=mixed, num_warps=cfg["num_warps"],
+            DOT_PRECISION=dot_precision(x.dtype), MIXED=mixed, SIBLINGS=len(siblings), num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
     if split_k > 1:
-        _SUM_SPLITS((cdiv(M * N, _SUM_BLOCK),), out, y, M * N, SPLIT_K=split_k, BLOCK=_SUM_BLOCK, num_warps=4)
-    return y.view(*x.shape[:-1], N)
+        _sum_splits(out, ys, columns)
+    return [y.view(*x.shape[:-1], n) for y, n in zip(ys, widths)]
+
+
+def _sum_splits(planes: Tensor, ys: list, columns: list) -> None:
+    """ys (each (M, n_i)) = the planes' sum over their first dimension, sibling i's columns from columns[i] on."""
+    split_k, M, N = planes.shape
+    widths = [y.shape[-1] for y in ys] + [0, 0]
+    dy = [_offset(y, ys[0]) for y in ys[1:]] + [0, 0]
+    cols = columns[1:] + [N] * 2
+    _SUM_SPLITS((cdiv(M * N, _SUM_BLOCK),), planes, ys[0], M * N, N,
+                cols[0] if len(ys) > 1 else N, cols[1] if len(ys) > 2 else N, widths[0], widths[1], widths[2],
+                dy[0], dy[1], SPLIT_K=split_k, BLOCK=_SUM_BLOCK, SIBLINGS=len(ys), num_warps=4)
 
 
 def _gemv(x2: Tensor, weight: Tensor, bias: Optional[Tensor], lora_A: Tensor, lora_B: Tensor, scaling: float,
           cfg: dict, y: Tensor) -> Tensor:
     K, N, R = x2.shape[1], weight.shape[0], lora_A.shape[0]
     BLOCK_N, BLOCK_K = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    split_k = max(1, min(int(cfg.get("SPLIT_K", 1)), cdiv(K, BLOCK_K)))
-    k_per_split = cdiv(cdiv(K, split_k), BLOCK_K) * BLOCK_K
+    split_k, k_per_split = _split_plan(K, cfg)
     out = y if split_k == 1 else torch.empty((split_k, 1, N), device=x2.device, dtype=torch.float32)
     _DECODE_GEMV((cdiv(N, BLOCK_N), split_k), x2, weight, bias if bias is not None else weight, lora_A, lora_B, out,
                  N, K, R, float(scaling), k_per_split, N if split_k > 1 else 0,
@@ -271,8 +365,9 @@ def _gemv(x2: Tensor, weight: Tensor, bias: Optional[Tensor], lora_A: Tensor, lo
                  HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_R=block_rank(R),
                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split_k > 1:
-        _SUM_SPLITS((cdiv(N, _SUM_BLOCK),), out, y, N, SPLIT_K=split_k, BLOCK=_SUM_BLOCK, num_warps=4)
+        _sum_splits(out, [y], [0])
     return y
 
 
-__all__ = ["MAX_ROWS", "fitted", "lora_linear_decode", "lora_linear_decode_mixed", "rows_block"]
+__all__ = ["MAX_ROWS", "fitted", "lora_linear_decode", "lora_linear_decode_mixed", "lora_linear_decode_siblings",
+           "rows_block", "siblings_fuse"]
