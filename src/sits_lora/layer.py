@@ -26,6 +26,7 @@ from torch import nn
 
 from .bases import BF16_BASE
 from .serving.mixed_batch import mixed_batch_forward
+from .utils.cast_copies import drop_cast_copies
 
 logger = logging.getLogger("sits_lora")
 
@@ -208,11 +209,13 @@ class SitsLoraLinear(FusedAdapterChoice, LoraLinear):
     def delete_adapter(self, adapter_name: str) -> None:
         variant = self._sits_variant(adapter_name)
         super().delete_adapter(adapter_name)
+        drop_cast_copies(self, adapter_name)
         if variant is not None:
             variant.forget(self, adapter_name)
 
     def _apply(self, fn, recurse: bool = True):
         result = super()._apply(fn, recurse)
+        drop_cast_copies(self)   # the decode path's copies of moved or cast adapters are made again when next asked
         for name, variant in self.lora_variant.items():
             if isinstance(variant, SitsLoraVariant):
                 variant.follow_layer(self, name)

@@ -312,8 +312,8 @@ def test_half_precision_decode_steps_read_adapter_copies_made_again_when_written
     seen = []
     real, real_siblings = ops.lora_linear_decode, ops.lora_linear_decode_siblings
     monkeypatch.setattr(ops, "lora_linear_decode", lambda *a, **k: seen.append((a[3], a[4])) or real(*a, **k))
-    monkeypatch.setattr(ops, "lora_linear_decode_siblings",
-                        lambda x, siblings, **k: seen.extend(s[2:4] for s in siblings) or real_siblings(x, siblings, **k))
+    monkeypatch.setattr(ops, "lora_linear_decode_siblings", lambda x, siblings, **k: seen.extend(
+        s[2:4] for s in siblings) or real_siblings(x, siblings, **k))
     ours, peft = _models()
     for model in (ours, peft):
         model.half()
@@ -335,4 +335,22 @@ def test_half_precision_decode_steps_read_adapter_copies_made_again_when_written
         got, want = ours(input_ids=ids).logits, peft(input_ids=ids).logits
     assert seen[0][0] is A_first                                          # the same memory, read again
     torch.testing.assert_close(seen[0][1], layer.lora_B["default"].weight.half())
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_decode_steps_of_weights_cast_under_inference_mode_equal_peft():
+    """fp32 adapters over an fp16 base, all made under torch.inference_mode (no version counters): the kernels read
+    the adapters as they are, and decoding in inference mode, then under no_grad, equals PEFT."""
+    ours, peft = _models()
+    ids = torch.randint(0, 97, (3, 1), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    with torch.inference_mode():
+        for model in (ours, peft):
+            model.half()
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.data = p.data.float()
+        got, want = ours(input_ids=ids).logits, peft(input_ids=ids).logits
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    with torch.no_grad():
+        got = ours(input_ids=ids).logits
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)

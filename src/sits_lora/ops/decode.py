@@ -32,9 +32,9 @@ why serving.mixed_batch passes stacks cast to the activations' dtype (half the b
 
 Sibling projections (``lora_linear_decode_siblings``: q / k / v, gate / up, which read the same x): one launch
 computes all of them. The grid is the siblings' output tiles one after another; a program finds its sibling from its
-tile index and reads that sibling's W, b, A, B and s through element offsets from sibling 0's tensors (so they must
-share dtype, strides and rank: ``siblings_fuse``), and writes the sibling's own contiguous output (or its columns of
-the split-K planes, which the summing kernel hands to each output). A decode call's cost at these sizes is mostly
+tile index, picks that sibling's W, b, A, B, s and output, and reads them with sibling 0's strides (so they must
+share dtype, strides and rank: ``siblings_fuse``); each sibling gets its own contiguous output (with split K, its
+columns of the planes, which the summing kernel hands to its output). A decode call's cost at these sizes is mostly
 not its bytes (a 1B k / v projection reads 2 MB, 0.5 µs at the H200's bandwidth, and takes ~6 µs): the group's one
 launch replaces the merged model's three GEMMs (two for gate / up). The configuration is tuned at the group's total
 width.
@@ -72,7 +72,7 @@ def _lora_decode_kernel(
     x_ptr, w_ptr, bias_ptr, a_ptr, b_ptr, y_ptr, row_adapter_ptr, scale_ptr,
     M, N, K, R, scaling, rank_per_adapter, k_per_split, stride_split,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ar, stride_ak, stride_bn, stride_br, stride_ym, stride_yn,
-    tiles_1, tiles_2, n_1, n_2, s_1, s_2, dw_1, dw_2, dbias_1, dbias_2, da_1, da_2, db_1, db_2, dy_1, dy_2, ym_1, ym_2,
+    tiles_1, tiles_2, n_1, n_2, s_1, s_2, w_1, w_2, bias_1, bias_2, a_1, a_2, b_1, b_2, y_1, y_2, ym_1, ym_2,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, MIXED: tl.constexpr, SIBLINGS: tl.constexpr,
 ):
@@ -87,11 +87,11 @@ def _lora_decode_kernel(
         tile -= tl.where(third, tiles_2, tl.where(second, tiles_1, 0))
         N = tl.where(third, n_2, tl.where(second, n_1, N))
         scaling = tl.where(third, s_2, tl.where(second, s_1, scaling))
-        w_ptr += tl.where(third, dw_2, tl.where(second, dw_1, 0))
-        bias_ptr += tl.where(third, dbias_2, tl.where(second, dbias_1, 0))
-        a_ptr += tl.where(third, da_2, tl.where(second, da_1, 0))
-        b_ptr += tl.where(third, db_2, tl.where(second, db_1, 0))
-        y_ptr += tl.where(third, dy_2, tl.where(second, dy_1, 0))
+        w_ptr = tl.where(third, w_2, tl.where(second, w_1, w_ptr))
+        bias_ptr = tl.where(third, bias_2, tl.where(second, bias_1, bias_ptr))
+        a_ptr = tl.where(third, a_2, tl.where(second, a_1, a_ptr))
+        b_ptr = tl.where(third, b_2, tl.where(second, b_1, b_ptr))
+        y_ptr = tl.where(third, y_2, tl.where(second, y_1, y_ptr))
         stride_ym = tl.where(third, ym_2, tl.where(second, ym_1, stride_ym))
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -171,26 +171,26 @@ def _lora_decode_gemv_kernel(
 
 
 @triton.jit
-def _sum_splits_kernel(parts_ptr, y_ptr, size, width, col_1, col_2, n_0, n_1, n_2, dy_1, dy_2,
+def _sum_splits_kernel(parts_ptr, y_ptr, size, width, col_1, col_2, n_0, n_1, n_2, y_1, y_2,
                        SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, SIBLINGS: tl.constexpr):
     """y = the sum of the SPLIT_K planes of ``parts`` (each ``size`` fp32 values), in plane order, rounded once.
     Siblings: a plane's rows are ``width`` wide, sibling 1's columns from col_1 on, sibling 2's from col_2 on; each
-    sibling's sum goes to its own output (rows n_i wide, at dy_i elements from y_ptr)."""
+    sibling's sum goes to its own output (y_ptr, y_1, y_2; rows n_0, n_1, n_2 wide)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < size
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for split in tl.static_range(SPLIT_K):
         acc += tl.load(parts_ptr + split * size + offs, mask=ok, other=0.0)
-    dest = offs
+    dest = y_ptr + offs
     if SIBLINGS > 1:
         row = offs // width
         col = offs % width
         second = col >= col_1
         third = col >= col_2
-        dest = (row * tl.where(third, n_2, tl.where(second, n_1, n_0))
-                + col - tl.where(third, col_2, tl.where(second, col_1, 0))
-                + tl.where(third, dy_2, tl.where(second, dy_1, 0)))
-    tl.store(y_ptr + dest, acc.to(y_ptr.dtype.element_ty), mask=ok)
+        at = row * tl.where(third, n_2, tl.where(second, n_1, n_0)) + col - tl.where(third, col_2,
+                                                                                     tl.where(second, col_1, 0))
+        dest = tl.where(third, y_2 + at, tl.where(second, y_1 + at, y_ptr + at))
+    tl.store(dest, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 _DECODE = TritonLauncher(_lora_decode_kernel)
@@ -252,17 +252,16 @@ def lora_linear_decode_siblings(x: Tensor, siblings: list, config: Optional[dict
 
 
 def siblings_fuse(siblings: list) -> bool:
-    """Whether projections (W, b, A, B, s) can share one decode kernel: the kernel addresses siblings 1 and 2 from
-    sibling 0's pointers and strides, so the tensors at each position must agree in dtype and strides (and in
-    alignment to their element size), and the ranks must be equal."""
+    """Whether projections (W, b, A, B, s) can share one decode kernel: the kernel reads siblings 1 and 2 with
+    sibling 0's strides and dtypes, so the tensors at each position must agree in both, and the ranks must be
+    equal."""
     first = siblings[0]
     for other in siblings[1:]:
         for t0, t in zip(first, other):
             if (t0 is None) != (t is None):
                 return False
             if isinstance(t0, Tensor) and (t.dtype != t0.dtype or t.device != t0.device or t.dim() != t0.dim()
-                                           or t.shape[1:] != t0.shape[1:] or t.stride() != t0.stride()
-                                           or (t.data_ptr() - t0.data_ptr()) % t.element_size()):
+                                           or t.shape[1:] != t0.shape[1:] or t.stride() != t0.stride()):
                 return False
     return True
 
@@ -281,11 +280,6 @@ def lora_linear_decode_mixed(x: Tensor, weight: Tensor, bias: Optional[Tensor], 
     # one LoRA of rank G·R: A's rows and B's columns adapter after adapter (views for stack_adapters' layouts)
     lora = (weight, bias, A.reshape(G * R, K), B.permute(1, 0, 2).reshape(weight.shape[0], G * R), 1.0)
     return _decode(x, [lora], row_adapter, scalings, R, config)[0]
-
-
-def _offset(t: Optional[Tensor], t0: Optional[Tensor]) -> int:
-    """Elements from t0's address to t's (siblings_fuse checked that it is a whole number)."""
-    return 0 if t is None else (t.data_ptr() - t0.data_ptr()) // t.element_size()
 
 
 def _split_plan(K: int, cfg: dict) -> tuple:
@@ -318,21 +312,23 @@ def _decode(x: Tensor, siblings: list, row_adapter: Optional[Tensor], scalings: 
     tiles = [cdiv(n, BLOCK_N) for n in widths] + [0, 0]
     columns = [0, widths[0], widths[0] + (widths[1] if len(widths) > 1 else 0)]
     if split_k == 1:   # each sibling's tiles go to its own output
-        out, out_offsets, out_rows = ys[0], [_offset(y, ys[0]) for y in ys], widths
+        out = ys[0]
+        outs, out_rows = ys + [ys[0]] * (3 - len(ys)), widths + [0, 0]
     else:              # to its columns of the planes, summed into its output below
         out = torch.empty((split_k, M, N), device=x.device, dtype=torch.float32)
-        out_offsets, out_rows = columns, [N] * len(siblings)
-    out_offsets, out_rows = out_offsets + [0, 0], out_rows + [0, 0]
-    more = siblings[1:] + [siblings[0]] * (3 - len(siblings))   # siblings 1 and 2 (unused ones: sibling 0 again)
-    deltas = [[_offset(s[i], siblings[0][i]) for s in more[:2]] for i in range(4)]   # W, b, A, B
+        outs, out_rows = [out[..., c:] for c in columns], [N] * 3
+    # siblings 1 and 2 (unused ones: sibling 0 again); a missing bias: W, never read (HAS_BIAS)
+    more = siblings[1:] + [siblings[0]] * (3 - len(siblings))
+    W1, W2 = more[0][0], more[1][0]
+    b1, b2 = (W1 if more[0][1] is None else more[0][1]), (W2 if more[1][1] is None else more[1][1])
     mixed = row_adapter is not None
     _DECODE((sum(tiles), cdiv(M, BLOCK_M), split_k), x2, weight, bias if bias is not None else weight, lora_A,
             lora_B, out, row_adapter if mixed else out, scalings if mixed else out, M, widths[0], K, R, scaling,
             rank_per_adapter, k_per_split, M * N if split_k > 1 else 0,
             x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), lora_A.stride(0), lora_A.stride(1),
             lora_B.stride(0), lora_B.stride(1), out_rows[0], out.stride(-1),
-            tiles[0], tiles[0] + tiles[1], more[0][0].shape[0], more[1][0].shape[0], more[0][4], more[1][4],
-            *deltas[0], *deltas[1], *deltas[2], *deltas[3], out_offsets[1], out_offsets[2], out_rows[1], out_rows[2],
+            tiles[0], tiles[0] + tiles[1], W1.shape[0], W2.shape[0], more[0][4], more[1][4],
+            W1, W2, b1, b2, more[0][2], more[1][2], more[0][3], more[1][3], outs[1], outs[2], out_rows[1], out_rows[2],
             HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_R=BLOCK_R,
             DOT_PRECISION=dot_precision(x.dtype), MIXED=mixed, SIBLINGS=len(siblings), num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
@@ -345,11 +341,10 @@ def _sum_splits(planes: Tensor, ys: list, columns: list) -> None:
     """ys (each (M, n_i)) = the planes' sum over their first dimension, sibling i's columns from columns[i] on."""
     split_k, M, N = planes.shape
     widths = [y.shape[-1] for y in ys] + [0, 0]
-    dy = [_offset(y, ys[0]) for y in ys[1:]] + [0, 0]
-    cols = columns[1:] + [N] * 2
-    _SUM_SPLITS((cdiv(M * N, _SUM_BLOCK),), planes, ys[0], M * N, N,
-                cols[0] if len(ys) > 1 else N, cols[1] if len(ys) > 2 else N, widths[0], widths[1], widths[2],
-                dy[0], dy[1], SPLIT_K=split_k, BLOCK=_SUM_BLOCK, SIBLINGS=len(ys), num_warps=4)
+    outs = ys + [ys[0]] * (3 - len(ys))
+    cols = [columns[1] if len(ys) > 1 else N, columns[2] if len(ys) > 2 else N]
+    _SUM_SPLITS((cdiv(M * N, _SUM_BLOCK),), planes, ys[0], M * N, N, cols[0], cols[1], widths[0], widths[1], widths[2],
+                outs[1], outs[2], SPLIT_K=split_k, BLOCK=_SUM_BLOCK, SIBLINGS=len(ys), num_warps=4)
 
 
 def _gemv(x2: Tensor, weight: Tensor, bias: Optional[Tensor], lora_A: Tensor, lora_B: Tensor, scaling: float,
