@@ -2,7 +2,7 @@
 (PEFT, sits_lora) and a batch whose samples take 8 different adapters (PEFT's mixed batch, sits_lora's segmented
 kernels), side by side in one run.
 
-    python bench/serve.py --out OUT                                  # GPU: the 1B shape, batch 1 and 32
+    python bench/serve.py --out OUT                                  # GPU: the 1B shape, batch 1, 8, 32, 128 tokens
     python bench/serve.py --out OUT --shapes 8b --layers 4           # the 8B shape at 4 decoder layers
     python bench/serve.py --out OUT --smoke                          # tiny config on a CPU (checks the script)
 
@@ -257,10 +257,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--shapes", nargs="+", choices=["1b", "8b"], default=["1b"])
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's all)")
-    parser.add_argument("--batches", nargs="+", type=int, default=[1, 32])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--arms", nargs="+", choices=ALL_ARMS, default=ARMS)
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens")
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="tiny config on any device (checks the script)")
     parser.add_argument("--profile", action="store_true",
