@@ -37,6 +37,7 @@ and serve.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import itertools
 import os
@@ -157,6 +158,15 @@ class ReplayTimer:
         if self._original is not None:
             self.graph_class.replay, self._original = self._original, None
 
+    @contextlib.contextmanager
+    def paused(self):
+        """No replay is timed inside (a profiled request's replays are not the timed request's)."""
+        active, self.active = self.active, False
+        try:
+            yield
+        finally:
+            self.active = active
+
     def take_ms(self) -> list:
         """The replays' times since the last call, in order (the caller has synchronized)."""
         times = [before.elapsed_time(after) for before, after in self._pairs]
@@ -239,13 +249,9 @@ def timed_arm(model, arm: str, ids, new_tokens: int, device: str, pool=None, tur
         request = run(new_tokens)
         seconds = (request - run(1)) / (new_tokens - 1)
         if kernels is not None:
-            timing, timer = (timer.active, timer) if timer is not None else (False, None)
-            if timer is not None:
-                timer.active = False
-            kernels.extend(per_step_kernels(kernel_events(lambda: run(new_tokens)), kernel_events(lambda: run(1)),
-                                            new_tokens - 1))
-            if timer is not None:
-                timer.active = timing
+            with timer.paused() if timer is not None else contextlib.nullcontext():
+                kernels.extend(per_step_kernels(kernel_events(lambda: run(new_tokens)), kernel_events(lambda: run(1)),
+                                                new_tokens - 1))
         return seconds, request
     finally:
         if arm == "merged":

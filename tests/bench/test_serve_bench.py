@@ -48,6 +48,9 @@ def test_the_replay_timer_times_replays_only_while_active_and_puts_replay_back()
     Graph().replay()
     Graph().replay()
     assert timer.take_ms() == [2.0, 2.0] and timer.take_ms() == []
+    with timer.paused():           # a profiled request: its replays are not timed
+        Graph().replay()
+    assert timer.active and timer.take_ms() == []
     timer.uninstall()
     assert Graph.replay is original
 
