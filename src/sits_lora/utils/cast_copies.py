@@ -4,8 +4,8 @@ A decode step's kernel reads every adapter weight it needs once per program (ops
 fp32 over a bf16 base, and the kernel casts each tile to the activations' dtype anyway, so a copy cast once gives
 the same outputs from half the bytes. A copy is made again, in its old memory where the shape holds (a CUDA graph
 recorded over the layer reads that memory), when a source tensor moved or was written: its address and version
-counter, and :func:`replayed_weight_writes`, because a replayed CUDA graph that writes weights (an optimizer step
-recorded by ``sits_lora.graph_train_step``) moves no version counter.
+counter, and the replays counted by :func:`note_replayed_weight_writes`, because a replayed CUDA graph that writes
+weights (an optimizer step recorded by ``sits_lora.graph_train_step``) moves no version counter.
 """
 
 from __future__ import annotations
@@ -24,10 +24,6 @@ def note_replayed_weight_writes() -> None:
     """Called after each replay of a recorded step that may write weights: every cast copy is made again."""
     global _replayed_writes
     _replayed_writes += 1
-
-
-def replayed_weight_writes() -> int:
-    return _replayed_writes
 
 
 def source_key(tensors: tuple) -> tuple:
@@ -57,7 +53,7 @@ def cast_copies(owner: nn.Module, name: str, sources: Callable[[], tuple], dtype
     """The tensors ``sources()`` returns, cast to ``dtype`` (no autograd), kept on ``owner`` under ``name`` and made
     again when :func:`source_key` changes (module docstring). ``sources`` is kept too: :func:`refresh_cast_copies`
     asks it for the tensors of now (an adapter's weights may have been replaced). Not a buffer: no state dict
-    entry, not moved by ``.to()``."""
+    entry, not moved by ``.to()`` (the layer drops its copies then: :func:`drop_cast_copies`)."""
     tensors = sources()
     if any(t.is_inference() for t in tensors):
         return tensors   # weights made under inference mode: no version to prove a copy current; read them as they are
