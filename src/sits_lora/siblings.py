@@ -107,6 +107,7 @@ class SiblingGroup:
         self._pending_x: Optional[torch.Tensor] = None
         self._pending_version: Optional[int] = -1
         self._pending: dict[int, torch.Tensor] = {}
+        self._pending_tag = None
         # what the outputs were computed from and the outputs, while they may be given back (the module doc):
         # (x, x's version, (tensor, version) of every weight, (adapter, scaling, training mode) per layer,
         # {id(layer): output}, the outputs' versions); a changed mode can turn dropout on, which the fused op refuses
@@ -154,14 +155,15 @@ class SiblingGroup:
         call then only hands it over, and saves nothing for backward."""
         return self._pending_x is not None and _same_tensor(x, self._pending_x) and id(layer) in self._pending
 
-    def _handed_over(self, layer, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """layer's output when a sibling's call computed it for this x; None otherwise (and the group off for good
-        when a sibling read another tensor: this parent does not feed its siblings one input)."""
+    def handed_over(self, layer, x: torch.Tensor, tag=None) -> Optional[torch.Tensor]:
+        """layer's output when a sibling's call computed it for this x (and ``tag``: what else the call depends on,
+        a mixed batch's adapter names); None otherwise (and the group off for good when a sibling read another
+        tensor: this parent does not feed its siblings one input)."""
         if not self._pending:
             return None
         key = id(layer)
         same = _same_tensor(x, self._pending_x)
-        if same and _version(x) == self._pending_version and key in self._pending:
+        if same and _version(x) == self._pending_version and key in self._pending and tag == self._pending_tag:
             out = self._pending.pop(key)
             if not self._pending:
                 self._clear()
@@ -171,9 +173,9 @@ class SiblingGroup:
             self._clear()
         return None
 
-    def _hand_over(self, layer, x: torch.Tensor, outputs: list) -> torch.Tensor:
-        """layer's output of ``outputs`` (one a sibling); the others' kept for their calls with x."""
-        self._pending_x, self._pending_version = x, _version(x)
+    def hand_over(self, layer, x: torch.Tensor, outputs: list, tag=None) -> torch.Tensor:
+        """layer's output of ``outputs`` (one a sibling); the others' kept for their calls with x (and ``tag``)."""
+        self._pending_x, self._pending_version, self._pending_tag = x, _version(x), tag
         self._pending = {id(other): y for other, y in zip(self.layers, outputs) if other is not layer}
         return outputs[self.layers.index(layer)]
 
@@ -183,7 +185,7 @@ class SiblingGroup:
         its own decode kernel or another path)."""
         if not self.enabled:
             return None
-        out = self._handed_over(layer, x)
+        out = self.handed_over(layer, x)
         if out is not None or not self.enabled:
             return out
         operands = []
@@ -200,7 +202,7 @@ class SiblingGroup:
             return None
         with operands[0][2]:
             outputs = ops.lora_linear_decode_siblings(operands[0][0], projections)
-        return self._hand_over(layer, x, outputs)
+        return self.hand_over(layer, x, outputs)
 
     def forward(self, layer, x: torch.Tensor) -> Optional[torch.Tensor]:
         """layer's output through the group, or None when the layer must run on its own."""
@@ -212,7 +214,7 @@ class SiblingGroup:
             if self.keep_under_compile and self.reuse_across_calls and not torch.is_grad_enabled():
                 return kept_sibling_output(x, layer.base_layer.weight)
             return None
-        out = self._handed_over(layer, x)
+        out = self.handed_over(layer, x)
         if out is not None or not self.enabled:
             return out
         keep = self.keeps_now()
@@ -242,7 +244,7 @@ class SiblingGroup:
         if keep:
             self._keep(x, plan, adapters, outputs)
             return outputs[self.layers.index(layer)]   # the others find their outputs kept
-        return self._hand_over(layer, x, outputs)
+        return self.hand_over(layer, x, outputs)
 
     def keeps_now(self) -> bool:
         """Whether a call now may keep its outputs or answer from kept ones: reuse on, nothing to differentiate,

@@ -108,6 +108,36 @@ def test_mixed_adapters_in_one_kernel_equal_the_reference(rows_per_sample, confi
         ops.lora_linear_decode_mixed(x[:5], W, b, A, B, s, plan.row_adapter[:4])
 
 
+@pytest.mark.parametrize("config", [None, dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=3, num_warps=4, num_stages=1)],
+                         ids=["default", "split-k"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 3e-3)])
+def test_mixed_adapters_of_sibling_projections_in_one_kernel_equal_each_alone(config, dtype, tol):
+    """Three projections of one x (widths 40, 24, 24: q / k / v), each with its own stacks of the same three adapters
+    (ranks 4, 8, 5; each projection's own scalings): one launch equals each projection's mixed kernel alone."""
+    from sits_lora.ops import mixed_batch as mb
+
+    gen = torch.Generator().manual_seed(0)
+    K, ranks = 100, [4, 8, 5]
+    samples = [2, -1, 0, 2, 1]
+    plan = mb.mixed_batch_plan(samples, 1, DEVICE)
+    x = torch.randn(len(samples), K, generator=gen).to(DEVICE, dtype)
+    siblings = []
+    for i, N in enumerate((40, 24, 24)):
+        As = [(torch.randn(r, K, generator=gen) / K**0.5).to(DEVICE, dtype) for r in ranks]
+        Bs = [(torch.randn(N, r, generator=gen) / r**0.5).to(DEVICE, dtype) for r in ranks]
+        W = (torch.randn(N, K, generator=gen) / K**0.5).to(DEVICE, dtype)
+        siblings.append((W, None, *mb.stack_adapters(As, Bs, [2.0 + i, 0.5, 1.25 - i / 4])))
+    got = ops.lora_linear_decode_mixed_siblings(x, siblings, plan.row_adapter, config=config)
+    for y, (W, b, A, B, s) in zip(got, siblings):
+        alone = ops.lora_linear_decode_mixed(x, W, b, A, B, s, plan.row_adapter, config=config)
+        assert y.shape == alone.shape and y.is_contiguous()
+        torch.testing.assert_close(y, alone, rtol=tol, atol=tol)
+    other_rank = (siblings[1][0], None, *mb.stack_adapters([a[:2] for a in [siblings[1][2][0]]],
+                                                           [siblings[1][3][0][:, :2]], [1.0]))
+    with pytest.raises(ValueError, match="same adapters at the same rank"):
+        ops.lora_linear_decode_mixed_siblings(x, [siblings[0], other_rank], plan.row_adapter)
+
+
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("shape", [(100, 40, 6), (72, 33, 16)], ids=["r6", "r16-odd-out"])
 def test_the_one_row_kernel_equals_the_reference(split_k, shape):

@@ -75,17 +75,22 @@ def _models(kernel: str, dtype, device):
     return [m.to(device, dtype).eval() for m in models]
 
 
-def _count_kernel_calls(monkeypatch) -> dict:
-    """Calls of the segmented kernels (base GEMM, shrink, expand) and of the one-kernel decode path, by name."""
+def _count_kernel_calls(monkeypatch, launches: list | None = None) -> dict:
+    """Projections computed by the segmented kernels (base GEMM, shrink, expand) and by the one-kernel decode path
+    (one projection a call, or a sibling group's), by name; ``launches`` gets each decode kernel's projection count."""
     from sits_lora import ops
 
     calls = {"segmented": 0, "decode": 0}
-    paths = (("segmented", mb, "lora_mixed_batch_triton"), ("decode", ops, "lora_linear_decode_mixed"))
-    for name, module, attr in paths:
+    paths = (("segmented", mb, "lora_mixed_batch_triton", lambda args: 1),
+             ("decode", ops, "lora_linear_decode_mixed", lambda args: 1),
+             ("decode", ops, "lora_linear_decode_mixed_siblings", lambda args: len(args[1])))
+    for name, module, attr, projections in paths:
         real = getattr(module, attr)
 
-        def counting(*args, _real=real, _name=name, **kwargs):
-            calls[_name] += 1
+        def counting(*args, _real=real, _name=name, _projections=projections, **kwargs):
+            calls[_name] += _projections(args)
+            if _name == "decode" and launches is not None:
+                launches.append(_projections(args))
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(module, attr, counting)
@@ -116,7 +121,8 @@ def test_a_mixed_batch_equals_peft_and_runs_one_kernel_pass_per_layer(monkeypatc
     """At most 64 rows (a decode step's batch) run the one-kernel decode path, more the segmented kernels."""
     kernel, dtype, device, tol = _case()
     sits, peft_model = _models(kernel, dtype, device)
-    calls = _count_kernel_calls(monkeypatch)
+    launches = []
+    calls = _count_kernel_calls(monkeypatch, launches)
     ids = torch.randint(0, 97, (5, tokens), generator=torch.Generator().manual_seed(2)).to(device)
     names = ["dogs", "__base__", "cats", "owls", "dogs"]
     with torch.no_grad():
@@ -125,6 +131,8 @@ def test_a_mixed_batch_equals_peft_and_runs_one_kernel_pass_per_layer(monkeypatc
     assert ((got - want).norm() / want.norm()).item() < tol
     # every adapted layer of both decoder layers, once, on one path
     assert calls == {"segmented": 0, "decode": 0, path: 2 * len(TARGETS)}
+    if path == "decode":   # q / k / v in one kernel, o, gate / up in one, down: 4 launches a layer
+        assert launches == [3, 1, 2, 1] * 2
     # each sample alone with its adapter, as set_adapter gives it
     with torch.no_grad():
         for i, name in enumerate(names):

@@ -45,6 +45,14 @@ def decode_siblings_fuse(siblings) -> bool:
     return siblings_fuse(siblings)
 
 
+def lora_linear_decode_mixed_siblings(x, siblings, row_adapter, config=None):
+    """The mixed-batch decode kernel for two or three projections of one x: ``siblings`` a list of (W, b, A, B,
+    scalings) with each projection's stacks of the same adapters, one output each (sits_lora.ops.decode)."""
+    from .decode import lora_linear_decode_mixed_siblings as run
+
+    return run(x, siblings, row_adapter, config)
+
+
 def lora_linear_decode_mixed(x, weight, bias, A, B, scalings, row_adapter, config=None):
     """The decode kernel for a batch whose rows take different adapters (stacked by ops.mixed_batch.stack_adapters;
     row_adapter: each row's adapter index, -1 for none), forward only (sits_lora.ops.decode)."""
@@ -64,6 +72,7 @@ __all__ = [
     "lora_linear_aten",
     "lora_linear_decode",
     "lora_linear_decode_mixed",
+    "lora_linear_decode_mixed_siblings",
     "lora_linear_decode_siblings",
     "lora_linear_dynamic_rank_triton",
     "lora_linear_reference",

@@ -73,6 +73,7 @@ def _lora_decode_kernel(
     M, N, K, R, scaling, rank_per_adapter, k_per_split, stride_split,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ar, stride_ak, stride_bn, stride_br, stride_ym, stride_yn,
     tiles_1, tiles_2, n_1, n_2, s_1, s_2, w_1, w_2, bias_1, bias_2, a_1, a_2, b_1, b_2, y_1, y_2, ym_1, ym_2,
+    scale_1, scale_2,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, MIXED: tl.constexpr, SIBLINGS: tl.constexpr,
 ):
@@ -92,6 +93,8 @@ def _lora_decode_kernel(
         a_ptr = tl.where(third, a_2, tl.where(second, a_1, a_ptr))
         b_ptr = tl.where(third, b_2, tl.where(second, b_1, b_ptr))
         y_ptr = tl.where(third, y_2, tl.where(second, y_1, y_ptr))
+        if MIXED:
+            scale_ptr = tl.where(third, scale_2, tl.where(second, scale_1, scale_ptr))
         stride_ym = tl.where(third, ym_2, tl.where(second, ym_1, stride_ym))
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -237,7 +240,7 @@ def lora_linear_decode(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_A
             raise ValueError(f"lora_linear_decode: config GEMV=True runs one row; this call has {M}")
         y = torch.empty((M, N), device=x.device, dtype=x.dtype)
         return _gemv(x2, weight, bias, lora_A, lora_B, float(scaling), gemv, y).view(*x.shape[:-1], N)
-    return _decode(x, [(weight, bias, lora_A, lora_B, float(scaling))], None, None, lora_A.shape[0], config)[0]
+    return _decode(x, [(weight, bias, lora_A, lora_B, float(scaling))], None, lora_A.shape[0], config)[0]
 
 
 def lora_linear_decode_siblings(x: Tensor, siblings: list, config: Optional[dict] = None) -> list:
@@ -247,8 +250,7 @@ def lora_linear_decode_siblings(x: Tensor, siblings: list, config: Optional[dict
     if not 1 <= len(siblings) <= 3 or not siblings_fuse(siblings):
         raise ValueError(f"lora_linear_decode_siblings: {len(siblings)} projections; one kernel takes 1 to 3 whose W, "
                          "A and B share dtype, layout and rank, with a bias on all or none")
-    return _decode(x, [(w, b, A, B, float(s)) for w, b, A, B, s in siblings], None, None, siblings[0][2].shape[0],
-                   config)
+    return _decode(x, [(w, b, A, B, float(s)) for w, b, A, B, s in siblings], None, siblings[0][2].shape[0], config)
 
 
 def siblings_fuse(siblings: list) -> bool:
@@ -271,15 +273,31 @@ def lora_linear_decode_mixed(x: Tensor, weight: Tensor, bias: Optional[Tensor], 
     """y = x Wᵀ + b, plus for each row i of adapter g = row_adapter[i] (-1: none) s_g·(x_i A_gᵀ) B_gᵀ, in one
     kernel for at most :data:`MAX_ROWS` rows (module docstring). A (G, R_max, K), B (G, N, R_max) and scalings (G,) as
     ops.mixed_batch.stack_adapters makes them; row_adapter one integer per row of x flattened to (rows, K)."""
-    G, R, K = A.shape
-    if B.shape != (G, weight.shape[0], R) or scalings.shape != (G,):
-        raise ValueError(f"lora_linear_decode_mixed: stacks of {G} adapters expected as A (G, R, K) {tuple(A.shape)}, "
-                         f"B (G, N, R) {tuple(B.shape)}, scalings (G,) {tuple(scalings.shape)}")
+    return lora_linear_decode_mixed_siblings(x, [(weight, bias, A, B, scalings)], row_adapter, config)[0]
+
+
+def lora_linear_decode_mixed_siblings(x: Tensor, siblings: list, row_adapter: Tensor,
+                                      config: Optional[dict] = None) -> list:
+    """:func:`lora_linear_decode_mixed` for one to three projections of one x from one kernel: ``siblings`` a list of
+    (W, b, A, B, scalings) with each projection's stacks, one output each. Their stacks must hold the same adapters
+    at the same rank (``row_adapter`` indexes all of them) and share dtypes and layouts."""
+    projections = []
+    for weight, bias, A, B, scalings in siblings:
+        G, R, K = A.shape
+        if B.shape != (G, weight.shape[0], R) or scalings.shape != (G,):
+            raise ValueError(f"lora_linear_decode_mixed: stacks of {G} adapters expected as A (G, R, K) "
+                             f"{tuple(A.shape)}, B (G, N, R) {tuple(B.shape)}, scalings (G,) {tuple(scalings.shape)}")
+        # one LoRA of rank G·R: A's rows and B's columns adapter after adapter (views for stack_adapters' layouts)
+        projections.append((weight, bias, A.reshape(G * R, K), B.permute(1, 0, 2).reshape(weight.shape[0], G * R),
+                            scalings))
+    shapes = {tuple(A.shape) for _, _, A, _, _ in siblings}
+    if len(siblings) > 1 and (len(shapes) > 1 or not siblings_fuse(projections) or len(siblings) > 3):
+        raise ValueError(f"lora_linear_decode_mixed: {len(siblings)} projections; one kernel takes 1 to 3 whose "
+                         "stacks hold the same adapters at the same rank, with the same dtypes and layouts")
+    K = x.shape[-1]
     if row_adapter.numel() != x.numel() // K:
         raise ValueError(f"lora_linear_decode_mixed: {row_adapter.numel()} row adapters for {x.numel() // K} rows")
-    # one LoRA of rank G·R: A's rows and B's columns adapter after adapter (views for stack_adapters' layouts)
-    lora = (weight, bias, A.reshape(G * R, K), B.permute(1, 0, 2).reshape(weight.shape[0], G * R), 1.0)
-    return _decode(x, [lora], row_adapter, scalings, R, config)[0]
+    return _decode(x, projections, row_adapter, siblings[0][2].shape[1], config)
 
 
 def _split_plan(K: int, cfg: dict) -> tuple:
@@ -288,11 +306,12 @@ def _split_plan(K: int, cfg: dict) -> tuple:
     return split_k, cdiv(cdiv(K, split_k), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
 
 
-def _decode(x: Tensor, siblings: list, row_adapter: Optional[Tensor], scalings: Optional[Tensor],
-            rank_per_adapter: int, config: Optional[dict]) -> list:
+def _decode(x: Tensor, siblings: list, row_adapter: Optional[Tensor], rank_per_adapter: int,
+            config: Optional[dict]) -> list:
+    """siblings: (W, b, A, B, s) each; with row_adapter (a mixed batch) s is the adapters' scalings (G,)."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
-    weight, bias, lora_A, lora_B, scaling = siblings[0]
+    weight, bias, lora_A, lora_B, _ = siblings[0]
     widths = [s[0].shape[0] for s in siblings]
     M, N, R = x2.shape[0], sum(widths), lora_A.shape[0]
     if M > MAX_ROWS:
@@ -322,13 +341,17 @@ def _decode(x: Tensor, siblings: list, row_adapter: Optional[Tensor], scalings: 
     W1, W2 = more[0][0], more[1][0]
     b1, b2 = (W1 if more[0][1] is None else more[0][1]), (W2 if more[1][1] is None else more[1][1])
     mixed = row_adapter is not None
+    # a mixed batch reads each sibling's scalings (G,) from memory; one adapter's scaling is a number
+    scales, numbers = ([s[4] for s in (siblings[0], *more)], [1.0] * 3) if mixed else ([out] * 3, [
+        s[4] for s in (siblings[0], *more)])
     _DECODE((sum(tiles), cdiv(M, BLOCK_M), split_k), x2, weight, bias if bias is not None else weight, lora_A,
-            lora_B, out, row_adapter if mixed else out, scalings if mixed else out, M, widths[0], K, R, scaling,
+            lora_B, out, row_adapter if mixed else out, scales[0], M, widths[0], K, R, numbers[0],
             rank_per_adapter, k_per_split, M * N if split_k > 1 else 0,
             x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), lora_A.stride(0), lora_A.stride(1),
             lora_B.stride(0), lora_B.stride(1), out_rows[0], out.stride(-1),
-            tiles[0], tiles[0] + tiles[1], W1.shape[0], W2.shape[0], more[0][4], more[1][4],
+            tiles[0], tiles[0] + tiles[1], W1.shape[0], W2.shape[0], numbers[1], numbers[2],
             W1, W2, b1, b2, more[0][2], more[1][2], more[0][3], more[1][3], outs[1], outs[2], out_rows[1], out_rows[2],
+            scales[1], scales[2],
             HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_R=BLOCK_R,
             DOT_PRECISION=dot_precision(x.dtype), MIXED=mixed, SIBLINGS=len(siblings), num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
@@ -364,5 +387,5 @@ def _gemv(x2: Tensor, weight: Tensor, bias: Optional[Tensor], lora_A: Tensor, lo
     return y
 
 
-__all__ = ["MAX_ROWS", "fitted", "lora_linear_decode", "lora_linear_decode_mixed", "lora_linear_decode_siblings",
-           "rows_block", "siblings_fuse"]
+__all__ = ["MAX_ROWS", "fitted", "lora_linear_decode", "lora_linear_decode_mixed", "lora_linear_decode_mixed_siblings",
+           "lora_linear_decode_siblings", "rows_block", "siblings_fuse"]

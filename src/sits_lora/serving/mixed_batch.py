@@ -83,9 +83,10 @@ def buffers_in_use(layers) -> list:
                                     for stacks in layer.__dict__["_mixed_batch_stacks"][1].values()]
 
 
-def mixed_batch_forward(layer, x: torch.Tensor, adapter_names: list) -> Optional[torch.Tensor]:
-    """The layer's output for samples x[b] taking adapter ``adapter_names[b]`` ("__base__": none), or None when
-    PEFT's loop must run it (module docstring)."""
+def _route(layer, x: torch.Tensor, adapter_names: list) -> Optional[tuple]:
+    """How the layer's mixed-batch call runs: None (PEFT's loop: module docstring), ("base",) (no adapter of this
+    layer named), ("decode", (W, b, A, B, scalings), row_adapter) for a decode step's one kernel (the stacks cast to
+    the activations' dtype), or ("segmented", A, B, scalings, plan)."""
     base = layer.base_layer
     if (layer.merged or layer.disable_adapters or layer.training or layer.fan_in_fan_out
             or type(base) is not nn.Linear or base._forward_hooks or base._forward_pre_hooks):
@@ -103,7 +104,7 @@ def mixed_batch_forward(layer, x: torch.Tensor, adapter_names: list) -> Optional
     if ops.resolve_kernel(requested, x, layer.out_features) != "triton":
         return None
     if not named:
-        return base(x)
+        return ("base",)
     order = tuple(sorted(named))          # the stack order: the same in every layer that has these adapters
     index = {a: g for g, a in enumerate(order)}
     plan = _plan(tuple(index.get(a, -1) for a in adapter_names), rows_per_sample, x.device)
@@ -111,10 +112,52 @@ def mixed_batch_forward(layer, x: torch.Tensor, adapter_names: list) -> Optional
         # a decode step's few rows: the base product and every row's adapter in one kernel (ops.decode). The
         # stacks cast to the activations' dtype, which the kernel casts each tile to anyway: the same outputs,
         # and half the bytes of fp32 adapters that every program of the kernel reads (all G adapters' A)
-        A, B, scalings = _stacks(layer, order, x.dtype)
-        return ops.lora_linear_decode_mixed(x, base.weight, base.bias, A, B, scalings, plan.row_adapter)
-    A, B, scalings = _stacks(layer, order)
-    y = base(x)
+        return ("decode", (base.weight, base.bias, *_stacks(layer, order, x.dtype)), plan.row_adapter)
+    return ("segmented", *_stacks(layer, order), plan)
+
+
+def _decode_siblings(layer, x: torch.Tensor, adapter_names: list, route: tuple) -> Optional[torch.Tensor]:
+    """layer's output of a mixed decode step with its sibling group's (q / k / v, gate / up) from one kernel
+    (``ops.lora_linear_decode_mixed_siblings``), or None when a sibling cannot share it."""
+    group = layer._sibling_group
+    if group is None or group.reuse_across_calls or not group.enabled or torch.compiler.is_compiling():
+        return None
+    tag = tuple(adapter_names)
+    out = group.handed_over(layer, x, tag)
+    if out is not None or not group.enabled:
+        return out
+    projections = []
+    for other in group.layers:
+        found = route if other is layer else _route(other, x, adapter_names)
+        # the same row plan (the same adapters in the same order) and stacks of one shape
+        if found is None or found[0] != "decode" or found[2] is not route[2] or (
+                found[1][2].shape != route[1][2].shape):
+            return None
+        projections.append(found[1])
+    flat = [(w, b, A.reshape(-1, A.shape[-1]), B.permute(1, 0, 2).reshape(B.shape[1], -1), s)
+            for w, b, A, B, s in projections]
+    if not ops.decode_siblings_fuse(flat):
+        return None
+    return group.hand_over(layer, x, ops.lora_linear_decode_mixed_siblings(x, projections, route[2]), tag)
+
+
+def mixed_batch_forward(layer, x: torch.Tensor, adapter_names: list) -> Optional[torch.Tensor]:
+    """The layer's output for samples x[b] taking adapter ``adapter_names[b]`` ("__base__": none), or None when
+    PEFT's loop must run it (module docstring). A decode step runs the layer's sibling group (q / k / v, gate / up)
+    as one kernel where every sibling can take it."""
+    route = _route(layer, x, adapter_names)
+    if route is None:
+        return None
+    if route[0] == "base":
+        return layer.base_layer(x)
+    if route[0] == "decode":
+        out = _decode_siblings(layer, x, adapter_names, route)
+        if out is not None:
+            return out
+        (weight, bias, A, B, scalings), row_adapter = route[1], route[2]
+        return ops.lora_linear_decode_mixed(x, weight, bias, A, B, scalings, row_adapter)
+    _, A, B, scalings, plan = route
+    y = layer.base_layer(x)
     from ..ops.mixed_batch import lora_mixed_batch_triton
 
     lora_mixed_batch_triton(x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1]), A, B, scalings, plan)
