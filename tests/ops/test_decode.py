@@ -132,8 +132,9 @@ def test_mixed_adapters_of_sibling_projections_in_one_kernel_equal_each_alone(co
         alone = ops.lora_linear_decode_mixed(x, W, b, A, B, s, plan.row_adapter, config=config)
         assert y.shape == alone.shape and y.is_contiguous()
         torch.testing.assert_close(y, alone, rtol=tol, atol=tol)
-    other_rank = (siblings[1][0], None, *mb.stack_adapters([a[:2] for a in [siblings[1][2][0]]],
-                                                           [siblings[1][3][0][:, :2]], [1.0]))
+    wider = [(torch.randn(r, K, generator=gen) / K**0.5).to(DEVICE, dtype) for r in (4, 12, 5)]   # R_max 12, not 8
+    other_rank = (siblings[1][0], None, *mb.stack_adapters(wider, [torch.randn(24, r, generator=gen).to(DEVICE, dtype)
+                                                                   for r in (4, 12, 5)], [1.0, 1.0, 1.0]))
     with pytest.raises(ValueError, match="same adapters at the same rank"):
         ops.lora_linear_decode_mixed_siblings(x, [siblings[0], other_rank], plan.row_adapter)
 

@@ -199,3 +199,36 @@ def test_generation_with_an_unmerged_adapter_equals_the_merged_model():
             assert torch.equal(unmerged, merged), name
             # and the same adapter named for every sample of a mixed batch
             assert torch.equal(sits.generate(input_ids=ids, adapter_names=[name, name], **kwargs), merged), name
+
+
+def test_mixed_decode_of_sibling_groups_follows_each_projections_own_adapters(monkeypatch):
+    """Per-projection alphas (alpha_pattern: each sibling its own scalings) share the group's kernel and equal PEFT;
+    a k_proj whose largest rank differs (rank_pattern) cannot share the stacks' layout, and q / k / v then run one
+    kernel each."""
+    kernel, dtype, device, tol = _case()
+    for pattern, groups in (({"alpha_pattern": {"k_proj": 64}}, [3, 1, 2, 1]),
+                            ({"rank_pattern": {"k_proj": 32}}, [1, 1, 1, 1, 2, 1])):
+        base = tiny_llama(0)
+        models = []
+        for config_cls, extra in ((SitsLoraConfig, {"kernel": kernel}), (LoraConfig, {})):
+            model = None
+            for name, r, alpha in ADAPTERS:
+                config = config_cls(r=r, lora_alpha=alpha, target_modules=TARGETS, init_lora_weights=False,
+                                    **pattern, **extra)
+                if model is None:
+                    model = get_peft_model(copy.deepcopy(base), config, adapter_name=name)
+                else:
+                    model.add_adapter(name, config)
+            models.append(model)
+        models[1].load_state_dict(models[0].state_dict())
+        sits, peft_model = (m.to(device, dtype).eval() for m in models)
+        launches = []
+        _count_kernel_calls(monkeypatch, launches)
+        ids = torch.randint(0, 97, (3, 1), generator=torch.Generator().manual_seed(2)).to(device)
+        names = ["owls", "cats", "owls"]
+        with torch.no_grad():
+            got = sits(input_ids=ids, adapter_names=names).logits.float()
+            want = peft_model(input_ids=ids, adapter_names=names).logits.float()
+        assert ((got - want).norm() / want.norm()).item() < tol, pattern
+        assert launches == groups * 2, pattern
+        monkeypatch.undo()

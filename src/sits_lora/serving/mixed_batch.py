@@ -123,9 +123,6 @@ def _decode_siblings(layer, x: torch.Tensor, adapter_names: list, route: tuple) 
     if group is None or group.reuse_across_calls or not group.enabled or torch.compiler.is_compiling():
         return None
     tag = tuple(adapter_names)
-    out = group.handed_over(layer, x, tag)
-    if out is not None or not group.enabled:
-        return out
     projections = []
     for other in group.layers:
         found = route if other is layer else _route(other, x, adapter_names)
@@ -145,6 +142,11 @@ def mixed_batch_forward(layer, x: torch.Tensor, adapter_names: list) -> Optional
     """The layer's output for samples x[b] taking adapter ``adapter_names[b]`` ("__base__": none), or None when
     PEFT's loop must run it (module docstring). A decode step runs the layer's sibling group (q / k / v, gate / up)
     as one kernel where every sibling can take it."""
+    group = layer._sibling_group
+    if group is not None and group.enabled and not group.reuse_across_calls:
+        out = group.handed_over(layer, x, tuple(adapter_names))   # a sibling's call computed it: nothing to route
+        if out is not None:
+            return out
     route = _route(layer, x, adapter_names)
     if route is None:
         return None
