@@ -31,7 +31,7 @@ events) and copy_ms_predicted (one adapter's bytes over the measured pinned band
 not prefetched).
 Every arm runs --repeats rounds after a warm-up round, arms in turn; the median round. vs_merged: against merged, a
 graph arm against merged+graph when that ran. Writes OUT/serve.json, .csv
-and serve.png.
+and serve.png. --plan adds serving_plan's measured costs and merge crossover per batch (OUT/serve_plan.json, .csv).
 """
 
 from __future__ import annotations
@@ -258,6 +258,23 @@ def timed_arm(model, arm: str, ids, new_tokens: int, device: str, pool=None, tur
             model.unmerge_adapter()
 
 
+def plan_costs(model, shape: str, batches, device: str) -> list:
+    """serving_plan's measured costs for adapter 0 at each batch size, and the new tokens from which merging pays."""
+    from sits_lora.serving import measure_serving_costs
+
+    rows = []
+    for batch in batches:
+        costs = measure_serving_costs(model, ADAPTERS[0], batch_size=batch, graphs=device == "cuda", repeats=20)
+        crossover = costs.crossover_tokens
+        rows.append({"shape": shape, "batch": batch, "graphs": device == "cuda", "dispatch_ms": costs.dispatch_ms,
+                     "merged_ms": costs.merged_ms, "merge_ms": costs.merge_ms,
+                     "crossover_tokens": None if crossover == float("inf") else crossover})
+        print(f"[{shape} bs{batch}] serving_plan costs: step {costs.dispatch_ms:.3f} ms unmerged, "
+              f"{costs.merged_ms:.3f} merged, merge + unmerge {costs.merge_ms:.2f}; merging pays after "
+              f"{crossover:.0f} tokens", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
@@ -272,6 +289,10 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="after the last round, profile each arm (but the pool arms) once: its CUDA kernels per "
                              "decode step, OUT/serve_kernels.json and .csv")
+    parser.add_argument("--plan", action="store_true",
+                        help="also measure serving_plan's costs per shape and batch (sits_lora.measure_serving_costs "
+                             "of adapter 0: a decode-sized forward unmerged and merged, as replayed CUDA graphs on a "
+                             "GPU, and one merge + unmerge) and the crossover: OUT/serve_plan.json and .csv")
     args = parser.parse_args(argv)
     for flag in ("prompt", "repeats"):
         if getattr(args, flag) < 1:
@@ -292,7 +313,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes = ["tiny"] if args.smoke else args.shapes
     new_tokens, repeats = (3, 1) if args.smoke else (args.new_tokens, args.repeats)
-    rows, kernel_rows = [], []
+    rows, kernel_rows, plan_rows = [], [], []
     for shape in shapes:
         sits, peft_model = build(shape, args.layers, device, dtype)
         streamed = [a for a in args.arms if a.removesuffix("+graph") in STREAM_ARMS]
@@ -376,6 +397,8 @@ def main(argv=None) -> int:
             recorder.release()
         if timer is not None:
             timer.uninstall()
+        if args.plan:
+            plan_rows += plan_costs(sits, shape, args.batches, device)
         del sits, peft_model, pooled, pool, graphs, caches
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -390,6 +413,9 @@ def main(argv=None) -> int:
     paths = write_results("serve", rows, args.out, {"command": command})
     if args.profile:
         paths += write_results("serve_kernels", kernel_rows, args.out, {"command": command})
+    if args.plan:
+        paths += write_results("serve_plan", plan_rows, args.out, {"command": command})
+        print_table(plan_rows, ["shape", "batch", "dispatch_ms", "merged_ms", "merge_ms", "crossover_tokens"])
     print_table(rows, ["shape", "batch", "arm", "ms_per_token", "tokens_per_s", "request_ms", "vs_merged",
                        "gpu_step_ms", "gpu_vs_merged", "peft_mixed8_over_this"])
     with png(os.path.join(args.out, "serve.png"), figsize=(7, 3.5)) as ax:

@@ -19,6 +19,19 @@ def test_smoke_run_writes_every_arm(tmp_path):
     assert stream["pool_stats"]["loads"] > 2 and stream["request_ms"] > 0   # 8 adapters through 2 slots
 
 
+def test_plan_writes_the_measured_costs_and_crossover_per_batch(tmp_path):
+    serve = bench_module("serve")
+    assert serve.main(["--smoke", "--out", str(tmp_path), "--batches", "1", "2", "--arms", "merged", "sits",
+                       "--plan"]) == 0
+    rows = json.loads((tmp_path / "serve_plan.json").read_text())["rows"]
+    assert [(r["shape"], r["batch"], r["graphs"]) for r in rows] == [("tiny", 1, False), ("tiny", 2, False)]
+    for r in rows:
+        assert r["dispatch_ms"] > 0 and r["merged_ms"] > 0 and r["merge_ms"] > 0
+        saved = r["dispatch_ms"] - r["merged_ms"]
+        assert r["crossover_tokens"] == (pytest.approx(r["merge_ms"] / saved) if saved > 0 else None)
+    assert (tmp_path / "serve_plan.csv").is_file()
+
+
 def test_refusals_name_the_flag(capsys):
     serve = bench_module("serve")
     with pytest.raises(SystemExit):
