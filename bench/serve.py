@@ -426,7 +426,8 @@ def main(argv=None) -> int:
                 values = [next((r["ms_per_token"] for r in rows if (r["shape"], r["batch"], r["arm"]) ==
                                 (shape, batch, arm)), 0) for arm in args.arms]
                 ax.bar([j + i * width for j in range(len(args.arms))], values, width=width, label=f"{shape} bs{batch}")
-            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(args.arms))], args.arms, fontsize=7)
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(args.arms))], args.arms, fontsize=7, rotation=20,
+                          ha="right")
             ax.set_ylabel("ms per token")
             ax.legend(fontsize=7)
     print("wrote", *paths)
