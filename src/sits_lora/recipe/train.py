@@ -494,6 +494,9 @@ def run(recipe: TrainRecipe) -> dict:
         dataloader_num_workers=0,
         use_cpu=not torch.cuda.is_available(),
         use_liger_kernel=use_liger,
+        # every trainable parameter (the adapters' A and B) takes part in every forward: DDP need not search the
+        # autograd graph for unused ones each step (the Trainer's default for a PeftModel), a host cost per step
+        ddp_find_unused_parameters=False,
     )
     if recipe.overwrite and main_process:
         _clear_run(recipe.output_dir)  # only now: a run that fails while loading leaves the old one whole
