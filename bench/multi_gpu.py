@@ -93,7 +93,7 @@ def worker(args) -> None:
         with open(f"{args.result}.rank{os.environ.get('RANK', '0')}.error", "w") as f:
             f.write(traceback.format_exc())
         raise
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or args.wrapped:
         # The run is over and its process group destroyed; leave without the interpreter's teardown, where a gloo
         # rank can abort ("terminate called without an active exception", SIGABRT) after a run that succeeded:
         # 2 of 18 two-process runs under pytest on the CPU, each failing the whole run.

@@ -1,8 +1,9 @@
 """recipes/train.py under `accelerate launch` with the shipped configs (recipes/configs/accelerate/) on GPUs, NCCL:
 FSDP2 through accelerate's plugin (the frozen base sharded, sharded checkpoints saved and resumed, the adapter saved
-once from rank 0) and DDP. On a machine with one GPU the FSDP2 config runs on one rank (accelerate's plugin, NCCL and
-the sharded checkpoints all run; nothing is split); DDP needs two (accelerate refuses --multi_gpu on one process).
-On the CPU these paths are checked with gloo and `fully_shard` directly (tests/distributed, tests/recipe)."""
+once from rank 0) and DDP. (An fp8 base under accelerate's FSDP plugin is refused by the recipe, tested on the CPU.)
+On a machine with one GPU the FSDP2 config runs on one rank (accelerate's plugin, NCCL and the sharded checkpoints
+all run; nothing is split); DDP needs two (accelerate refuses --multi_gpu on one process). On the CPU these paths
+are checked with gloo and `fully_shard` directly (tests/distributed, tests/recipe)."""
 
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ def test_fsdp2_through_accelerate_saves_sharded_checkpoints_resumes_and_matches_
     # accelerate's plugin saved the model and optimizer as torch.distributed.checkpoint shards
     assert any(p.suffix == ".distcp" for p in (whole / "checkpoint-2").rglob("*")), \
         sorted(str(p.relative_to(whole)) for p in (whole / "checkpoint-2").rglob("*"))
-    # the same global batches; bf16 on a GPU and FSDP's bf16 compute policy: close, not equal
+    # the same global batches, not the same arithmetic: accelerate's FSDP2 keeps fp32 masters of the trainable
+    # adapters and computes in its bf16 policy, one process trains them as loaded; close, not equal
     assert metrics["whole"]["heldout_perplexity_after"] == pytest.approx(
         metrics["one"]["heldout_perplexity_after"], rel=2e-2)
     adapters = {name: _adapter(tmp_path / name) for name in ("one", "whole")}
@@ -96,20 +98,6 @@ def test_fsdp2_through_accelerate_saves_sharded_checkpoints_resumes_and_matches_
     again = _adapter(interrupted)
     assert again.keys() == adapters["whole"].keys()
     assert all(rel_err(again[k], adapters["whole"][k]) < 1e-2 for k in again)
-
-
-def test_fp8_base_under_fsdp2_through_accelerate_trains_and_saves(tiny_model_dir, tmp_path):
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("fp8 needs compute capability >= 8.9")
-    common = _common(tiny_model_dir, _corpus(tmp_path))
-    out = tmp_path / "fp8"
-    run = _launch("fsdp2.yaml", WORLD, *common, "--batch-size", "2", "--fp8", "hybrid", "--fp8-layers", "all",
-                  "--output-dir", str(out), cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-4000:]
-    metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["processes"] == WORLD
-    assert metrics["heldout_perplexity_after"] < metrics["heldout_perplexity_before"]
-    assert all(torch.isfinite(t).all() for t in _adapter(out).values())
 
 
 @pytest.mark.skipif(GPUS < 2, reason="DDP through accelerate needs 2 GPUs (accelerate refuses --multi_gpu on one)")

@@ -176,6 +176,13 @@ class TrainRecipe:
         if self.kernel == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("kernel='triton' needs a CUDA GPU (set TRITON_INTERPRET=1 to run the kernels on the CPU, "
                              "slowly, for tests); use kernel: auto on this machine")
+        if self.fp8 != "off" and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+            # FSDP2 casts every floating-point parameter to its policy's param_dtype at each gather, float8 too
+            # (tests/distributed/test_data_parallel.py); the Trainer sets that policy from its bf16 / fp16 flags
+            raise ValueError(f"fp8={self.fp8!r} under accelerate's FSDP plugin is not supported yet: its "
+                             "mixed-precision policy casts the frozen fp8 weight codes to bf16 at every gather "
+                             "(neither fp8 compute nor its memory); use DDP (recipes/configs/accelerate/ddp.yaml) "
+                             "or fp8: off")
         if self.fp8 != "off" and not self.fp8_emulate:
             from ..bases.fp8 import Fp8UnsupportedError, check_fp8_hardware
 
@@ -494,9 +501,11 @@ def run(recipe: TrainRecipe) -> dict:
         dataloader_num_workers=0,
         use_cpu=not torch.cuda.is_available(),
         use_liger_kernel=use_liger,
-        # every trainable parameter (the adapters' A and B) takes part in every forward: DDP need not search the
-        # autograd graph for unused ones each step (the Trainer's default for a PeftModel), a host cost per step
-        ddp_find_unused_parameters=False,
+        # adapters inside the decoder layers take part in every forward: DDP need not search the autograd graph
+        # for unused parameters each step (the Trainer's default for a PeftModel). One outside them (lm_head: Liger's
+        # fused cross-entropy reads its base weight alone) keeps the search, or DDP would stop at the next step
+        ddp_find_unused_parameters=False if all(".layers." in name for name, p in model.named_parameters()
+                                                if p.requires_grad) else None,
     )
     if recipe.overwrite and main_process:
         _clear_run(recipe.output_dir)  # only now: a run that fails while loading leaves the old one whole
