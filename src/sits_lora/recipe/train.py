@@ -435,6 +435,10 @@ def run(recipe: TrainRecipe) -> dict:
     main_process = int(os.environ.get("RANK", "0")) == 0
     say = print if main_process else (lambda *args, **kwargs: None)
     set_seed(recipe.seed)
+    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+        # each rank's own GPU before anything lands on one: `model.cuda()` below (and the "before" perplexity)
+        # would otherwise put every rank's model on GPU 0 until the Trainer moves it
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     threads = _set_cpu_threads(recipe.cpu_threads) if not torch.cuda.is_available() else None
     dtype = torch_dtype_named(recipe.dtype)
     recipe.check_inputs()
