@@ -129,6 +129,16 @@ def tiny_model_dir(tmp_path_factory):
     return folder
 
 
+def code_corpus(folder):
+    """40 short code-like documents as a JSON-lines dataset (the recipe's --dataset) in ``folder``."""
+    import json
+
+    corpus = folder / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"def f{i}(x): return x * {i} + {i % 7}\n" * 8}) + "\n"
+                              for i in range(40)))
+    return corpus
+
+
 @pytest.fixture
 def no_decode_kernel():
     """No-grad calls of <= 64 rows take the one-kernel decode path (sits_lora.ops.decode, tested in

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import bench_module
+from conftest import bench_module, code_corpus
 
 
 @pytest.mark.slow
@@ -45,9 +45,7 @@ def test_world_one_runs_each_wrapper_on_a_process_group_of_one_rank(tmp_path):
 @pytest.mark.slow
 def test_loss_curves_of_one_and_two_processes_agree(tmp_path, tiny_model_dir):
     bench = bench_module("multi_gpu")
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"def f{i}(x): return x * {i} + {i % 7}\n" * 8}) + "\n"
-                              for i in range(40)))
+    corpus = code_corpus(tmp_path)
     assert bench.main(["--loss-curve", "--out", str(tmp_path / "out"), "--curve-steps", "3", "--curve-seq", "32",
                        "--curve-model", str(tiny_model_dir), "--curve-dataset", str(corpus)]) == 0
     result = json.loads((tmp_path / "out" / "multi_gpu_loss_curve.json").read_text())

@@ -15,17 +15,9 @@ import yaml
 from sits_lora.recipe.loading import ModelNotFoundError, resolve_model_source
 from sits_lora.recipe.train import TrainRecipe
 
-from conftest import REPO_ROOT, rel_err
+from conftest import REPO_ROOT, code_corpus, rel_err
 
 TRAIN = os.path.join(REPO_ROOT, "recipes", "train.py")
-
-
-def _code_corpus(tmp_path):
-    """40 short code-like documents as a JSON-lines dataset in tmp_path."""
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"def f{i}(x): return x * {i} + {i % 7}\n" * 8}) + "\n"
-                              for i in range(40)))
-    return corpus
 
 
 def _train(*args, cwd=None, timeout=600):
@@ -34,7 +26,7 @@ def _train(*args, cwd=None, timeout=600):
 
 @pytest.mark.slow
 def test_recipe_end_to_end_tiny_model(tiny_model_dir, tmp_path):
-    corpus = _code_corpus(tmp_path)
+    corpus = code_corpus(tmp_path)
     out = tmp_path / "run"
     proc = _train("--model", str(tiny_model_dir), "--dataset", str(corpus), "--output-dir", str(out),
                   "--max-steps", "12", "--batch-size", "4", "--seq-len", "32", "--eval-blocks", "4",
@@ -66,7 +58,7 @@ def test_two_processes_resumed_from_a_checkpoint_repeat_the_uninterrupted_run(ti
 
     from safetensors.torch import load_file
 
-    corpus = _code_corpus(tmp_path)
+    corpus = code_corpus(tmp_path)
     common = ["--model", str(tiny_model_dir), "--dataset", str(corpus), "--max-steps", "4", "--save-steps", "2",
               "--batch-size", "2", "--seq-len", "32", "--eval-blocks", "4", "--learning-rate", "0.01",
               "--logging-steps", "2"]
@@ -89,7 +81,7 @@ def test_recipe_on_two_processes_saves_once_and_matches_one_process(tiny_model_d
     """torchrun with 2 processes (DDP over gloo on the CPU): each rank trains on its own batches, rank 0 alone
     clears the folder, prints and writes the adapter and metrics.json; with the per-rank batch halved, the run
     sees the same global batches as one process and ends at its held-out perplexity."""
-    corpus = _code_corpus(tmp_path)
+    corpus = code_corpus(tmp_path)
     common = ["--model", str(tiny_model_dir), "--dataset", str(corpus), "--max-steps", "4", "--seq-len", "32",
               "--eval-blocks", "4", "--learning-rate", "0.01", "--logging-steps", "2", "--warmup-steps", "0",
               "--overwrite", "true"]   # no --r: torchrun's own parser takes it for an abbreviation of its options
@@ -118,7 +110,7 @@ def test_recipe_on_two_processes_saves_once_and_matches_one_process(tiny_model_d
 def test_recipe_trains_a_qlora_model_on_a_gpu(tiny_model_dir, tmp_path, fp8):
     """--base-quant nf4: the model loaded in 4-bit by bitsandbytes, its layers on the fused path; with --fp8 the
     4-bit bytes stay the storage and the base GEMMs run in fp8 (k / v of the tiny model are 24 wide: not adapted)."""
-    corpus = _code_corpus(tmp_path)
+    corpus = code_corpus(tmp_path)
     out = tmp_path / "run"
     extra = ["--fp8", "hybrid", "--fp8-layers", "all", "--target-modules", "q_proj,o_proj,gate_proj,up_proj,down_proj"] if fp8 else []
     proc = _train("--model", str(tiny_model_dir), "--dataset", str(corpus), "--output-dir", str(out),
@@ -208,7 +200,7 @@ def test_fp8_under_accelerates_fsdp_plugin_is_refused_before_loading(tmp_path, t
 def test_recipe_fp8_emulated_trains_and_saves_an_fp8_adapter(tiny_model_dir, tmp_path):
     """--fp8 hybrid --fp8-emulate true: the fp8 path of the main job on a CPU (k / v are 24 wide, not a multiple
     of 16, so they are left out)."""
-    corpus = _code_corpus(tmp_path)
+    corpus = code_corpus(tmp_path)
     out = tmp_path / "run"
     proc = _train("--model", str(tiny_model_dir), "--dataset", str(corpus), "--output-dir", str(out),
                   "--max-steps", "12", "--batch-size", "4", "--seq-len", "32", "--eval-blocks", "4",
@@ -233,7 +225,7 @@ def test_recipe_int4_base_trains_and_picks_the_group_size(tmp_path):
     tiny_llama(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
                max_position_embeddings=128).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    corpus = _code_corpus(tmp_path)
+    corpus = code_corpus(tmp_path)
     out = tmp_path / "run"
     proc = _train("--model", str(folder), "--dataset", str(corpus), "--output-dir", str(out), "--max-steps", "12",
                   "--batch-size", "4", "--seq-len", "32", "--eval-blocks", "4", "--learning-rate", "0.01", "--r", "4",
@@ -424,7 +416,7 @@ def test_checkpoint_and_resume_repeat_the_uninterrupted_run(tiny_model_dir, tmp_
 
     from safetensors.torch import load_file
 
-    corpus = _code_corpus(tmp_path)
+    corpus = code_corpus(tmp_path)
     common = ["--model", str(tiny_model_dir), "--dataset", str(corpus), "--max-steps", "8", "--save-steps", "4",
               "--batch-size", "4", "--seq-len", "32", "--eval-blocks", "4", "--learning-rate", "0.01", "--r", "4",
               "--logging-steps", "2"]
@@ -526,7 +518,7 @@ def test_recipe_under_zero3_matches_one_process_and_resumes(tiny_model_dir, tmp_
 
     from safetensors.torch import load_file
 
-    corpus = _code_corpus(tmp_path)
+    corpus = code_corpus(tmp_path)
     common = ["--model", str(tiny_model_dir), "--dataset", str(corpus), "--max-steps", "4", "--seq-len", "32",
               "--eval-blocks", "4", "--learning-rate", "0.01", "--logging-steps", "2", "--warmup-steps", "0"]
     zero3 = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO_ROOT, rel_err
+from conftest import REPO_ROOT, code_corpus, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -25,13 +25,6 @@ TRAIN = os.path.join(REPO_ROOT, "recipes", "train.py")
 CONFIGS = os.path.join(REPO_ROOT, "recipes", "configs", "accelerate")
 GPUS = torch.cuda.device_count()
 WORLD = max(1, min(2, GPUS))
-
-
-def _corpus(tmp_path):
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"def f{i}(x): return x * {i} + {i % 7}\n" * 8}) + "\n"
-                              for i in range(40)))
-    return corpus
 
 
 def _free_port() -> int:
@@ -64,7 +57,7 @@ def _common(tiny_model_dir, corpus):
 
 def test_fsdp2_through_accelerate_saves_sharded_checkpoints_resumes_and_matches_one_process(tiny_model_dir,
                                                                                            tmp_path):
-    common = _common(tiny_model_dir, _corpus(tmp_path))
+    common = _common(tiny_model_dir, code_corpus(tmp_path))
     one = _one_process(*common, "--batch-size", str(2 * WORLD), "--output-dir", str(tmp_path / "one"), cwd=tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
     whole = tmp_path / "whole"
@@ -102,7 +95,7 @@ def test_fsdp2_through_accelerate_saves_sharded_checkpoints_resumes_and_matches_
 
 @pytest.mark.skipif(GPUS < 2, reason="DDP through accelerate needs 2 GPUs (accelerate refuses --multi_gpu on one)")
 def test_ddp_through_accelerate_matches_one_process(tiny_model_dir, tmp_path):
-    common = _common(tiny_model_dir, _corpus(tmp_path))
+    common = _common(tiny_model_dir, code_corpus(tmp_path))
     one = _one_process(*common, "--batch-size", "4", "--output-dir", str(tmp_path / "one"), cwd=tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
     run = _launch("ddp.yaml", 2, *common, "--batch-size", "2", "--output-dir", str(tmp_path / "two"), cwd=tmp_path)
