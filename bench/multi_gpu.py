@@ -85,6 +85,8 @@ def _wrap(model, strategy: str, world: int, device: torch.device):
 def worker(args) -> None:
     """One rank's run; a rank that fails leaves its traceback beside the result file for the parent's error row
     (torch.distributed.run's own summary ends stderr and does not carry the exception)."""
+    # several ranks are always wrapped; one rank is when the parent asked (--world 1), else it is the reference
+    args.wrapped = args.wrapped or int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
         _worker(args)
     except BaseException:
@@ -93,7 +95,7 @@ def worker(args) -> None:
         with open(f"{args.result}.rank{os.environ.get('RANK', '0')}.error", "w") as f:
             f.write(traceback.format_exc())
         raise
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or args.wrapped:
+    if args.wrapped:
         # The run is over and its process group destroyed; leave without the interpreter's teardown, where a gloo
         # rank can abort ("terminate called without an active exception", SIGABRT) after a run that succeeded:
         # 2 of 18 two-process runs under pytest on the CPU, each failing the whole run.
@@ -106,7 +108,7 @@ def _worker(args) -> None:
     import torch.distributed as dist
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    wrapped = world > 1 or args.wrapped   # the reference: one process, no wrapper, no process group
+    wrapped = args.wrapped   # else the reference: one process, no wrapper, no process group
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:

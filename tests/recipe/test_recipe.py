@@ -20,8 +20,9 @@ from conftest import REPO_ROOT, code_corpus, rel_err
 TRAIN = os.path.join(REPO_ROOT, "recipes", "train.py")
 
 
-def _train(*args, cwd=None, timeout=600):
-    return subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout)
+def _train(*args, cwd=None, timeout=600, env=None):
+    return subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout,
+                          env={**os.environ, **env} if env else None)
 
 
 @pytest.mark.slow
@@ -186,9 +187,8 @@ def test_gpu_options_are_refused_before_loading_on_a_cpu(args, needle, tmp_path,
 def test_fp8_under_accelerates_fsdp_plugin_is_refused_before_loading(tmp_path, tiny_model_dir):
     """`accelerate launch --config_file recipes/configs/accelerate/fsdp2.yaml` sets ACCELERATE_USE_FSDP; its bf16
     policy would cast the fp8 codes (tests/distributed/test_data_parallel.py): one line, before any model loads."""
-    proc = subprocess.run([sys.executable, TRAIN, "--model", str(tiny_model_dir), "--fp8", "hybrid", "--fp8-emulate",
-                           "true", "--output-dir", str(tmp_path / "run")], capture_output=True, text=True, cwd=tmp_path,
-                          timeout=600, env={**os.environ, "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"})
+    proc = _train("--model", str(tiny_model_dir), "--fp8", "hybrid", "--fp8-emulate", "true", "--output-dir",
+                  str(tmp_path / "run"), cwd=tmp_path, env={"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"})
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and last.startswith("error: fp8='hybrid' under accelerate's FSDP plugin is not "
                                                     "supported yet"), proc.stderr[-2000:]
