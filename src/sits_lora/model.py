@@ -163,13 +163,16 @@ class SitsLoraModel(LoraModel):
         the frozen fp8 weight codes, and the buffers of modules that keep them per rank (``rank_local_buffers``:
         the fp8 scaling state, whose running amax DDP would otherwise overwrite with rank 0's before every
         forward, losing this rank's earlier micro-batches). DDP broadcasts every parameter from rank 0 when it
-        starts, and the gloo backend cannot send fp8 (every rank built the same frozen base; no adapter is among
-        them). Names under both roots, the PeftModel's ("base_model." ...) and this tuner's."""
+        starts: every rank built the same frozen codes (no adapter is among them), and the gloo backend cannot
+        send a float8 tensor. Names under both roots, the PeftModel's ("base_model." ...) and this tuner's."""
         fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
         names = [n for n, t in (*self.named_parameters(), *self.named_buffers()) if t is not None and t.dtype in fp8]
         for prefix, module in self.named_modules():
+            dot = f"{prefix}." if prefix else ""
             if getattr(module, "rank_local_buffers", False):
-                names += [f"{prefix}.{n}" if prefix else n for n, _ in module.named_buffers()]
+                names += [dot + n for n, _ in module.named_buffers()]
+            if hasattr(module, "fp8_orig_dtype") and isinstance(module, nn.Linear):   # an Fp8BaseLinear: its codes
+                names.append(dot + "weight")
         return [f"base_model.{n}" for n in names] + names
 
     @classmethod

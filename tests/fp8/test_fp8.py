@@ -372,17 +372,53 @@ def test_compiled_layers_match_eager_and_record_both_amaxes():
 def test_weights_quantized_once_memory_and_dtype_casts():
     model = fp8_model()
     layer = model.base_model.model.model.layers[0].self_attn.q_proj
-    assert isinstance(layer.base_layer, Fp8BaseLinear) and layer.base_layer.weight.dtype == F.E4M3
-    assert not layer.base_layer.weight.requires_grad
+    base = layer.base_layer
+    # the codes are stored as their bytes: what casts floating-point parameters (FSDP2's policy, .to(dtype)) skips them
+    assert isinstance(base, Fp8BaseLinear) and base.weight.dtype == torch.uint8 and base.codes.dtype == F.E4M3
+    assert not base.weight.requires_grad and base.codes.data_ptr() == base.weight.data_ptr()
     report = frozen_weight_memory(model)
     assert report["layers"] == 14 and report["ratio"] <= 0.55
-    codes = layer.base_layer.weight.clone()
-    model.to(torch.bfloat16)   # must move, never cast, the codes (a cast would drop their scale)
-    assert layer.base_layer.weight.dtype == F.E4M3 and torch.equal(layer.base_layer.weight.view(torch.uint8),
-                                                                     codes.view(torch.uint8))
-    assert layer.base_layer.weight_scale_inv.dtype == torch.float32
+    codes = base.weight.clone()
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m._apply(lambda t: t.float())):
+        cast(model)   # must move, never cast, the codes (a cast would drop their scale), and keep the scale fp32
+        assert base.codes.dtype == F.E4M3 and torch.equal(base.weight, codes)
+        assert base.weight_scale_inv.dtype == torch.float32
     kept = fp8_model(fp8_keep_bf16_weight=True)
     assert frozen_weight_memory(kept)["ratio"] > 1.0
+
+
+def test_a_state_dict_with_the_codes_as_float8_loads_their_bytes():
+    """A state dict that holds the codes as float8_e4m3fn (as they were stored before they became bytes, or as
+    another tool writes them) loads bit for bit: a copy into the uint8 parameter would convert values."""
+    model, other = fp8_model(seed=0), fp8_model(seed=1)
+    base = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    key = next(k for k, v in model.named_parameters() if v is base.weight)
+    state = {k: (v.view(F.E4M3) if k.endswith("base_layer.weight") and v.dtype == torch.uint8 else v)
+             for k, v in model.state_dict().items()}
+    assert state[key].dtype == F.E4M3
+    other.load_state_dict(state)
+    loaded = other.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    assert loaded.weight.dtype == torch.uint8 and torch.equal(loaded.weight, base.weight)
+    assert not torch.equal(fp8_model(seed=1).base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight,
+                           base.weight)   # the seeds differ: the load did something
+
+
+def test_the_memory_plan_probes_the_fp8_layers_and_leaves_their_scaling_state_as_it_was():
+    """plan_memory runs each distinct adapted layer once in training mode, which records amax into the fp8 scaling
+    state: the probe puts the state back (a resumed run planned at its start kept a probe's amax in its next
+    step's scales); the layers are probed in the dtype they receive (the weight's before quantization)."""
+    from sits_lora.training import plan_memory
+
+    model = fp8_model()
+    train_steps(model, steps=2)
+    state = fp8_scaling_state(model)
+    state.amax.add_(0.25)    # a step in progress: its running amax must survive the plan too
+    before = {name: buffer.clone() for name, buffer in state.named_buffers()}
+    plan = plan_memory(model, 2, 16)
+    assert not [note for note in plan.notes if "probed" in note], plan.notes
+    assert plan.activation_dtype == "float32"   # fp8_llama is fp32: the codes' byte is not the residual stream's
+    for name, buffer in state.named_buffers():
+        assert torch.equal(buffer, before[name]), name
 
 
 def test_state_is_one_stacked_module_found_by_the_callback():

@@ -184,18 +184,6 @@ def test_gpu_options_are_refused_before_loading_on_a_cpu(args, needle, tmp_path,
     assert not (tmp_path / "run").exists()
 
 
-def test_fp8_under_accelerates_fsdp_plugin_is_refused_before_loading(tmp_path, tiny_model_dir):
-    """`accelerate launch --config_file recipes/configs/accelerate/fsdp2.yaml` sets ACCELERATE_USE_FSDP; its bf16
-    policy would cast the fp8 codes (tests/distributed/test_data_parallel.py): one line, before any model loads."""
-    proc = _train("--model", str(tiny_model_dir), "--fp8", "hybrid", "--fp8-emulate", "true", "--output-dir",
-                  str(tmp_path / "run"), cwd=tmp_path, env={"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"})
-    last = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode == 2 and last.startswith("error: fp8='hybrid' under accelerate's FSDP plugin is not "
-                                                    "supported yet"), proc.stderr[-2000:]
-    assert "recipes/configs/accelerate/ddp.yaml" in last and "Traceback" not in proc.stderr
-    assert "held-out perplexity" not in proc.stdout and not (tmp_path / "run").exists()
-
-
 @pytest.mark.slow
 def test_recipe_fp8_emulated_trains_and_saves_an_fp8_adapter(tiny_model_dir, tmp_path):
     """--fp8 hybrid --fp8-emulate true: the fp8 path of the main job on a CPU (k / v are 24 wide, not a multiple
@@ -210,6 +198,9 @@ def test_recipe_fp8_emulated_trains_and_saves_an_fp8_adapter(tiny_model_dir, tmp
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["heldout_perplexity_after"] < metrics["heldout_perplexity_before"]
     assert metrics["recipe"]["fp8"] == "hybrid" and metrics["recipe"]["fp8_emulate"] is True
+    layers = json.loads((tiny_model_dir / "config.json").read_text())["num_hidden_layers"]
+    assert metrics["fp8_base_layers"] == 5 * layers   # emulated: every targeted layer
+    assert f"fp8 base (hybrid): {5 * layers} of {5 * layers} adapted layers" in proc.stdout
     saved = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert saved["fp8"] == "hybrid" and saved["fp8_emulate"] is True
 

@@ -81,16 +81,21 @@ def check_fp8_call(x: torch.Tensor, out_features: int, emulate: bool, row_scaled
 
 
 class Fp8BaseLinear(nn.Linear):
-    """The frozen base layer of an fp8 adapter: ``weight`` holds e4m3 codes (N, K), not values.
+    """The frozen base layer of an fp8 adapter: ``weight`` holds e4m3 codes (N, K), not values, stored as their
+    bytes (uint8); :attr:`codes` reads them as e4m3 (a view, no copy).
 
-    W ≈ weight · weight_scale_inv, with ``weight_scale_inv`` fp32 of shape (1,) (per tensor) or
+    W ≈ codes · weight_scale_inv, with ``weight_scale_inv`` fp32 of shape (1,) (per tensor) or
     (N,) (per output row). ``weight_bf16`` keeps the original weight when the config asks for it
     (``fp8_keep_bf16_weight=True``), else it is None and the original is freed.
 
+    Why bytes: whatever casts a model's floating-point parameters leaves integer ones alone, and a cast of the
+    codes would read them as values and drop their scale. FSDP2's mixed-precision policy (which accelerate's FSDP
+    plugin sets under bf16) casts every floating-point parameter, float8 included, at each gather; ``module.to(dtype)``
+    and ``.half()`` skip integer tensors too, so the codes move between devices and are never cast.
+
     Called on its own (PEFT's paths: disabled adapters, several active adapters, mixed batches) it
     runs the fp8 GEMM with each tensor's own scale (current scaling); the delayed-scaling path of a
-    single active adapter is :class:`Fp8Base`. ``module.to(dtype)`` / ``.half()``
-    move the codes between devices but never cast them (a cast would drop their scale).
+    single active adapter is :class:`Fp8Base`.
     """
 
     weight_bf16: Optional[torch.Tensor]
@@ -102,7 +107,7 @@ class Fp8BaseLinear(nn.Linear):
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
         w8, w_inv = fp8_ops.quantize_weight(linear.weight, granularity)
-        new.weight = nn.Parameter(w8, requires_grad=False)
+        new.weight = nn.Parameter(w8.view(torch.uint8), requires_grad=False)
         new.bias = linear.bias
         new.register_buffer("weight_scale_inv", w_inv)
         # the kept copy duplicates the checkpoint's own tensor: not part of the state dict
@@ -115,11 +120,21 @@ class Fp8BaseLinear(nn.Linear):
         new.train(linear.training)
         return new
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the layer takes and gives (the weight's before quantization), as a quantized base names it."""
+        return self.fp8_orig_dtype
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """The e4m3 codes (N, K): ``weight``'s bytes read as float8_e4m3fn (under FSDP2, the gathered ones)."""
+        return self.weight.view(fp8_ops.E4M3)
+
     def dequantized_weight(self) -> torch.Tensor:
         """The weight in its original dtype: the kept original if there is one, else codes x scale."""
         if self.weight_bf16 is not None:
             return self.weight_bf16
-        return fp8_ops.dequantize_weight(self.weight, self.weight_scale_inv, self.fp8_orig_dtype)
+        return fp8_ops.dequantize_weight(self.codes, self.weight_scale_inv, self.fp8_orig_dtype)
 
     def to_linear(self) -> nn.Linear:
         """A plain ``nn.Linear`` with :meth:`dequantized_weight` (used by merge and unload)."""
@@ -135,17 +150,27 @@ class Fp8BaseLinear(nn.Linear):
         check_fp8_device(x, self.fp8_emulate)
         scales = {"delayed": False, "scale": None, "scale_inv": None, "amax": None, "margin": self.fp8_margin,
                   "grad_dtype": self.fp8_grad_dtype, "emulate": self.fp8_emulate}
-        return fp8_ops.fp8_lora_linear(x, None, None, None, self.weight, self.weight_scale_inv, self.bias, 0.0, scales)
+        return fp8_ops.fp8_lora_linear(x, None, None, None, self.codes, self.weight_scale_inv, self.bias, 0.0, scales)
 
     def _apply(self, fn, recurse=True):
-        codes = self.weight.data
-        scale = self.weight_scale_inv
+        # ``.half()`` / ``.to(dtype)`` cast floating-point buffers: the scale stays fp32 (the codes, bytes, are
+        # never cast by those; a function that casts any tensor gets them back, moved)
+        codes, scale = self.weight.data, self.weight_scale_inv
         result = super()._apply(fn, recurse)
+        device = self.weight.device
         if self.weight.dtype != codes.dtype:
-            device = self.weight.device
             self.weight = nn.Parameter(codes.to(device), requires_grad=False)
+        if self.weight_scale_inv.dtype != scale.dtype:
             self.weight_scale_inv = scale.to(device)
         return result
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # a state dict that holds the codes as float8_e4m3fn: load their bytes (copying them into the uint8
+        # parameter would convert values)
+        key = prefix + "weight"
+        if key in state_dict and state_dict[key].dtype == fp8_ops.E4M3:
+            state_dict[key] = state_dict[key].view(torch.uint8)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         kept = ", bf16 weight kept" if self.weight_bf16 is not None else ""
@@ -173,4 +198,4 @@ class Fp8Base:
         x_lora = dropout(x) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else None
         scales = self.state.scales_for(self.index, layer.training)
         return fp8_ops.fp8_lora_linear(x, x_lora, layer.lora_A[adapter].weight, layer.lora_B[adapter].weight,
-                                       base.weight, base.weight_scale_inv, base.bias, layer.scaling[adapter], scales)
+                                       base.codes, base.weight_scale_inv, base.bias, layer.scaling[adapter], scales)

@@ -176,13 +176,6 @@ class TrainRecipe:
         if self.kernel == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("kernel='triton' needs a CUDA GPU (set TRITON_INTERPRET=1 to run the kernels on the CPU, "
                              "slowly, for tests); use kernel: auto on this machine")
-        if self.fp8 != "off" and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-            # FSDP2 casts every floating-point parameter to its policy's param_dtype at each gather, float8 too
-            # (tests/distributed/test_data_parallel.py); the Trainer sets that policy from its bf16 / fp16 flags
-            raise ValueError(f"fp8={self.fp8!r} under accelerate's FSDP plugin is not supported yet: its "
-                             "mixed-precision policy casts the frozen fp8 weight codes to bf16 at every gather "
-                             "(neither fp8 compute nor its memory); use DDP (recipes/configs/accelerate/ddp.yaml) "
-                             "or fp8: off")
         if self.fp8 != "off" and not self.fp8_emulate:
             from ..bases.fp8 import Fp8UnsupportedError, check_fp8_hardware
 
@@ -486,6 +479,15 @@ def run(recipe: TrainRecipe) -> dict:
         model = get_peft_model(model, config)
     if main_process:
         model.print_trainable_parameters()
+    fp8_layers = None
+    if recipe.fp8 != "off":
+        from ..fp8 import fp8_layer_plan
+
+        plan = fp8_layer_plan(model)
+        fp8_layers = sum(entry["base"] == "fp8" for entry in plan.values())
+        say(f"[sits_lora] fp8 base ({recipe.fp8}): {fp8_layers} of {len(plan)} adapted layers"
+            + (" (fp8_layers=auto: none faster at these shapes)" if not fp8_layers and recipe.fp8_layers == "auto"
+               else ""))
 
     args = TrainingArguments(
         output_dir=recipe.output_dir,
@@ -545,6 +547,7 @@ def run(recipe: TrainRecipe) -> dict:
         "adapter_dir": os.path.abspath(adapter_dir),
         "hardware_report": os.path.abspath(os.path.join(recipe.output_dir, "hardware_report.json")),
         "liger_kernel": use_liger,
+        "fp8_base_layers": fp8_layers,   # adapted layers on the fp8 base (None: fp8 off)
         "recipe": dataclasses.asdict(recipe),
         "versions": _versions(),
     }

@@ -216,6 +216,10 @@ def _probe_layer(module: nn.Module, input_dtype: torch.dtype, autocast_dtype: Op
     layers = _sibling_layers(module)
     group = getattr(module, "_sibling_group", None) if len(layers) > 1 else None
     group_state = _snapshot(group) if group is not None else None  # the probe must leave the group as it was
+    # and the running amax an fp8 base records in training mode (the model's fp8 scaling state)
+    states = {id(s): s for s in (getattr(getattr(layer, "frozen_base", None), "state", None) for layer in layers)
+              if isinstance(s, nn.Module)}
+    state_buffers = [(b, b.clone()) for s in states.values() for b in s.buffers()]
     d_in, _ = linear_dims(module)
     try:
         device = next(p.device for p in module.parameters())
@@ -262,6 +266,9 @@ def _probe_layer(module: nn.Module, input_dtype: torch.dtype, autocast_dtype: Op
         if group is not None:
             vars(group).clear()
             vars(group).update(group_state)
+        with torch.no_grad():
+            for buffer, value in state_buffers:
+                buffer.copy_(value)
     (t1, in1, b1), (t2, in2, b2) = results
     per_token = max((b2 - b1) / (t2 - t1), 0.0)
     return LayerSaves(saves_input=in1 or in2, const_bytes=max(b1 - per_token * t1, 0.0), bytes_per_token=per_token)
