@@ -269,6 +269,21 @@ def test_liger_auto_is_on_where_it_runs_and_says_why_not(monkeypatch):
     assert not on and "pip install 'sits-lora[gpu]'" in note
 
 
+def test_under_fsdp_liger_runs_its_cross_entropy_on_the_logits(tmp_path):
+    """Liger's fused linear cross-entropy reads lm_head's weight outside lm_head's forward, where FSDP2 holds a
+    shard (seen on the GPU: "aten.mm.out got mixed torch.Tensor and DTensor"): under accelerate's FSDP plugin the
+    recipe asks the Trainer for Liger's cross-entropy on the logits instead, and says so."""
+    from transformers import TrainingArguments
+
+    from sits_lora.recipe import train as recipe
+
+    assert recipe.liger_kernel_config(True, False) == (None, "") == recipe.liger_kernel_config(False, True)
+    config, note = recipe.liger_kernel_config(True, True)
+    assert config == {"fused_linear_cross_entropy": False, "cross_entropy": True} and "under FSDP" in note
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, liger_kernel_config=config)
+    assert args.liger_kernel_config == config   # the Trainer hands it to Liger's apply function as keywords
+
+
 def test_unknown_config_key_is_named(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("max_steps: 3\nrank: 8\n")

@@ -384,6 +384,20 @@ def resolve_liger(requested, model_type: str, cuda: Optional[bool] = None) -> tu
     return True, f"on ({model_type}: fused RMSNorm, RoPE, SwiGLU and linear cross-entropy, applied by the Trainer)"
 
 
+def liger_kernel_config(use_liger: bool, fsdp: bool) -> tuple[Optional[dict], str]:
+    """(TrainingArguments.liger_kernel_config, what to add to the Liger line) for a run under FSDP or not.
+
+    Liger's fused linear cross-entropy reads ``lm_head.weight`` outside ``lm_head``'s forward; FSDP2 gathers a
+    module's parameters only around its own forward (accelerate shards the final norm and ``lm_head`` as a unit
+    of their own), so the loss would read a shard and stop on mixing a DTensor with a tensor. Under FSDP the
+    cross-entropy runs on the logits (Liger's kernel), the other Liger kernels as they are."""
+    if not (use_liger and fsdp):
+        return None, ""
+    return ({"fused_linear_cross_entropy": False, "cross_entropy": True},
+            "; under FSDP its cross-entropy runs on the logits (the fused one reads lm_head's weight outside its "
+            "forward, where FSDP2 holds a shard)")
+
+
 def _versions() -> dict:
     import peft
     import torch
@@ -452,7 +466,9 @@ def run(recipe: TrainRecipe) -> dict:
     # a group size that fits no layer is refused before any slow work
     int4 = int4_fields(recipe, model, source_block=source.quantized_block() if recipe.base_quant == "int4" else None)
     use_liger, liger_note = resolve_liger(recipe.liger, model.config.model_type)
-    say(f"[sits_lora] Liger-Kernel: {liger_note}")
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"   # accelerate's FSDP plugin
+    liger_config, fsdp_note = liger_kernel_config(use_liger, fsdp)
+    say(f"[sits_lora] Liger-Kernel: {liger_note}{fsdp_note}")
     say(f"[sits_lora] model: {source.describe()} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
           f"parameters, {dtype})" + (f", {threads} CPU threads" if threads else ""))
     train_text, heldout_text = load_text_splits(recipe.dataset)
@@ -507,6 +523,7 @@ def run(recipe: TrainRecipe) -> dict:
         dataloader_num_workers=0,
         use_cpu=not torch.cuda.is_available(),
         use_liger_kernel=use_liger,
+        **({"liger_kernel_config": liger_config} if liger_config else {}),
         # adapters inside the decoder layers take part in every forward: DDP need not search the autograd graph
         # for unused parameters each step (the Trainer's default for a PeftModel). One outside them (lm_head: Liger's
         # fused cross-entropy reads its base weight alone) keeps the search, or DDP would stop at the next step
