@@ -173,6 +173,7 @@ class SitsLoraModel(LoraModel):
                 names += [dot + n for n, _ in module.named_buffers()]
             if hasattr(module, "fp8_orig_dtype") and isinstance(module, nn.Linear):   # an Fp8BaseLinear: its codes
                 names.append(dot + "weight")
+        names = list(dict.fromkeys(names))   # float8 codes are found twice: by their dtype and by their module
         return [f"base_model.{n}" for n in names] + names
 
     @classmethod

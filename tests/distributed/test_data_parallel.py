@@ -333,7 +333,12 @@ def _fp8_codes_under_a_bf16_policy(rank: int, world: int):
 def test_fp8_codes_stay_fp8_under_an_fsdp2_bf16_policy():
     """What accelerate's FSDP plugin sets from `mixed_precision: bf16` (a MixedPrecisionPolicy with bf16
     param_dtype) casts every floating-point parameter at each gather, float8 included: the codes, stored as their
-    bytes, are gathered as they are, and the fp8 layers read e4m3 (while the policy does cast the adapters)."""
+    bytes, are gathered as they are, and the fp8 layers read e4m3 (while the policy does cast the norms)."""
+    from sits_lora.utils.distributed import fsdp2_shards_integer_parameters
+
+    if not fsdp2_shards_integer_parameters():
+        pytest.skip("this torch's FSDP2 cannot shard integer parameters: the codes are stored as float8, which the "
+                    "policy casts (the recipe refuses fp8 under accelerate's FSDP plugin there)")
     seen = on_gloo_ranks(_fp8_codes_under_a_bf16_policy, world=1)
     if isinstance(seen[0], str) and "NotImplementedError" in seen[0]:
         pytest.skip(f"FSDP2 on the CPU is not supported by this torch: {seen[0][:200]}")

@@ -9,6 +9,7 @@ those checks use a loose SQNR: a wrong scale or layout gives about 0 dB).
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import os
 import sys
@@ -369,38 +370,74 @@ def test_compiled_layers_match_eager_and_record_both_amaxes():
 # ----------------------------------------------------------------------------- the model
 
 
-def test_weights_quantized_once_memory_and_dtype_casts():
+@pytest.mark.parametrize("storage", [torch.uint8, F.E4M3], ids=["bytes", "float8"])
+def test_weights_quantized_once_memory_and_dtype_casts(storage, monkeypatch):
+    """The codes are stored as their bytes where FSDP2 shards integer parameters (what casts floating-point
+    parameters, FSDP2's policy included, skips them), else as float8; either way a cast of the model moves them and
+    keeps their scale fp32, and the layer reads e4m3 without a copy."""
+    import sits_lora.bases.fp8 as fp8_base
+
+    monkeypatch.setattr(fp8_base, "codes_storage_dtype", lambda: storage)
     model = fp8_model()
     layer = model.base_model.model.model.layers[0].self_attn.q_proj
     base = layer.base_layer
-    # the codes are stored as their bytes: what casts floating-point parameters (FSDP2's policy, .to(dtype)) skips them
-    assert isinstance(base, Fp8BaseLinear) and base.weight.dtype == torch.uint8 and base.codes.dtype == F.E4M3
+    assert isinstance(base, Fp8BaseLinear) and base.weight.dtype == storage and base.codes.dtype == F.E4M3
     assert not base.weight.requires_grad and base.codes.data_ptr() == base.weight.data_ptr()
     report = frozen_weight_memory(model)
     assert report["layers"] == 14 and report["ratio"] <= 0.55
     codes = base.weight.clone()
     for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m._apply(lambda t: t.float())):
         cast(model)   # must move, never cast, the codes (a cast would drop their scale), and keep the scale fp32
-        assert base.codes.dtype == F.E4M3 and torch.equal(base.weight, codes)
+        assert base.weight.dtype == storage and torch.equal(base.weight.view(torch.uint8), codes.view(torch.uint8))
         assert base.weight_scale_inv.dtype == torch.float32
     kept = fp8_model(fp8_keep_bf16_weight=True)
     assert frozen_weight_memory(kept)["ratio"] > 1.0
 
 
-def test_a_state_dict_with_the_codes_as_float8_loads_their_bytes():
-    """A state dict that holds the codes as float8_e4m3fn (as they were stored before they became bytes, or as
-    another tool writes them) loads bit for bit: a copy into the uint8 parameter would convert values."""
-    model, other = fp8_model(seed=0), fp8_model(seed=1)
+@pytest.mark.parametrize("storage", [torch.uint8, F.E4M3], ids=["bytes", "float8"])
+def test_ddp_leaves_out_the_codes_and_the_scaling_state_once_each(storage, monkeypatch):
+    """DistributedDataParallel reads the names to skip from the wrapped module: every rank built the same codes
+    (no broadcast at start-up; gloo cannot send float8) and keeps its own running amax."""
+    import sits_lora.bases.fp8 as fp8_base
+
+    monkeypatch.setattr(fp8_base, "codes_storage_dtype", lambda: storage)
+    model = fp8_model()
+    ignored = model._ddp_params_and_buffers_to_ignore
+    assert len(ignored) == len(set(ignored))
+    codes = [name for name, m in model.named_modules() if isinstance(m, Fp8BaseLinear)]
+    assert len(codes) == 14 and all(f"{name}.weight" in ignored for name in codes)
+    assert {"sits_fp8.amax", "base_model.sits_fp8.amax"} <= set(ignored)   # under the tuner's root and PeftModel's
+    assert not [name for name in ignored if "lora_" in name]
+
+
+def test_this_torch_stores_the_codes_as_fsdp2_allows():
+    """Bytes where FSDP2 builds sharded parameters with their own requires_grad (torch with the fix of pytorch
+    issue 177844), float8 before (an integer parameter stopped fully_shard there)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    from sits_lora.bases.fp8 import codes_storage_dtype
+
+    fixed = "requires_grad=param.requires_grad" in inspect.getsource(FSDPParam._init_sharded_param)
+    assert codes_storage_dtype() == (torch.uint8 if fixed else F.E4M3)
+
+
+@pytest.mark.parametrize("saved_as,loaded_as", [(F.E4M3, torch.uint8), (torch.uint8, F.E4M3)],
+                         ids=["float8-into-bytes", "bytes-into-float8"])
+def test_codes_saved_in_the_other_storage_load_bit_for_bit(saved_as, loaded_as, monkeypatch):
+    """A state dict written under one storage of the codes (another torch, or another tool's float8 codes) loads
+    into the other bit for bit: a copy across uint8 and float8 would convert values."""
+    import sits_lora.bases.fp8 as fp8_base
+
+    monkeypatch.setattr(fp8_base, "codes_storage_dtype", lambda: saved_as)
+    model = fp8_model(seed=0)
+    monkeypatch.setattr(fp8_base, "codes_storage_dtype", lambda: loaded_as)
+    other = fp8_model(seed=1)
     base = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
-    key = next(k for k, v in model.named_parameters() if v is base.weight)
-    state = {k: (v.view(F.E4M3) if k.endswith("base_layer.weight") and v.dtype == torch.uint8 else v)
-             for k, v in model.state_dict().items()}
-    assert state[key].dtype == F.E4M3
-    other.load_state_dict(state)
     loaded = other.base_model.model.model.layers[0].self_attn.q_proj.base_layer
-    assert loaded.weight.dtype == torch.uint8 and torch.equal(loaded.weight, base.weight)
-    assert not torch.equal(fp8_model(seed=1).base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight,
-                           base.weight)   # the seeds differ: the load did something
+    assert base.weight.dtype == saved_as and loaded.weight.dtype == loaded_as
+    assert not torch.equal(loaded.codes.view(torch.uint8), base.codes.view(torch.uint8))   # the seeds differ
+    other.load_state_dict(model.state_dict())
+    assert loaded.weight.dtype == loaded_as and torch.equal(loaded.codes.view(torch.uint8), base.codes.view(torch.uint8))
 
 
 def test_the_memory_plan_probes_the_fp8_layers_and_leaves_their_scaling_state_as_it_was():

@@ -269,6 +269,26 @@ def test_liger_auto_is_on_where_it_runs_and_says_why_not(monkeypatch):
     assert not on and "pip install 'sits-lora[gpu]'" in note
 
 
+def test_fp8_under_accelerates_fsdp_plugin_is_refused_where_fsdp2_cannot_shard_bytes(monkeypatch):
+    """Where FSDP2 cannot shard integer parameters (torch 2.11) the fp8 codes are stored as float8, which the bf16
+    policy of accelerate's FSDP plugin would cast: refused before loading, naming torch, the fix and the ways out.
+    Where it can, nothing is refused (the codes are bytes)."""
+    import sits_lora.utils.distributed as distributed
+    from sits_lora.recipe.train import TrainRecipe
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    recipe = TrainRecipe(fp8="hybrid", fp8_emulate=True)
+    monkeypatch.setattr(distributed, "fsdp2_shards_integer_parameters", lambda: False)
+    with pytest.raises(ValueError, match=r"fp8='hybrid' under accelerate's FSDP plugin needs a torch whose FSDP2 "
+                                         r"shards integer parameters .*\(pytorch issue 177844\): upgrade torch, use DDP"):
+        recipe.check_machine()
+    monkeypatch.setattr(distributed, "fsdp2_shards_integer_parameters", lambda: True)
+    recipe.check_machine()
+    monkeypatch.setattr(distributed, "fsdp2_shards_integer_parameters", lambda: False)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
+    recipe.check_machine()   # DDP or one process: float8 codes are fine
+
+
 def test_under_fsdp_liger_runs_its_cross_entropy_on_the_logits(tmp_path):
     """Liger's fused linear cross-entropy reads lm_head's weight outside lm_head's forward, where FSDP2 holds a
     shard (seen on the GPU: "aten.mm.out got mixed torch.Tensor and DTensor"): under accelerate's FSDP plugin the

@@ -17,6 +17,7 @@ from torch import nn
 
 from .. import ops
 from ..ops import fp8 as fp8_ops
+from ..utils.distributed import fsdp2_shards_integer_parameters
 
 MIN_CAPABILITY = (8, 9)        # fp8 tensor cores and torch._scaled_mm: Ada (8.9), Hopper (9.0) and newer
 
@@ -82,7 +83,8 @@ def check_fp8_call(x: torch.Tensor, out_features: int, emulate: bool, row_scaled
 
 class Fp8BaseLinear(nn.Linear):
     """The frozen base layer of an fp8 adapter: ``weight`` holds e4m3 codes (N, K), not values, stored as their
-    bytes (uint8); :attr:`codes` reads them as e4m3 (a view, no copy).
+    bytes (uint8) where this torch's FSDP2 shards integer parameters, else as float8_e4m3fn
+    (:func:`codes_storage_dtype`); :attr:`codes` reads them as e4m3 (a view, no copy).
 
     W ≈ codes · weight_scale_inv, with ``weight_scale_inv`` fp32 of shape (1,) (per tensor) or
     (N,) (per output row). ``weight_bf16`` keeps the original weight when the config asks for it
@@ -90,8 +92,8 @@ class Fp8BaseLinear(nn.Linear):
 
     Why bytes: whatever casts a model's floating-point parameters leaves integer ones alone, and a cast of the
     codes would read them as values and drop their scale. FSDP2's mixed-precision policy (which accelerate's FSDP
-    plugin sets under bf16) casts every floating-point parameter, float8 included, at each gather; ``module.to(dtype)``
-    and ``.half()`` skip integer tensors too, so the codes move between devices and are never cast.
+    plugin sets under bf16) casts every floating-point parameter, float8 included, at each gather. ``module.to(dtype)``
+    and ``.half()`` move the codes between devices and never cast them, whichever their storage.
 
     Called on its own (PEFT's paths: disabled adapters, several active adapters, mixed batches) it
     runs the fp8 GEMM with each tensor's own scale (current scaling); the delayed-scaling path of a
@@ -107,7 +109,7 @@ class Fp8BaseLinear(nn.Linear):
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
         w8, w_inv = fp8_ops.quantize_weight(linear.weight, granularity)
-        new.weight = nn.Parameter(w8.view(torch.uint8), requires_grad=False)
+        new.weight = nn.Parameter(w8.view(codes_storage_dtype()), requires_grad=False)
         new.bias = linear.bias
         new.register_buffer("weight_scale_inv", w_inv)
         # the kept copy duplicates the checkpoint's own tensor: not part of the state dict
@@ -128,7 +130,8 @@ class Fp8BaseLinear(nn.Linear):
     @property
     def codes(self) -> torch.Tensor:
         """The e4m3 codes (N, K): ``weight``'s bytes read as float8_e4m3fn (under FSDP2, the gathered ones)."""
-        return self.weight.view(fp8_ops.E4M3)
+        weight = self.weight
+        return weight if weight.dtype == fp8_ops.E4M3 else weight.view(fp8_ops.E4M3)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight in its original dtype: the kept original if there is one, else codes x scale."""
@@ -153,8 +156,8 @@ class Fp8BaseLinear(nn.Linear):
         return fp8_ops.fp8_lora_linear(x, None, None, None, self.codes, self.weight_scale_inv, self.bias, 0.0, scales)
 
     def _apply(self, fn, recurse=True):
-        # ``.half()`` / ``.to(dtype)`` cast floating-point buffers: the scale stays fp32 (the codes, bytes, are
-        # never cast by those; a function that casts any tensor gets them back, moved)
+        # ``.half()`` / ``.to(dtype)`` cast floating-point tensors: codes stored as float8 get them back, moved
+        # (bytes are never cast by those), and the scale stays fp32
         codes, scale = self.weight.data, self.weight_scale_inv
         result = super()._apply(fn, recurse)
         device = self.weight.device
@@ -165,17 +168,26 @@ class Fp8BaseLinear(nn.Linear):
         return result
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # a state dict that holds the codes as float8_e4m3fn: load their bytes (copying them into the uint8
-        # parameter would convert values)
+        # codes saved in the other storage (float8_e4m3fn into bytes, or bytes into float8): load them bit for
+        # bit (a copy across the two dtypes would convert values)
         key = prefix + "weight"
-        if key in state_dict and state_dict[key].dtype == fp8_ops.E4M3:
-            state_dict[key] = state_dict[key].view(torch.uint8)
+        saved = state_dict.get(key)
+        if saved is not None and saved.dtype != self.weight.dtype and {saved.dtype, self.weight.dtype} == {
+                torch.uint8, fp8_ops.E4M3}:
+            state_dict[key] = saved.view(self.weight.dtype)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         kept = ", bf16 weight kept" if self.weight_bf16 is not None else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"fp8=e4m3 per {self.fp8_weight_scale}{kept}")
+
+
+def codes_storage_dtype() -> torch.dtype:
+    """The dtype :class:`Fp8BaseLinear` stores its codes in: their bytes (uint8), which no mixed-precision policy
+    casts, where this torch's FSDP2 shards integer parameters; float8_e4m3fn where it does not (torch 2.11), which
+    FSDP2 shards but its bf16 policy casts (the recipe then refuses fp8 under accelerate's FSDP plugin)."""
+    return torch.uint8 if fsdp2_shards_integer_parameters() else fp8_ops.E4M3
 
 
 @dataclass(eq=False)

@@ -176,6 +176,16 @@ class TrainRecipe:
         if self.kernel == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("kernel='triton' needs a CUDA GPU (set TRITON_INTERPRET=1 to run the kernels on the CPU, "
                              "slowly, for tests); use kernel: auto on this machine")
+        if self.fp8 != "off" and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+            from ..utils.distributed import fsdp2_shards_integer_parameters
+
+            if not fsdp2_shards_integer_parameters():
+                # the fp8 codes are then stored as float8, which FSDP2's bf16 policy (set by accelerate's FSDP
+                # plugin under bf16) casts at every gather (tests/distributed/test_data_parallel.py)
+                raise ValueError(f"fp8={self.fp8!r} under accelerate's FSDP plugin needs a torch whose FSDP2 shards "
+                                 f"integer parameters (the fp8 codes are then stored as bytes, which its bf16 "
+                                 f"policy leaves alone); torch {torch.__version__} does not (pytorch issue "
+                                 f"177844): upgrade torch, use DDP (recipes/configs/accelerate/ddp.yaml), or fp8: off")
         if self.fp8 != "off" and not self.fp8_emulate:
             from ..bases.fp8 import Fp8UnsupportedError, check_fp8_hardware
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Optional
 
 import torch
@@ -29,3 +31,20 @@ def all_reduce_max(tensor: torch.Tensor, work_dtype: Optional[torch.dtype] = Non
 
 
 __all__ = ["all_reduce_max", "world_size"]
+
+
+@functools.lru_cache(maxsize=None)
+def fsdp2_shards_integer_parameters() -> bool:
+    """Whether this torch's FSDP2 (``fully_shard``) takes a parameter of an integer dtype (frozen, no gradient).
+
+    Before the fix of pytorch issue 177844 it built each sharded parameter as ``nn.Parameter(dtensor)``, which asks
+    for a gradient, and stopped on "only Tensors of floating point dtype can require gradients" (seen with torch
+    2.11); the fixed builder passes the parameter's own ``requires_grad``. Read from that builder's source, as no
+    public flag tells; False where torch.distributed or the builder is missing."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+        source = inspect.getsource(FSDPParam._init_sharded_param)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return False
+    return "requires_grad=param.requires_grad" in source
