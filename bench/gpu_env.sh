@@ -1,5 +1,6 @@
 # Sourced by the bench/run_*_gpu.sh scripts, from the repository root: the wheels the GPU image lacks (liger-kernel,
-# gguf; carried in .whl/) installed into /tmp/site, the source tree on PYTHONPATH, and the GPU named in the log.
+# gguf; datasets, dill and multiprocess for recipes/train.py; carried in .whl/) installed into /tmp/site, the source
+# tree on PYTHONPATH, and the GPU named in the log.
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}

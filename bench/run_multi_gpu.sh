@@ -5,6 +5,7 @@
 #
 #     bash bench/run_multi_gpu.sh OUT [multi_gpu.py arguments ...]
 #
+# The recipe needs datasets, dill and multiprocess, which the GPU image lacks: carry their wheels in .whl/.
 # OUT gets tests.log, multi/ (multi_gpu.json / .csv / .png) + multi.log and, on 2+ GPUs, curve/ + curve.log.
 #   TESTS_TIMEOUT=S   stop the tests after S seconds (default 240)
 #   PACK=1            end with everything in one OUT.tgz (the device tool returns at most 8 files)
