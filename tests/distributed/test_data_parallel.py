@@ -284,7 +284,8 @@ def _fp8_rank_of(strategy: str):
             for block in model.base_model.model.model.layers:
                 fully_shard(block, mesh=mesh)
             wrapped = fully_shard(model, mesh=mesh)
-        sharded = [n for n, m in model.named_modules() if isinstance(m, Fp8BaseLinear) and hasattr(m.weight, "full_tensor")]
+        sharded = [n for n, m in model.named_modules()
+                   if isinstance(m, Fp8BaseLinear) and hasattr(m.weight, "full_tensor")]
         share = GLOBAL_BATCH // world
         scales = _fp8_train(wrapped, _batch()[rank * share:(rank + 1) * share])
         return scales, _adapters(model), len(sharded)

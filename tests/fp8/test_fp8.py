@@ -437,7 +437,8 @@ def test_codes_saved_in_the_other_storage_load_bit_for_bit(saved_as, loaded_as, 
     assert base.weight.dtype == saved_as and loaded.weight.dtype == loaded_as
     assert not torch.equal(loaded.codes.view(torch.uint8), base.codes.view(torch.uint8))   # the seeds differ
     other.load_state_dict(model.state_dict())
-    assert loaded.weight.dtype == loaded_as and torch.equal(loaded.codes.view(torch.uint8), base.codes.view(torch.uint8))
+    assert loaded.weight.dtype == loaded_as
+    assert torch.equal(loaded.codes.view(torch.uint8), base.codes.view(torch.uint8))
 
 
 def test_the_memory_plan_probes_the_fp8_layers_and_leaves_their_scaling_state_as_it_was():

@@ -30,9 +30,6 @@ def all_reduce_max(tensor: torch.Tensor, work_dtype: Optional[torch.dtype] = Non
     return work.to(device=tensor.device, dtype=tensor.dtype)
 
 
-__all__ = ["all_reduce_max", "world_size"]
-
-
 @functools.lru_cache(maxsize=None)
 def fsdp2_shards_integer_parameters() -> bool:
     """Whether this torch's FSDP2 (``fully_shard``) takes a parameter of an integer dtype (frozen, no gradient).
@@ -48,3 +45,6 @@ def fsdp2_shards_integer_parameters() -> bool:
     except (ImportError, AttributeError, OSError, TypeError):
         return False
     return "requires_grad=param.requires_grad" in source
+
+
+__all__ = ["all_reduce_max", "fsdp2_shards_integer_parameters", "world_size"]
