@@ -411,8 +411,8 @@ def test_ddp_leaves_out_the_codes_and_the_scaling_state_once_each(storage, monke
 
 
 def test_this_torch_stores_the_codes_as_fsdp2_allows():
-    """Bytes where FSDP2 builds sharded parameters with their own requires_grad (torch with the fix of pytorch
-    issue 177844), float8 before (an integer parameter stopped fully_shard there)."""
+    """Bytes where FSDP2 builds sharded parameters with their own requires_grad (torch 2.13), float8 where it does
+    not (torch 2.11: an integer parameter stopped fully_shard there)."""
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
     from sits_lora.bases.fp8 import codes_storage_dtype

@@ -280,7 +280,7 @@ def test_fp8_under_accelerates_fsdp_plugin_is_refused_where_fsdp2_cannot_shard_b
     recipe = TrainRecipe(fp8="hybrid", fp8_emulate=True)
     monkeypatch.setattr(distributed, "fsdp2_shards_integer_parameters", lambda: False)
     with pytest.raises(ValueError, match=r"fp8='hybrid' under accelerate's FSDP plugin needs a torch whose FSDP2 "
-                                         r"shards integer parameters .*\(pytorch issue 177844\): upgrade torch, "
+                                         r"shards integer parameters .*\(torch 2.13 does\): upgrade torch, "
                                          r"use DDP"):
         recipe.check_machine()
     monkeypatch.setattr(distributed, "fsdp2_shards_integer_parameters", lambda: True)

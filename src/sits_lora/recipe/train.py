@@ -184,8 +184,8 @@ class TrainRecipe:
                 # plugin under bf16) casts at every gather (tests/distributed/test_data_parallel.py)
                 raise ValueError(f"fp8={self.fp8!r} under accelerate's FSDP plugin needs a torch whose FSDP2 shards "
                                  f"integer parameters (the fp8 codes are then stored as bytes, which its bf16 "
-                                 f"policy leaves alone); torch {torch.__version__} does not (pytorch issue "
-                                 f"177844): upgrade torch, use DDP (recipes/configs/accelerate/ddp.yaml), or fp8: off")
+                                 f"policy leaves alone); torch {torch.__version__} does not (torch 2.13 does): "
+                                 f"upgrade torch, use DDP (recipes/configs/accelerate/ddp.yaml), or fp8: off")
         if self.fp8 != "off" and not self.fp8_emulate:
             from ..bases.fp8 import Fp8UnsupportedError, check_fp8_hardware
 

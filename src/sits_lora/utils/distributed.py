@@ -34,7 +34,7 @@ def all_reduce_max(tensor: torch.Tensor, work_dtype: Optional[torch.dtype] = Non
 def fsdp2_shards_integer_parameters() -> bool:
     """Whether this torch's FSDP2 (``fully_shard``) takes a parameter of an integer dtype (frozen, no gradient).
 
-    Before the fix of pytorch issue 177844 it built each sharded parameter as ``nn.Parameter(dtensor)``, which asks
+    Before torch fixed it (2.13 has the fix) it built each sharded parameter as ``nn.Parameter(dtensor)``, which asks
     for a gradient, and stopped on "only Tensors of floating point dtype can require gradients" (seen with torch
     2.11); the fixed builder passes the parameter's own ``requires_grad``. Read from that builder's source, as no
     public flag tells; False where torch.distributed or the builder is missing."""
