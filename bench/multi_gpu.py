@@ -1,18 +1,23 @@
 """Several GPUs: tokens/s of a sits_lora training step on one process and on several under DDP and FSDP2 (scaling
 efficiency, peak memory per rank), and the loss curve of two processes against one.
 
-    python bench/multi_gpu.py --out OUT                        # 2 GPUs: 1B under DDP, 8B under DDP and FSDP2
+    python bench/multi_gpu.py --out OUT                        # 2 GPUs: 1B under DDP (and +static), 8B: DDP, FSDP2
     python bench/multi_gpu.py --out OUT --settings 8b:fsdp2    # one setting
+    python bench/multi_gpu.py --out OUT --settings 1b:ddp 1b:ddp+static   # DDP's static-graph options, side by side
+    python bench/multi_gpu.py --out OUT --arm sits+fp8         # the fp8 frozen base (scales reduced over the ranks)
     python bench/multi_gpu.py --out OUT --loss-curve           # recipes/train.py on SmolLM2: 1 process vs 2
     python bench/multi_gpu.py --out OUT --world 1              # 1 GPU: each strategy's wrapper on one rank
     python bench/multi_gpu.py --out OUT --smoke                # CPU: the tiny shape on 2 gloo processes
 
 Throughput: for each setting SHAPE:STRATEGY the same per-rank batch (--batch x --seq random tokens, each rank its
 own) runs on one process without a wrapper (the one-GPU reference, once per shape) and on --world processes started
-by torch.distributed.run: "ddp" (DistributedDataParallel: the adapters' gradients all-reduced) or "fsdp2"
-(fully_shard on every decoder layer and on the root: the frozen base sharded over the ranks and gathered layer by
-layer). Random bf16 weights in the Llama-3 shapes of bench/bench_model.py, LoRA r16 on the seven projections
-(SitsLoraConfig: the fused kernels, q / k / v and gate / up as sibling groups), AdamW on the adapters. A step's time
+by torch.distributed.run: "ddp" (DistributedDataParallel: the adapters' gradients all-reduced), "ddp+static" (the
+same with static_graph=True and gradient_as_bucket_view=True: DDP's per-step bookkeeping recorded once, no copy of
+the gradients into its buckets) or "fsdp2" (fully_shard on every decoder layer and on the root: the frozen base
+sharded over the ranks and gathered layer by layer, no mixed-precision policy). Random bf16 weights in the Llama-3
+shapes of bench/bench_model.py, LoRA r16 on the seven projections (SitsLoraConfig: the fused kernels, q / k / v and
+gate / up as sibling groups), AdamW on the adapters; --arm sits+fp8 adds the fp8 frozen base (its scales advanced
+after each step, the amax reduced over the ranks; the row counts the layers on it). A step's time
 is the slowest rank's over --steps steps after --warmup; tokens/s counts every rank's tokens. Scaling efficiency =
 tokens/s on N processes / (N x tokens/s on one). Peak memory: each rank's allocator peak over the timed steps.
 --world 1 runs each strategy's wrapper over a process group of one rank (NCCL on a GPU): the code path a machine
@@ -49,8 +54,8 @@ sys.path.insert(0, HERE)
 from bench_model import MODELS, build  # noqa: E402
 from harness import REPO, png, print_table, write_results  # noqa: E402
 
-STRATEGIES = ("ddp", "fsdp2")
-DEFAULT_SETTINGS = ("1b:ddp", "8b:ddp", "8b:fsdp2")
+STRATEGIES = ("ddp", "ddp+static", "fsdp2")
+DEFAULT_SETTINGS = ("1b:ddp", "1b:ddp+static", "8b:ddp", "8b:fsdp2")
 SMOKE_SETTINGS = ("tiny:ddp", "tiny:fsdp2")
 
 
@@ -68,10 +73,13 @@ def parse_setting(value: str) -> tuple[str, str]:
 
 def _wrap(model, strategy: str, world: int, device: torch.device):
     """``model`` under the strategy on ``world`` ranks (a process group of one rank included)."""
-    if strategy == "ddp":
+    if strategy in ("ddp", "ddp+static"):
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        # "+static": the graph is the same every step (no unused adapters, no routing), so DDP may record its
+        # buckets' order once, and let the gradients live in the buckets (no copy into them after backward)
+        static = dict(static_graph=True, gradient_as_bucket_view=True) if strategy == "ddp+static" else {}
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, **static)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -123,6 +131,12 @@ def _worker(args) -> None:
         model = _wrap(model, args.strategy, world, device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
+    fp8_scaling, fp8_layers = None, None
+    if "fp8" in args.arm.split("+"):
+        from sits_lora.fp8 import fp8_layer_plan, update_scaling
+
+        fp8_scaling = update_scaling   # once per optimizer step (the Trainer's callback does it in the recipe)
+        fp8_layers = sum(entry["base"] == "fp8" for entry in fp8_layer_plan(model).values())
     vocab = MODELS[args.shape]["vocab_size"]
     ids = torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1000 + rank))
     ids = ids.to(device)
@@ -133,6 +147,8 @@ def _worker(args) -> None:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if fp8_scaling is not None:
+            fp8_scaling(model)   # every rank's amax reduced to the largest: the same scales on every rank
         losses.append(loss.detach())
 
     def sync():
@@ -164,7 +180,8 @@ def _worker(args) -> None:
            "processes": world, "batch_per_rank": args.batch, "seq": args.seq, "steps": args.steps,
            "step_s": step_s, "tokens_per_s": world * args.batch * args.seq / step_s,
            "peak_gib_per_rank": peaks, "peak_gib": max(peaks) if all(p is not None for p in peaks) else None,
-           "loss_first": losses[0].item(), "loss_last": losses[-1].item(), "warmup_s": warmup_s}
+           "loss_first": losses[0].item(), "loss_last": losses[-1].item(), "warmup_s": warmup_s,
+           "fp8_base_layers": fp8_layers}
     if rank == 0:
         with open(args.result, "w") as f:
             json.dump(row, f)
@@ -346,7 +363,7 @@ def main(argv=None) -> int:
                              f"{' '.join(SMOKE_SETTINGS)})")
     parser.add_argument("--world", type=int, default=2,
                         help="processes (GPUs) of the wrapped runs; 1: each wrapper on one rank (module docstring)")
-    parser.add_argument("--arm", default="sits", choices=["sits", "sits+liger", "peft"],
+    parser.add_argument("--arm", default="sits", choices=["sits", "sits+liger", "sits+fp8", "peft"],
                         help="what trains (bench/bench_model.py's arms)")
     parser.add_argument("--batch", type=int, default=None, help="sequences per rank (default 4; --smoke 2)")
     parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048; --smoke 32)")

@@ -43,6 +43,29 @@ def test_world_one_runs_each_wrapper_on_a_process_group_of_one_rank(tmp_path):
 
 
 @pytest.mark.slow
+def test_ddp_static_and_the_fp8_base_train_as_plain_ddp_and_one_process_do(tmp_path):
+    """"ddp+static" (DDP with static_graph and gradient_as_bucket_view) changes no arithmetic: on one rank its losses
+    are plain DDP's and the unwrapped process's. --arm sits+fp8 (emulated on the CPU) advances the fp8 scales each
+    step on every run; on 2 ranks every rank takes the same scales, so its first loss is the one process's."""
+    bench = bench_module("multi_gpu")
+    assert bench.main(["--smoke", "--world", "1", "--settings", "tiny:ddp", "tiny:ddp+static",
+                       "--out", str(tmp_path / "static")]) == 0
+    one, ddp, static = json.loads((tmp_path / "static" / "multi_gpu.json").read_text())["rows"]
+    assert (ddp["strategy"], static["strategy"]) == ("ddp", "ddp+static")
+    assert static["loss_first"] == pytest.approx(one["loss_first"], rel=1e-6)
+    assert static["loss_last"] == pytest.approx(ddp["loss_last"], rel=1e-6)
+    assert bench.main(["--smoke", "--arm", "sits+fp8", "--steps", "3", "--settings", "tiny:ddp", "tiny:fsdp2",
+                       "--out", str(tmp_path / "fp8")]) == 0
+    rows = json.loads((tmp_path / "fp8" / "multi_gpu.json").read_text())["rows"]
+    assert [(r["arm"], r["strategy"], r["processes"]) for r in rows] == [
+        ("sits+fp8", "one process", 1), ("sits+fp8", "ddp", 2), ("sits+fp8", "fsdp2", 2)]
+    assert rows[0]["fp8_base_layers"] > 0 and all(r["fp8_base_layers"] == rows[0]["fp8_base_layers"] for r in rows)
+    for row in rows[1:]:
+        assert row["loss_first"] == pytest.approx(rows[0]["loss_first"], rel=1e-5)
+        assert row["loss_last"] < row["loss_first"] * 1.5   # trained through delayed scales, nothing blew up
+
+
+@pytest.mark.slow
 def test_loss_curves_of_one_and_two_processes_agree(tmp_path, tiny_model_dir):
     bench = bench_module("multi_gpu")
     corpus = code_corpus(tmp_path)
