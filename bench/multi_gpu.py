@@ -131,11 +131,11 @@ def _worker(args) -> None:
         model = _wrap(model, args.strategy, world, device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
-    fp8_scaling, fp8_layers = None, None
-    if "fp8" in args.arm.split("+"):
+    fp8 = "fp8" in args.arm.split("+")
+    fp8_layers = None
+    if fp8:
         from sits_lora.fp8 import fp8_layer_plan, update_scaling
 
-        fp8_scaling = update_scaling   # once per optimizer step (the Trainer's callback does it in the recipe)
         fp8_layers = sum(entry["base"] == "fp8" for entry in fp8_layer_plan(model).values())
     vocab = MODELS[args.shape]["vocab_size"]
     ids = torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1000 + rank))
@@ -147,8 +147,8 @@ def _worker(args) -> None:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if fp8_scaling is not None:
-            fp8_scaling(model)   # every rank's amax reduced to the largest: the same scales on every rank
+        if fp8:   # once per optimizer step (the Trainer's callback does it in the recipe); every rank's amax
+            update_scaling(model)   # reduced to the largest: the same scales on every rank
         losses.append(loss.detach())
 
     def sync():

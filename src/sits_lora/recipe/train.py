@@ -176,7 +176,7 @@ class TrainRecipe:
         if self.kernel == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("kernel='triton' needs a CUDA GPU (set TRITON_INTERPRET=1 to run the kernels on the CPU, "
                              "slowly, for tests); use kernel: auto on this machine")
-        if self.fp8 != "off" and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        if self.fp8 != "off" and under_accelerate_fsdp():
             from ..utils.distributed import fsdp2_shards_integer_parameters
 
             if not fsdp2_shards_integer_parameters():
@@ -394,6 +394,11 @@ def resolve_liger(requested, model_type: str, cuda: Optional[bool] = None) -> tu
     return True, f"on ({model_type}: fused RMSNorm, RoPE, SwiGLU and linear cross-entropy, applied by the Trainer)"
 
 
+def under_accelerate_fsdp() -> bool:
+    """Whether this process was started by ``accelerate launch`` with its FSDP plugin (the variable it sets)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
 def liger_kernel_config(use_liger: bool, fsdp: bool) -> tuple[Optional[dict], str]:
     """(TrainingArguments.liger_kernel_config, what to add to the Liger line) for a run under FSDP or not.
 
@@ -476,8 +481,7 @@ def run(recipe: TrainRecipe) -> dict:
     # a group size that fits no layer is refused before any slow work
     int4 = int4_fields(recipe, model, source_block=source.quantized_block() if recipe.base_quant == "int4" else None)
     use_liger, liger_note = resolve_liger(recipe.liger, model.config.model_type)
-    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"   # accelerate's FSDP plugin
-    liger_config, fsdp_note = liger_kernel_config(use_liger, fsdp)
+    liger_config, fsdp_note = liger_kernel_config(use_liger, under_accelerate_fsdp())
     say(f"[sits_lora] Liger-Kernel: {liger_note}{fsdp_note}")
     say(f"[sits_lora] model: {source.describe()} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
           f"parameters, {dtype})" + (f", {threads} CPU threads" if threads else ""))
