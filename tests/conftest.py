@@ -95,10 +95,22 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def pytest_collection_modifyitems(config, items):
+    """GPU tests skip without CUDA. SITS_LORA_TEST_ORDER=reverse or shuffle:SEED runs the collected tests in that
+    order: a test that leaves the process broken (a CUDA generator, the allocator, a patched module) for the ones
+    after it shows up as a failure that moves with the order."""
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the device)")
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+    order = os.environ.get("SITS_LORA_TEST_ORDER", "")
+    if order == "reverse":
+        items.reverse()
+    elif order.startswith("shuffle:"):
+        import random
+
+        random.Random(int(order.split(":", 1)[1])).shuffle(items)
+    elif order:
+        raise pytest.UsageError(f"SITS_LORA_TEST_ORDER={order!r}: use 'reverse' or 'shuffle:SEED' (e.g. shuffle:1)")
 
 
 def _tiny_tokenizer(texts, vocab_size=300):
@@ -208,3 +220,4 @@ def on_gloo_ranks(body, world: int = 2, timeout: float = 120) -> list:
             if proc.is_alive():
                 proc.terminate()
     return [results[rank] for rank in range(world)]
+

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import math
 import warnings
 
 import pytest
@@ -312,10 +313,71 @@ def test_a_step_that_waits_for_the_gpu_is_refused_with_the_fix():
     graphed = graph_train_step(step, optimizer, warmup=1)
     ids = torch.randint(0, 97, (2, 16), device="cuda")
     graphed(ids)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved()
+    steps = [optimizer.state[p]["step"].item() for p in optimizer.param_groups[0]["params"]]
     with pytest.raises(GraphCaptureError, match=r"could not be recorded as a CUDA graph \(.*\), at \S+:\d+ in \w+\. "
                                                 r"Nothing .*remove .item\(\)"):
         graphed(ids)
     assert isinstance(inner(ids), torch.Tensor)                  # the model still trains eagerly
+    _assert_left_usable(optimizer, steps, reserved)
+
+
+def _assert_left_usable(optimizer, steps_before, reserved_before):
+    """What a refused recording must leave as it found it: the stream, the random generator (random draws and
+    dropout work and follow the seed), the allocator's pool (its memory returns), and the optimizer's state."""
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    torch.manual_seed(5)
+    first = torch.randn(64, device="cuda")
+    torch.manual_seed(5)
+    assert torch.equal(first, torch.randn(64, device="cuda"))
+    kept = torch.nn.functional.dropout(torch.ones(4096, device="cuda"), 0.5, training=True)
+    assert 0.4 < (kept > 0).float().mean().item() < 0.6
+    # one more eager step counted, none from the recording
+    assert [optimizer.state[p]["step"].item() for p in optimizer.param_groups[0]["params"]] == [
+        s + 1 for s in steps_before]
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() <= reserved_before + 64 * 2**20
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_refused_recording_leaves_dropout_training_and_unwritten_grads_behind():
+    """A step with LoRA dropout whose recording is refused: the eager steps that follow draw their dropout masks,
+    and the backward inside the failed capture left no unwritten gradient behind (a next step would add to it)."""
+    from peft import get_peft_model
+
+    model = get_peft_model(tiny_llama(0, dtype=torch.bfloat16),
+                           SitsLoraConfig(r=8, lora_alpha=16, lora_dropout=0.2, target_modules=LLAMA_TARGETS))
+    model = model.to("cuda").train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-3, fused=True)
+
+    def step(ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if loss.item() > 1e9:        # a host sync between backward and the optimizer step
+            raise AssertionError("unreachable")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    graphed = graph_train_step(step, optimizer, model=model, warmup=1)
+    ids = torch.randint(0, 97, (2, 16), device="cuda")
+    graphed(ids)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved()
+    steps = [optimizer.state[p]["step"].item() for p in params]
+    with pytest.raises(GraphCaptureError):
+        graphed(ids)
+    assert all(p.grad is None for p in params)
+    losses = [step(ids).item() for _ in range(2)]                 # dropout draws a new mask each step
+    assert all(math.isfinite(v) for v in losses)
+    assert [optimizer.state[p]["step"].item() for p in params] == [s + 2 for s in steps]
+    _assert_left_usable(optimizer, [s + 1 for s in steps], reserved)
 
 
 @pytest.mark.gpu

@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..utils.cuda_graphs import AdapterState, NotGraphable, copy_output, describe_call, substitute
+from ..utils.cuda_graphs import AdapterState, NotGraphable, capture_or_undo, copy_output, describe_call, substitute
 from .reuse import cross_attention_groups, denoiser_of
 
 logger = logging.getLogger("sits_lora")
@@ -157,13 +157,13 @@ class DenoiserGraphs:
             for group in groups:   # the computing recording keeps each group's K / V in its own memory
                 group.release()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with capture_or_undo(graph):
                 static_output = self._eager_forward(*static_args, **static_kwargs)
             recording = _Recording(graph, static_inputs, static_output)
             kept = [group._kept for group in groups]
             if any(k is not None for k in kept):
                 kept_graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(kept_graph, pool=graph.pool()):
+                with capture_or_undo(kept_graph, pool=graph.pool()):
                     kept_output = self._eager_forward(*static_args, **static_kwargs)
                 # a group that gave its kept outputs back still holds the same record; one that computed again
                 # (its input was not the text states themselves) made a new one, inside this recording

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ..utils.cast_copies import kept_cast_copies, refresh_cast_copies
-from ..utils.cuda_graphs import (NotGraphable, adapter_state, copy_output, describe_call, first_line,
+from ..utils.cuda_graphs import (NotGraphable, adapter_state, capture_or_undo, copy_output, describe_call, first_line,
                                  run_on_side_stream, substitute)
 from .mixed_batch import buffers_in_use
 
@@ -197,7 +197,7 @@ class DecodeGraphs:
         static_args, static_kwargs = substitute((args, kwargs), iter(static_inputs))
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            with capture_or_undo(graph):
                 static_output = _without_cache(self._eager_forward(*static_args, **static_kwargs), cache)
             copy_output(static_output, {id(_CACHE): cache})
         except NotGraphable as reason:

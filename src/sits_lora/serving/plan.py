@@ -24,6 +24,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import nn
 
+from ..utils.cuda_graphs import capture_or_undo
 from ..utils.merging import base_weights_kept, merged_adapters, time_ms, why_not_mergeable
 
 BASE = "__base__"
@@ -102,7 +103,7 @@ def _step(model: nn.Module, ids: torch.Tensor, graphs: bool):
         forward()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capture_or_undo(graph):
         forward()
     return graph.replay
 

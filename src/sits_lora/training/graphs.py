@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from ..utils.cast_copies import note_replayed_weight_writes
-from ..utils.cuda_graphs import (AdapterState, NotGraphable, copy_output, describe_call, first_line,
+from ..utils.cuda_graphs import (AdapterState, NotGraphable, copy_output, describe_call, first_line, capture_or_undo,
                                  run_on_side_stream, substitute)
 
 logger = logging.getLogger("sits_lora")
@@ -152,6 +152,7 @@ class GraphedTrainStep:
         self._full_warned = False
         self._setting_changes = 0
         self._prepare_optimizers()     # before the warm-up steps create the optimizers' state
+        self._pool = None
         self.replays = 0
         self.eager_calls = 0
         self.recordings = 0
@@ -247,14 +248,25 @@ class GraphedTrainStep:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            # one memory pool for every recording of this step: they replay one at a time, and each copies its
+            # outputs out, so a second input signature does not hold a second step's activations. A new pool after
+            # reset() or a failed recording: a pool whose recordings are gone may still hold blocks, and torch
+            # refuses to record into it again
+            self._pool = torch.cuda.graph_pool_handle()
+        before = self._python_state()
         try:
-            with self._attention.recording(rewrite=self.assume_causal_attention), torch.cuda.graph(graph):
+            with self._attention.recording(rewrite=self.assume_causal_attention), capture_or_undo(graph, self._pool):
                 static_output = self.step_fn(*static_args, **static_kwargs)
             copy_output(static_output)
         except NotGraphable as reason:
+            self._restore_python_state(before)
+            self._pool = None
             self._note_eager(str(reason))
             return None
         except Exception as error:   # noqa: BLE001 (re-raised with the fix)
+            self._restore_python_state(before)
+            self._pool = None
             site = _failure_site(error)
             raise GraphCaptureError(
                 f"graph_train_step: the step function could not be recorded as a CUDA graph ({first_line(error)})"
@@ -266,6 +278,26 @@ class GraphedTrainStep:
         self.recordings += 1
         self._note_attention()
         return graph, static_inputs, static_output
+
+    def _python_state(self) -> tuple:
+        """What a recording changes on the Python side that a failed one must undo: each parameter's ``.grad`` (a
+        backward inside the capture assigns tensors of the recording's pool, never written: a later eager step
+        would add to garbage) and the optimizers' per-parameter state (state created inside the capture holds
+        the same unwritten memory)."""
+        params = [p for o in self.optimizers for group in o.param_groups for p in group["params"]]
+        if self.model is not None:
+            params += [p for p in self.model.parameters() if p.requires_grad]
+        return ([(p, p.grad) for p in params], [(o, set(o.state.keys())) for o in self.optimizers])
+
+    @staticmethod
+    def _restore_python_state(before: tuple) -> None:
+        grads, states = before
+        for p, grad in grads:
+            p.grad = grad
+        for optimizer, keys in states:
+            for key in [k for k in optimizer.state if k not in keys]:
+                del optimizer.state[key]
+        torch.cuda.empty_cache()   # the failed recording's pool, released by ``capture_or_undo``
 
     def _note_attention(self) -> None:
         masked, rewritten = self._attention.masked_while_recording, self._attention.rewritten
@@ -285,8 +317,10 @@ class GraphedTrainStep:
         have it), and a float learning rate a 0-dim tensor on the parameters' device where the optimizer takes one,
         so that a scheduler's in-place writes reach the replays."""
         for optimizer in self.optimizers:
+            # a group may be empty (the Trainer's no-decay group under LoRA): its rate is a tensor all the same, or
+            # the scheduler's float writes to it would read as a setting changed at every step
+            device = next((p.device for group in optimizer.param_groups for p in group["params"]), None)
             for group in optimizer.param_groups:
-                device = group["params"][0].device if group["params"] else None
                 if "capturable" in group and not group["capturable"]:
                     group["capturable"] = True
                     # an optimizer that stepped without it (or loaded a state dict) counts steps on the CPU; a
@@ -310,6 +344,7 @@ class GraphedTrainStep:
         """Drop every recording (after a parameter was replaced by a new tensor); the next call records again
         (after no further warm-up: the optimizer's state exists)."""
         self._graphs.clear()
+        self._pool = None
         self._seen = {key: self.warmup for key in self._seen}
         self._full_warned = False
 

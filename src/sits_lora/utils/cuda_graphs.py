@@ -8,8 +8,9 @@ the call's tensors into the recorded inputs, replays, and returns a copy of the 
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -149,5 +150,42 @@ def run_on_side_stream(fn: Callable, args: tuple, kwargs: dict, times: int = 1) 
     return out
 
 
-__all__ = ["AdapterState", "NotGraphable", "adapter_state", "copy_output", "describe_call", "first_line",
-           "run_on_side_stream", "substitute"]
+@contextlib.contextmanager
+def capture_or_undo(graph: "torch.cuda.CUDAGraph", pool: Optional[tuple] = None) -> Iterator[None]:
+    """``torch.cuda.graph(graph, pool=pool)`` that leaves the process as it found it when the recording fails.
+
+    A capture stopped by an error (a host sync, a data-dependent shape) ends inside ``capture_end``, before torch
+    undoes what ``capture_begin`` set up, and torch undoes none of it later:
+    - the current stream stays the capture's side stream (``torch.cuda.graph`` restores it after ``capture_end``);
+    - the device's CUDA generator stays in capture mode (its epilogue runs only after a successful end), so every later
+      random draw outside a graph raises "Offset increment outside graph capture encountered unexpectedly";
+    - the caching allocator keeps routing the capture's allocations to its private pool and never frees it.
+    Here each is put back: the stream, the generator (its state before the capture, as a fresh state object:
+    a failed capture draws nothing), the pool (ended and released, so ``empty_cache`` returns its memory: a caller
+    that passed ``pool`` must not record into it again). What the recorded code did in Python (tensors it assigned,
+    such as ``.grad``) is the caller's to undo."""
+    if pool is None:
+        pool = torch.cuda.graph_pool_handle()
+    device = torch.cuda.current_device()
+    stream = torch.cuda.current_stream()
+    generator = torch.cuda.default_generators[device]   # the one a capture on this device registers
+    saved = generator.clone_state()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    except BaseException:
+        torch.cuda.set_stream(stream)
+        generator.graphsafe_set_state(saved)
+        try:
+            torch._C._cuda_endAllocateToPool(device, pool)
+        except RuntimeError:
+            pass   # the capture never began allocating to the pool, or torch already ended it: nothing to release
+        else:
+            # the capture's hold on the pool, which its graph will never give back; the pool's id must not be
+            # used again (a released id that still holds blocks refuses a new capture)
+            torch._C._cuda_releasePool(device, pool)
+        raise
+
+
+__all__ = ["AdapterState", "NotGraphable", "adapter_state", "capture_or_undo", "copy_output", "describe_call",
+           "first_line", "run_on_side_stream", "substitute"]
