@@ -36,6 +36,7 @@ DEFERRED_IMPORTS = {
     "sits_lora.ops.int4_linear": "Triton is optional: the PyTorch reference runs without it",
     "sits_lora.ops.dequant_linear": "Triton is optional",
     "sits_lora.ops.bnb4_dequant": "Triton is optional: the PyTorch reference runs without it",
+    "sits_lora.ops.cross_entropy": "Triton is optional: the chunked PyTorch path runs without it",
     "sits_lora.serving.mixed_batch": "Triton is optional: without the kernels a mixed batch takes PEFT's loop",
     "sits_lora.training": "transformers' Trainer loads when the trainer is asked for",
     "sits_lora.training.trainer": "the dynamic-rank callback loads only for a dynamic-rank adapter",

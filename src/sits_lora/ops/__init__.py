@@ -6,7 +6,8 @@ launchers (``launch``) and tuned configurations (``tuning``); ``linear``, ``sibl
 ``dynamic_rank`` and ``fp8`` each drive them for one op, with its autograd Function (and, for the layer,
 its ``torch.library`` custom op); ``aten`` is the layer's op as few ATen matmuls, for calls too small for
 the kernels' launches to pay; ``decode`` the whole op in one kernel for the few rows of a decode step (forward
-only); ``choice`` resolves ``SitsLoraConfig.kernel`` and picks between those paths. Importing this package
+only); ``cross_entropy`` the lm_head's loss in chunks of rows without a host sync (so a CUDA graph can record
+it); ``choice`` resolves ``SitsLoraConfig.kernel`` and picks between those paths. Importing this package
 imports torch only: the Triton kernels load when an op first runs on them.
 """
 
@@ -60,6 +61,15 @@ def lora_linear_decode_mixed(x, weight, bias, A, B, scalings, row_adapter, confi
 
     return run(x, weight, bias, A, B, scalings, row_adapter, config)
 
+
+def linear_cross_entropy(hidden, weight, labels, ignore_index=-100, num_items=None, chunk_rows=None):
+    """The loss of hidden @ weight.T against labels (0-dim fp32) in chunks of rows, forward and backward without a
+    host sync (sits_lora.ops.cross_entropy; Triton loads on the first call)."""
+    from .cross_entropy import linear_cross_entropy as run
+
+    return run(hidden, weight, labels, ignore_index, num_items, chunk_rows)
+
+
 __all__ = [
     "DECODE_MAX_ROWS",
     "KERNELS",
@@ -68,6 +78,7 @@ __all__ = [
     "decode_call",
     "decode_siblings_fuse",
     "gemm_backend",
+    "linear_cross_entropy",
     "lora_linear",
     "lora_linear_aten",
     "lora_linear_decode",
