@@ -43,6 +43,11 @@ def test_recipe_end_to_end_tiny_model(tiny_model_dir, tmp_path):
     report = json.loads((out / "hardware_report.json").read_text())
     expected = torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
     assert metrics["liger_kernel"] is expected and report["training"]["use_liger_kernel"] is expected
+    # the optimizer step is recorded as CUDA graphs on a GPU (fixed-length blocks), and the run says so either way
+    recorded = metrics["step_recording"]
+    start = "on: CUDA graphs" if torch.cuda.is_available() else "off: the model is not on a CUDA GPU"
+    assert recorded.startswith(start)
+    assert f"step recording {recorded}" in proc.stderr
 
 
 def _train_on_two_processes(*args, cwd, env=None):

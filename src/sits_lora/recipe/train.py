@@ -578,6 +578,8 @@ def run(recipe: TrainRecipe) -> dict:
         "adapter_dir": os.path.abspath(adapter_dir),
         "hardware_report": os.path.abspath(os.path.join(recipe.output_dir, "hardware_report.json")),
         "liger_kernel": use_liger,
+        # whether the optimizer step was recorded as CUDA graphs, and why not (NativeLoraTrainer's line)
+        "step_recording": trainer.step_recording.reason if trainer.step_recording else None,
         "fp8_base_layers": fp8_layers,   # adapted layers on the fp8 base (None: fp8 off)
         "recipe": dataclasses.asdict(recipe),
         "versions": _versions(),

@@ -3,7 +3,8 @@
 ``SitsHardwareCallback`` works with any transformers ``Trainer``; ``NativeLoraTrainer`` is a
 ``Trainer`` that installs it and runs the gradient guard before gradient clipping. ``plan_memory``
 predicts the peak device memory of a LoRA training step. ``graph_train_step`` records a whole training step as
-a CUDA graph and replays it (the host's time to issue a step's kernels leaves the step).
+a CUDA graph and replays it (the host's time to issue a step's kernels leaves the step); ``default_train_step`` is
+the recorded optimizer step NativeLoraTrainer runs by default (fused cross-entropy, guard, clipping, update).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from .graphs import GraphCaptureError, GraphedTrainStep, graph_train_step
 from .guards import NonFiniteActivationError, NonFiniteGradientError
 from .hardware import HardwareReport, probe_hardware
 from .memory import MemoryPlan, PeakMemoryMeter, UnsupportedModelError, plan_memory
+from .step import StepOutcome, TrainStep, default_train_step
 
 __all__ = [
     "GraphCaptureError",
@@ -26,8 +28,11 @@ __all__ = [
     "NonFiniteGradientError",
     "PeakMemoryMeter",
     "SitsHardwareCallback",
+    "StepOutcome",
+    "TrainStep",
     "UnsupportedModelError",
     "choose_offloaded_layers",
+    "default_train_step",
     "graph_train_step",
     "plan_memory",
     "probe_hardware",

@@ -187,6 +187,7 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
         self._step_started: Optional[float] = None
         self._step_times: list[float] = []
         self._pcie_parts: Optional[dict] = None
+        self._unread_step: Optional[tuple] = None   # a recorded step whose guard flags are not read yet
 
     # ------------------------------------------------------------------ public helpers
 
@@ -207,6 +208,7 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
         return {"nonfinite_steps": self.nonfinite_steps, "clamped_values": self.clamped_values}
 
     def state(self) -> dict:
+        self.resolve_recorded_steps()   # the counts a checkpoint keeps include the last recorded step
         return {"args": dict(self._init_args),
                 "attributes": {"nonfinite_steps": self.nonfinite_steps, "clamped_values": self.clamped_values}}
 
@@ -369,6 +371,54 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
         if sync:
             self._guard_step(state)
 
+    def after_recorded_step(self, state, nonfinite: torch.Tensor, names: list) -> None:
+        """Called by NativeLoraTrainer after a recorded optimizer step (sits_lora.training.step), which guarded its
+        gradients on the GPU (a non-finite one left the update undone there): its per-gradient flags are copied
+        back without waiting, and the step before this one is accounted for now, when the GPU has long passed it
+        (reading this step's flags at once would make the host wait for the GPU at every step)."""
+        self._driven_by_native = True
+        self._guarded_step = state.global_step
+        self.resolve_recorded_steps()
+        if self.nan_policy == "off":
+            return
+        flags = torch.empty(nonfinite.shape, dtype=nonfinite.dtype, pin_memory=True)
+        flags.copy_(nonfinite, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._unread_step = (state.global_step + 1, flags, done, names)
+
+    def resolve_recorded_steps(self) -> None:
+        """Account for the recorded step whose flags are not read yet (waits for it to finish)."""
+        unread, self._unread_step = self._unread_step, None
+        if unread is None:
+            return
+        step, flags, done, names = unread
+        done.synchronize()
+        bad = [name for name, flag in zip(names, flags.tolist()) if flag]
+        outcome = GuardOutcome(step=step, nonfinite=bool(bad), skipped=bool(bad), bad_parameters=bad)
+        self._last_outcome = outcome
+        if not bad:
+            self.consecutive_nonfinite = 0
+            return
+        self.nonfinite_steps += 1
+        self.consecutive_nonfinite += 1
+        if self.nan_policy == "raise":
+            raise NonFiniteGradientError(
+                f"optimizer step {step}: the gradient of {bad[0]} is not finite"
+                f"{f', and {len(bad) - 1} other parameter(s) too' if len(bad) > 1 else ''}. Its update was left "
+                f"undone on the GPU (nan_policy='raise' under a recorded step: the host reads each step's flags one "
+                f"step later, so step {step + 1} ran). Fix: lower learning_rate, set max_grad_norm, check this step's "
+                f"batch, or use nan_policy='skip' to drop such steps and keep training.")
+        logger.warning("sits_lora: optimizer step %d: non-finite gradient in %s (%d parameter(s)); step skipped on the "
+                       "GPU (nan_policy=%r, %d such steps so far).", step, bad[0], len(bad), self.nan_policy,
+                       self.nonfinite_steps)
+        if self.max_consecutive_nonfinite is not None and self.consecutive_nonfinite >= self.max_consecutive_nonfinite:
+            raise NonFiniteGradientError(
+                f"optimizer step {step}: {self.consecutive_nonfinite} optimizer steps in a row had non-finite "
+                f"gradients (last: {bad[0]}); the run has diverged. Fix: lower learning_rate, set max_grad_norm, check "
+                f"the data, or resume from an earlier checkpoint. SitsHardwareCallback(max_consecutive_nonfinite=None) "
+                f"never stops.")
+
     def on_step_begin(self, args, state, control, **kwargs):
         self._step_started = time.perf_counter()
 
@@ -418,6 +468,7 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
 
     def on_train_end(self, args, state, control, **kwargs):
         self._release_watch()
+        self.resolve_recorded_steps()
 
     def on_save(self, args, state, control, **kwargs):
         modules = self._stateful_modules

@@ -1,14 +1,22 @@
-"""NativeLoraTrainer: a transformers ``Trainer`` with sits_lora's guard rails built in."""
+"""NativeLoraTrainer: a transformers ``Trainer`` with sits_lora's guard rails built in, whose optimizer step is
+recorded as CUDA graphs on a GPU when the batches' shapes are fixed (``sits_lora.training.step``)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import torch
 from torch import nn
 from transformers import Trainer
 
+from ..utils.cuda_graphs import first_line
 from .callback import SitsHardwareCallback
+from .graphs import GraphCaptureError
+from .recording import RecordingDecision, decide_recording
+
+logger = logging.getLogger("sits_lora")
+RECORD_STEP_VALUES = ("auto", True, False)
 
 
 class NativeLoraTrainer(Trainer):
@@ -31,9 +39,26 @@ class NativeLoraTrainer(Trainer):
     - a model with dynamic-rank adapters (``SitsLoraConfig(use_dynamic_rank=True)``) trains under
       its rank budget: a :class:`sits_lora.DynamicRankCallback` with its defaults is added when none
       is given (without one, nothing holds the mean active rank at ``target_mean_rank``).
+
+    ``record_step`` ("auto", True, False): on one CUDA GPU, with batches of fixed shapes, one optimizer step
+    per batch (``gradient_accumulation_steps=1``) and torch's fused AdamW (the default ``optim``), the whole
+    optimizer step (forward with the fused cross-entropy, backward, the gradient guard, clipping, the update)
+    is recorded as CUDA graphs after two eager steps and replayed (:mod:`sits_lora.training.step`): the host's
+    time leaves the step. "auto" records where that holds and says in one line at the first step whether it
+    records and, if not, why (``trainer.step_recording``); True raises instead of running eagerly. Under a
+    recorded step the guard's host-side bookkeeping (counts, warnings, "raise") reads each step's flags one step
+    later: the bad step's update was already left undone on the GPU.
     """
 
-    def __init__(self, *args, callbacks: Optional[list] = None, **kwargs):
+    def __init__(self, *args, callbacks: Optional[list] = None, record_step="auto", **kwargs):
+        if record_step not in RECORD_STEP_VALUES or not isinstance(record_step, (str, bool)):
+            raise ValueError(f"NativeLoraTrainer(record_step={record_step!r}) is invalid: allowed values are 'auto' "
+                             "(record the optimizer step as CUDA graphs where it can be), True (always; raise where "
+                             "it cannot) and False (eager steps)")
+        self.record_step = record_step
+        self.step_recording: Optional[RecordingDecision] = None   # decided at the first training step
+        self._train_step = None
+        self._recorded_grad_norm = None
         callbacks = list(callbacks or [])
         if not any(isinstance(c, SitsHardwareCallback) or c is SitsHardwareCallback for c in callbacks):
             callbacks.append(SitsHardwareCallback())
@@ -57,6 +82,17 @@ class NativeLoraTrainer(Trainer):
         return None
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
+        if self.step_recording is None:
+            self._decide_recording(model, inputs)
+        if self._train_step is not None:
+            try:
+                return self._recorded_training_step(model, inputs, num_items_in_batch)
+            except GraphCaptureError as error:
+                # nothing of this step was applied: it runs eagerly below, and so do the next ones
+                self._train_step = None
+                self.step_recording = RecordingDecision(False, f"off: the step could not be recorded "
+                                                               f"({first_line(error)}); eager steps from here")
+                logger.warning("sits_lora: step recording %s\n%s", self.step_recording.reason, error)
         loss = super().training_step(model, inputs, num_items_in_batch)
         callback = self.sits_callback()
         if callback is not None:
@@ -68,5 +104,65 @@ class NativeLoraTrainer(Trainer):
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         callback = self.sits_callback()
         if callback is not None and "loss" in logs:
+            callback.resolve_recorded_steps()
             logs.update(callback.log_counts())
         super().log(logs, *args, **kwargs)
+
+    # ------------------------------------------------------------------ the recorded optimizer step
+
+    def _decide_recording(self, model: nn.Module, inputs: dict) -> None:
+        from .step import TrainStep, causal_lm_loss, fused_loss_support
+
+        callback = self.sits_callback()
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)   # under accelerate's wrapper
+        supported, why_not_fused = fused_loss_support(model)
+        decision = decide_recording(self.record_step, model=model, args=self.args, optimizer=optimizer,
+                                    callback=callback, accelerator=self.accelerator,
+                                    train_dataset=self.train_dataset, data_collator=self.data_collator,
+                                    inputs=inputs, fused_loss=(supported, why_not_fused))
+        self.step_recording = decision
+        logger.warning("sits_lora: step recording %s", decision.reason)
+        if not decision.on:
+            return
+        self._train_step = TrainStep(model, optimizer, max_grad_norm=self.args.max_grad_norm,
+                                     nan_policy="off" if callback is None else callback.nan_policy,
+                                     loss=causal_lm_loss if supported else self._model_loss,
+                                     max_graphs=decision.max_graphs)
+        # the Trainer's own check of each step's loss (logging_nan_inf_filter) waits for the GPU at every step;
+        # the guard already leaves a non-finite step unapplied
+        self.args.logging_nan_inf_filter = False
+
+    def _model_loss(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
+        return self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
+
+    def _recorded_training_step(self, model: nn.Module, inputs: dict, num_items_in_batch) -> torch.Tensor:
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        outcome = self._train_step.run(inputs, num_items_in_batch)
+        self._recorded_grad_norm = outcome.grad_norm
+        callback = self.sits_callback()
+        if callback is not None:
+            callback.after_recorded_step(self.state, outcome.nonfinite, self._train_step.gradient_names)
+        return outcome.loss
+
+    # The Trainer's clipping and norm after a recorded step: the step clipped and updated already (its gradients
+    # are gone); the norm it measured before clipping is what the Trainer logs.
+    def _clip_grad_norm(self, model):
+        if self._recorded_grad_norm is not None:
+            return self._recorded_grad_norm
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if self._recorded_grad_norm is not None:
+            grad_norm, self._recorded_grad_norm = self._recorded_grad_norm, None
+            return grad_norm
+        return super()._get_grad_norm(model, grad_norm)
+
+    def _get_learning_rate(self):
+        # The Trainer reads the rate every step; under a recorded step the optimizer holds it as a GPU tensor (the
+        # replays read it there), and reading that back would wait for the GPU. The Trainer's schedules are
+        # LambdaLR, whose rate is a closed form of the step count.
+        scheduler = getattr(self, "lr_scheduler", None)
+        if self._train_step is not None and type(scheduler) is torch.optim.lr_scheduler.LambdaLR:
+            return scheduler.base_lrs[0] * scheduler.lr_lambdas[0](scheduler.last_epoch)
+        return super()._get_learning_rate()

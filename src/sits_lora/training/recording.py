@@ -1,0 +1,166 @@
+"""Whether NativeLoraTrainer records its optimizer step as CUDA graphs, and the one line that says why.
+
+A recording stands for one batch shape and one whole optimizer step: it pays where the shapes repeat (fixed-length
+blocks, or lengths padded to a few buckets) and every step is one batch, on one GPU, with an optimizer that can
+skip a bad update on the device. Each condition that fails is named with its fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..dynamic_rank.budget import dynamic_rank_layers
+
+# examples looked at to tell fixed from varying lengths (the dataset is not read whole)
+_LENGTH_SAMPLE = 64
+# recordings kept for bucketed lengths: each is a set of kernels replayed from one shared memory pool
+_MAX_BUCKET_GRAPHS = 8
+
+
+@dataclass
+class RecordingDecision:
+    """``on``: the step is recorded; ``reason``: the line the trainer prints; ``max_graphs``: recordings kept."""
+
+    on: bool
+    reason: str
+    max_graphs: int = 2
+
+
+def example_lengths(train_dataset: Any, limit: int = _LENGTH_SAMPLE) -> Optional[list]:
+    """The ``input_ids`` lengths of the first ``limit`` examples, or None when the dataset cannot be indexed (an
+    iterable dataset) or its examples have no ``input_ids``."""
+    if train_dataset is None or not hasattr(train_dataset, "__len__") or not hasattr(train_dataset, "__getitem__"):
+        return None
+    lengths = []
+    try:
+        for i in range(min(len(train_dataset), limit)):
+            example = train_dataset[i]
+            ids = example.get("input_ids") if isinstance(example, dict) else None
+            if ids is None:
+                return None
+            lengths.append(len(ids))
+    except (KeyError, IndexError, TypeError):
+        return None
+    return lengths
+
+
+def batch_shapes(train_dataset: Any, data_collator: Any) -> tuple[Optional[bool], str, int]:
+    """(fixed: True / False / None when unknown, what was found, recordings needed) for the batches the Trainer
+    will make from ``train_dataset`` through ``data_collator``."""
+    padding = getattr(data_collator, "padding", None)
+    max_length = getattr(data_collator, "max_length", None)
+    if padding == "max_length" and max_length:
+        return True, f"the collator pads every batch to {max_length} tokens", 2
+    lengths = example_lengths(train_dataset)
+    if lengths is None:
+        return None, ("example lengths not known ahead (an iterable dataset): one recording per batch shape, at "
+                      "most 2"), 2
+    if not lengths:
+        return None, "an empty dataset", 2
+    if len(set(lengths)) == 1:
+        return True, f"every example {lengths[0]} tokens", 2
+    multiple = getattr(data_collator, "pad_to_multiple_of", None)
+    if multiple:
+        buckets = len({-(-n // multiple) for n in lengths})
+        if buckets <= _MAX_BUCKET_GRAPHS:
+            return True, (f"lengths {min(lengths)}-{max(lengths)} padded to multiples of {multiple}: {buckets} "
+                          f"bucket(s) among the first {len(lengths)} examples"), max(2, buckets)
+        return False, (f"lengths {min(lengths)}-{max(lengths)} padded to multiples of {multiple} make {buckets} "
+                       f"shapes among the first {len(lengths)} examples (more than {_MAX_BUCKET_GRAPHS} recordings): "
+                       "pad to a larger multiple"), 2
+    return False, (f"example lengths vary ({min(lengths)}-{max(lengths)} tokens among the first {len(lengths)}) and "
+                   "each batch is padded to its longest: pad to a fixed length (padding='max_length') or to a few "
+                   "buckets (pad_to_multiple_of), or pack the text into fixed-length blocks"), 2
+
+
+def _blockers(model: nn.Module, args: Any, optimizer: Any, callback: Any, accelerator: Any) -> list:
+    """Every condition, other than the batch shapes, that keeps the step from being recorded, each with its fix."""
+    found = []
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not torch.cuda.is_available() or not params or not params[0].is_cuda:
+        found.append("the model is not on a CUDA GPU (CUDA graphs record GPU work)")
+    distributed = getattr(getattr(accelerator, "distributed_type", None), "value", "NO")
+    if getattr(args, "world_size", 1) > 1 or str(distributed).upper() not in ("NO", "DISTRIBUTEDTYPE.NO"):
+        found.append(f"{getattr(args, 'world_size', 1)} processes ({distributed}): the recorded step runs on one GPU")
+    if getattr(args, "gradient_accumulation_steps", 1) != 1:
+        found.append(f"gradient_accumulation_steps={args.gradient_accumulation_steps} (a recording is one whole "
+                     "optimizer step: set it to 1 with a larger per_device_train_batch_size)")
+    if getattr(args, "fp16", False):
+        found.append("fp16=True (its loss scaler decides on the host each step: use bf16=True)")
+    fused = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and all(
+        g.get("fused") for g in getattr(optimizer, "param_groups", []))
+    nan_policy = getattr(callback, "nan_policy", "off")
+    if not fused and nan_policy != "off":
+        found.append(f"optimizer {type(optimizer).__name__}"
+                     f"{'' if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) else ' without fused=True'}"
+                     " (the guard skips a bad update on the GPU through the fused Adam / AdamW kernels: "
+                     "optim='adamw_torch_fused', the default)")
+    if nan_policy == "clamp":
+        found.append("nan_policy='clamp' (it clamps on the host, per gradient: use 'skip')")
+    if getattr(callback, "detect_nonfinite_activations", False):
+        found.append("detect_nonfinite_activations=True (its watch reads every module's flag on the host)")
+    if dynamic_rank_layers(model):
+        found.append("dynamic-rank adapters (their budget is adjusted on the host between steps)")
+    if any(callable(getattr(m, "sits_after_optimizer_step", None)) for m in model.modules()):
+        found.append("an fp8 base or another module with per-step state advanced outside the step (not recorded yet)")
+    # transformers renamed the property (the old name warns); either says the same
+    checkpointing = getattr(model, "is_activation_checkpointing", None)
+    if checkpointing is None:
+        checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    if not checkpointing:
+        checkpointing = getattr(args, "activation_checkpointing", None)
+    if checkpointing is None:
+        checkpointing = getattr(args, "gradient_checkpointing", False)
+    if checkpointing:
+        found.append("gradient checkpointing (its recomputation is not recorded yet)")
+    return found
+
+
+def _pads_only_on_the_right(inputs: dict) -> tuple[bool, str]:
+    """Whether the first batch's attention mask is causal attention without a mask (no mask, all ones, or ones
+    then zeros per row: right padding, exact under causal attention) and no packing (no position_ids)."""
+    if "position_ids" in inputs:
+        return False, "the batches carry position_ids (packed sequences need their mask)"
+    mask = inputs.get("attention_mask")
+    if mask is None:
+        return True, ""
+    mask = torch.as_tensor(mask)
+    if mask.dim() != 2:
+        return False, f"a {mask.dim()}-d attention mask"
+    right = bool((mask[:, 1:] <= mask[:, :-1]).all()) and bool(mask[:, 0].all())   # read once, at the decision
+    return right, "" if right else "the batches pad on the left (their attention needs the mask)"
+
+
+def decide_recording(requested, *, model: nn.Module, args: Any, optimizer: Any, callback: Any, accelerator: Any,
+                     train_dataset: Any, data_collator: Any, inputs: dict,
+                     fused_loss: tuple[bool, str]) -> RecordingDecision:
+    """Whether NativeLoraTrainer(record_step=``requested``) records (module docstring). ``requested`` True raises
+    ValueError naming every condition that fails."""
+    if requested is False:
+        return RecordingDecision(False, "off (record_step=False): eager steps")
+    blockers = _blockers(model, args, optimizer, callback, accelerator)
+    fixed, shapes, graphs = batch_shapes(train_dataset, data_collator)
+    if fixed is False:
+        blockers.append(shapes)
+    right, why = _pads_only_on_the_right(inputs)
+    if not right:
+        blockers.append(why)
+    if blockers:
+        if requested is True:
+            raise ValueError("NativeLoraTrainer(record_step=True): the step cannot be recorded: " + "; ".join(blockers)
+                             + ". Fix these, or pass record_step='auto' to train with eager steps")
+        return RecordingDecision(False, "off: " + "; ".join(blockers) + " (eager steps; record_step=False hides "
+                                 "this line)")
+    supported, why_not = fused_loss
+    loss = ("the fused linear cross-entropy without host syncs" if supported
+            else f"the model's own loss (the fused one does not apply: {why_not})")
+    return RecordingDecision(True, f"on: CUDA graphs of the whole optimizer step after 2 eager steps ({shapes}); "
+                                   f"loss: {loss}; the Trainer's logging_nan_inf_filter off (the guard leaves a "
+                                   "non-finite step unapplied on the GPU)", graphs)
+
+
+__all__ = ["RecordingDecision", "batch_shapes", "decide_recording", "example_lengths"]

@@ -1,0 +1,252 @@
+"""The recorded optimizer step (sits_lora.training.step) and NativeLoraTrainer's decision to record it: on the CPU,
+the decision and its line for fixed, bucketed and varying shapes and each blocker; the step itself run eagerly
+against a hand-written step (fused loss, clipping, the guard's skip); on a GPU, the recorded step against eager
+steps and the trainer recording by itself."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+from conftest import randomize_lora_weights, tiny_llama
+
+from sits_lora import SitsLoraConfig
+from sits_lora.training.recording import batch_shapes, decide_recording
+from sits_lora.training.step import TrainStep, causal_lm_loss, default_train_step, fused_loss_support
+
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _adapted(dtype=torch.float32, seed=0):
+    from peft import get_peft_model
+
+    config = SitsLoraConfig(r=4, lora_alpha=8, target_modules=LLAMA_TARGETS)
+    model = get_peft_model(tiny_llama(seed, dtype=dtype), config)
+    randomize_lora_weights(model)
+    return model.train()
+
+
+class _Blocks(torch.utils.data.Dataset):
+    def __init__(self, lengths):
+        self.lengths = lengths
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def __getitem__(self, i):
+        return {"input_ids": list(range(self.lengths[i]))}
+
+
+def test_batch_shapes_fixed_bucketed_varying_and_unknown():
+    fixed, detail, graphs = batch_shapes(_Blocks([32] * 10), None)
+    assert fixed is True and "every example 32 tokens" in detail and graphs == 2
+    fixed, detail, _ = batch_shapes(_Blocks([5, 9, 31]), None)
+    assert fixed is False and "vary (5-31 tokens among the first 3)" in detail and "padding='max_length'" in detail
+    collator = types.SimpleNamespace(pad_to_multiple_of=16, padding=True)
+    fixed, detail, graphs = batch_shapes(_Blocks([5, 9, 31, 40]), collator)
+    assert fixed is True and "3 bucket(s)" in detail and graphs == 3
+    fixed, detail, _ = batch_shapes(_Blocks(list(range(1, 200, 3))), types.SimpleNamespace(pad_to_multiple_of=2))
+    assert fixed is False and "more than 8 recordings" in detail
+    fixed, detail, _ = batch_shapes(_Blocks([5, 9]), types.SimpleNamespace(padding="max_length", max_length=64))
+    assert fixed is True and "pads every batch to 64 tokens" in detail
+    fixed, detail, _ = batch_shapes(iter([]), None)
+    assert fixed is None and "not known ahead" in detail
+
+
+def _decide(model, requested="auto", optimizer=None, nan_policy="skip", dataset=None, inputs=None, **args):
+    arguments = dict(world_size=1, gradient_accumulation_steps=1, fp16=False, gradient_checkpointing=False)
+    arguments.update(args)
+    optimizer = optimizer or torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=True)
+    callback = types.SimpleNamespace(nan_policy=nan_policy, detect_nonfinite_activations=False)
+    accelerator = types.SimpleNamespace(distributed_type=types.SimpleNamespace(value="NO"))
+    return decide_recording(requested, model=model, args=types.SimpleNamespace(**arguments), optimizer=optimizer,
+                            callback=callback, accelerator=accelerator, train_dataset=dataset or _Blocks([16] * 4),
+                            data_collator=None, inputs=inputs or {"input_ids": torch.zeros(2, 16, dtype=torch.long)},
+                            fused_loss=fused_loss_support(model))
+
+
+def test_the_decision_names_each_blocker_and_its_fix(monkeypatch):
+    model = _adapted()
+    if not torch.cuda.is_available():
+        off = _decide(model)
+        assert not off.on and off.reason.startswith("off: the model is not on a CUDA GPU")
+        with pytest.raises(ValueError, match=r"record_step=True\): the step cannot be recorded: the model is not on"):
+            _decide(model, requested=True)
+    assert _decide(model, requested=False).reason == "off (record_step=False): eager steps"
+    # the rest as if on a GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    on = _decide(model)
+    assert on.on and "every example 16 tokens" in on.reason and "fused linear cross-entropy" in on.reason
+    reason = _decide(model, gradient_accumulation_steps=4).reason
+    assert "gradient_accumulation_steps=4" in reason and "per_device_train_batch_size" in reason
+    plain = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    assert "without fused=True" in _decide(model, optimizer=plain).reason
+    assert _decide(model, optimizer=plain, nan_policy="off").on      # no guard to skip with: any capturable optimizer
+    assert "use 'skip'" in _decide(model, nan_policy="clamp").reason
+    assert "use bf16=True" in _decide(model, fp16=True).reason
+    assert "2 processes" in _decide(model, world_size=2).reason
+    left = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "attention_mask": torch.tensor([[0, 1, 1, 1]] * 2)}
+    assert "pad on the left" in _decide(model, inputs=left).reason
+    right = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "attention_mask": torch.tensor([[1, 1, 1, 0]] * 2)}
+    assert _decide(model, inputs=right).on
+    assert "vary" in _decide(model, dataset=_Blocks([3, 30])).reason
+
+
+def test_fused_loss_support_names_what_it_does_not_cover():
+    assert fused_loss_support(_adapted()) == (True, "")
+    model = _adapted()
+    model.get_base_model().lm_head = torch.nn.Linear(48, 97, bias=True)
+    supported, why = fused_loss_support(model)
+    assert not supported and "with a bias" in why
+    model.get_base_model().config.model_type = "gemma2"
+    assert "model type 'gemma2'" in fused_loss_support(model)[1]
+
+
+def test_the_fused_loss_equals_the_model_loss():
+    model = _adapted()
+    ids = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, :4] = -100
+    with torch.no_grad():
+        expected = model(input_ids=ids, labels=labels).loss
+        assert torch.allclose(causal_lm_loss(model, {"input_ids": ids, "labels": labels}), expected, rtol=1e-5)
+        count = (labels[:, 1:] != -100).sum()
+        summed = model(input_ids=ids, labels=labels, num_items_in_batch=count).loss
+        assert torch.allclose(causal_lm_loss(model, {"input_ids": ids, "labels": labels}, count), summed, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"inputs \['inputs_embeds'\] are not decoder inputs"):
+        causal_lm_loss(model, {"inputs_embeds": ids, "labels": labels})
+
+
+def _hand_written_step(model, optimizer, ids, max_norm):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def test_the_step_run_eagerly_trains_as_a_hand_written_step():
+    ours = _adapted()
+    theirs = copy.deepcopy(ours)
+    opt_ours = torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=1e-2, fused=True)
+    opt_theirs = torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=1e-2, fused=True)
+    step = default_train_step(ours, opt_ours, max_grad_norm=0.5)
+    assert step.recorded is None                                  # a CPU model: eager
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, 97, (2, 9), generator=gen)
+        mine = step.run({"input_ids": ids, "labels": ids})
+        reference = _hand_written_step(theirs, opt_theirs, ids, 0.5)
+        assert torch.allclose(mine.loss, reference, rtol=1e-5)
+        assert mine.nonfinite.shape == (len(step.gradient_names),) and not mine.nonfinite.any()
+    for (name, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters()):
+        assert (a - b).abs().max() <= 1e-4, name      # Adam amplifies the losses' rounding differences
+    assert all(p.grad is None for p in ours.parameters())
+
+
+def test_a_non_finite_gradient_leaves_the_update_undone_and_is_named():
+    model = _adapted()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-2, fused=True)
+    step = TrainStep(model, optimizer, max_grad_norm=1.0, record=False)
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    step.run({"input_ids": ids, "labels": ids})                  # the optimizer's state exists
+    before = [p.detach().clone() for p in params]
+    counts = [optimizer.state[p]["step"].clone() for p in params]
+    poisoned = dict(model.named_parameters())[step.gradient_names[0]]
+    hook = poisoned.register_hook(lambda g: g * float("nan"))
+    outcome = step.run({"input_ids": ids, "labels": ids})
+    hook.remove()
+    assert outcome.nonfinite.tolist() == [True] + [False] * (len(step.gradient_names) - 1)
+    assert all(torch.equal(a, b) for a, b in zip(before, params))
+    assert all(torch.equal(optimizer.state[p]["step"], c) for p, c in zip(params, counts))
+    assert not hasattr(optimizer, "found_inf")                     # the Trainer's own optimizer.step() reads none
+    step.run({"input_ids": ids, "labels": ids})
+    assert not all(torch.equal(a, b) for a, b in zip(before, params))
+
+
+def test_the_step_refuses_bad_arguments():
+    model = _adapted()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    with pytest.raises(ValueError, match=r"nan_policy='clamp'\) is invalid: 'skip' or 'off'"):
+        default_train_step(model, optimizer, nan_policy="clamp")
+    with pytest.raises(ValueError, match=r"max_grad_norm=-1\) is invalid: a number >= 0"):
+        default_train_step(model, optimizer, max_grad_norm=-1)
+    frozen = tiny_llama().requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameter"):
+        default_train_step(frozen, optimizer)
+
+
+def test_the_trainer_says_whether_it_records(tmp_path, caplog):
+    from transformers import TrainingArguments
+
+    from sits_lora.training import NativeLoraTrainer
+
+    with pytest.raises(ValueError, match=r"record_step='yes'\) is invalid: allowed values are 'auto'"):
+        NativeLoraTrainer(model=_adapted(), record_step="yes")
+    data = [{"input_ids": torch.randint(0, 97, (12,)), "labels": torch.randint(0, 97, (12,))} for _ in range(8)]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to="none",
+                             use_cpu=True, save_strategy="no", logging_steps=1)
+    trainer = NativeLoraTrainer(model=_adapted(), args=args, train_dataset=data,
+                                callbacks=[__import__("sits_lora").SitsHardwareCallback(report=False)])
+    with caplog.at_level("WARNING", logger="sits_lora"):
+        trainer.train()
+    assert trainer.step_recording is not None and not trainer.step_recording.on
+    assert "step recording off: the model is not on a CUDA GPU" in caplog.text
+    assert caplog.text.count("step recording") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_recorded_step_with_the_fused_loss_equals_eager_steps():
+    eager_model = _adapted(torch.bfloat16).cuda()
+    graphed_model = copy.deepcopy(eager_model)
+    steps = {}
+    for name, model in (("eager", eager_model), ("graphed", graphed_model)):
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=True)
+        steps[name] = default_train_step(model, optimizer, max_grad_norm=1.0, record=name == "graphed")
+    gen = torch.Generator().manual_seed(3)
+    losses = {"eager": [], "graphed": []}
+    for _ in range(5):
+        ids = torch.randint(0, 97, (2, 24), generator=gen).cuda()
+        for name, step in steps.items():
+            losses[name].append(step(input_ids=ids, labels=ids).item())
+    recorded = steps["graphed"].recorded
+    assert (recorded.eager_calls, recorded.recordings, recorded.replays) == (2, 1, 3)
+    assert losses["graphed"] == pytest.approx(losses["eager"], rel=2e-2)
+    for (name, a), (_, b) in zip(eager_model.named_parameters(), graphed_model.named_parameters()):
+        if a.requires_grad:
+            assert (a.float() - b.float()).abs().max().item() <= 2e-2 * a.float().abs().max().item() + 1e-3, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_trainer_records_its_step_on_fixed_shapes(tmp_path, caplog):
+    from transformers import TrainingArguments
+
+    from sits_lora.training import NativeLoraTrainer
+
+    gen = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 97, (16,), generator=gen)} for _ in range(32)]
+    for example in data:
+        example["labels"] = example["input_ids"].clone()
+    losses = {}
+    for record in (False, "auto"):
+        model = _adapted(torch.bfloat16).cuda()
+        args = TrainingArguments(output_dir=str(tmp_path / str(record)), max_steps=6, per_device_train_batch_size=4,
+                                 report_to="none", save_strategy="no", logging_steps=1, bf16=True,
+                                 learning_rate=1e-3, max_grad_norm=1.0)
+        trainer = NativeLoraTrainer(model=model, args=args, train_dataset=data, record_step=record,
+                                    callbacks=[__import__("sits_lora").SitsHardwareCallback(report=False)])
+        with caplog.at_level("WARNING", logger="sits_lora"):
+            trainer.train()
+        losses[record] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        assert all("grad_norm" in e and e["grad_norm"] > 0 for e in trainer.state.log_history if "loss" in e)
+        if record == "auto":
+            assert trainer.step_recording.on, trainer.step_recording.reason
+            assert trainer._train_step.recorded.replays == 4
+    assert losses["auto"] == pytest.approx(losses[False], rel=3e-2)
