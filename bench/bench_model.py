@@ -2,6 +2,7 @@
 
     python bench/bench_model.py --model 1b          # GPU: Llama-3.2-1B shape, bs 4 x seq 2048, bf16
     python bench/bench_model.py --model 8b
+    python bench/bench_model.py --model 0.5b        # the Llama architecture at Qwen2.5-0.5B's widths (MODELS)
     python bench/bench_model.py --model tiny --smoke  # CPU: checks the script in seconds
 
 Random bf16 weights, sdpa attention, LoRA r = 16, alpha 32, dropout 0 on q, k, v, o, gate, up,
@@ -33,6 +34,10 @@ MODELS = {
                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0),
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0),
+    # the Llama architecture at Qwen2.5-0.5B's widths (head_dim 896 / 14 = 64): Qwen2 adds biases to q, k and v,
+    # which LlamaConfig(attention_bias=False) leaves out; the same build path as the Llama-3 shapes
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False, rope_theta=10000.0),
 }
@@ -68,7 +73,11 @@ OPTIONAL_ARMS = ["peft+liger", "sits+liger", "sits+gc", "peft+gc", "sits+fp8", "
                  "sits+liger+graph",
                  # "+nolce": Liger without its fused linear cross-entropy, eager (what its two host syncs a step cost
                  # a host-bound arm, against the logits it saves)
-                 "frozen+liger+nolce", "sits+liger+nolce"]
+                 "frozen+liger+nolce", "sits+liger+nolce",
+                 # "+default": the step NativeLoraTrainer runs by default on a GPU
+                 # (sits_lora.training.default_train_step: its own sync-free fused linear cross-entropy, clipping,
+                 # CUDA graphs after warm-up) over Liger's RMSNorm, SwiGLU and RoPE
+                 "sits+default"]
 
 
 @contextlib.contextmanager
@@ -112,8 +121,9 @@ def to_bitsandbytes_nf4(model, dtype) -> None:
     model.is_loaded_in_4bit = True
 
 
-def build(model_name: str, arm: str, device: str, dtype, layers: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(model_name: str, layers: int = 0):
+    """The LlamaConfig of a MODELS shape (``layers``: that many decoder layers, 0 the shape's own count)."""
+    from transformers import LlamaConfig
 
     cfg = dict(MODELS[model_name])
     if layers:
@@ -121,13 +131,22 @@ def build(model_name: str, arm: str, device: str, dtype, layers: int = 0):
     rope_theta = cfg.pop("rope_theta")
     config = LlamaConfig(**cfg, max_position_embeddings=8192, attn_implementation="sdpa")
     config.rope_parameters = {"rope_type": "default", "rope_theta": rope_theta}
-    if "liger" in arm:
+    return config
+
+
+def build(model_name: str, arm: str, device: str, dtype, layers: int = 0):
+    from transformers import LlamaForCausalLM
+
+    config = llama_config(model_name, layers)
+    parts = set(arm.split("+"))
+    if "liger" in parts or "default" in parts:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
         # Liger's fused linear cross-entropy counts the labelled tokens with .item(), a host sync that a CUDA graph
         # cannot record: the +graph arms (and +nolce, which measures what the syncs cost eagerly) keep Liger's
-        # RMSNorm, SwiGLU and RoPE and take transformers' loss (the logits materialized: more memory, more GPU time)
-        apply_liger_kernel_to_llama(fused_linear_cross_entropy=not {"graph", "nolce"} & set(arm.split("+")))
+        # RMSNorm, SwiGLU and RoPE and take transformers' loss (the logits materialized: more memory, more GPU time);
+        # the default step keeps them too and computes the loss itself
+        apply_liger_kernel_to_llama(fused_linear_cross_entropy=not {"graph", "nolce", "default"} & parts)
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype)
@@ -177,12 +196,15 @@ def worker(args) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     batch, seq = (args.batch, args.seq) if not args.smoke else (2, 32)
+    parts = args.arm.split("+")
+    default = "default" in parts
+    if default:  # refused before the model is built: the arm has nothing else to measure
+        default_train_step = _default_train_step(args.arm, device)
     model, params = build(args.model, args.arm, device, dtype, args.layers)
     # the whole model as it waits for its first step: weights (4-bit ones packed), LoRA parameters
     weights_gib = torch.cuda.memory_allocated() / 2**30 if device == "cuda" else None
     model.train()
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda") if params else None
-    parts = args.arm.split("+")
     mode = "reduce-overhead" if "cg" in parts else None
     step_model = torch.compile(model, mode=mode) if "compile" in parts else model
     gen = torch.Generator(device=device).manual_seed(1)
@@ -213,10 +235,17 @@ def worker(args) -> None:
         # two eager steps, then the recording: the timed steps are replays. The batches are unpadded and unpacked:
         # attention recorded causal without the mask transformers builds while a stream captures
         step = graph_train_step(step, optimizer, model=model, assume_causal_attention=True)
+    elif default:
+        # forward with its own fused linear cross-entropy, backward, clipping, optimizer step and zero_grad, as
+        # NativeLoraTrainer runs them on a GPU: recorded as CUDA graphs after warm-up, so it warms up as +graph does
+        default_step = default_train_step(model, optimizer, max_grad_norm=1.0)
+
+        def step():
+            return default_step(input_ids=ids, labels=ids)
+    cuda_graphs = mode == "reduce-overhead" or graphed or default
     t0 = time.perf_counter()
-    for _ in range(max(args.warmup, 3) if graphed else args.warmup):
+    for _ in range(max(args.warmup, 3) if graphed or default else args.warmup):
         step()
-    cuda_graphs = mode == "reduce-overhead" or graphed
     if device == "cuda":
         torch.cuda.synchronize()
         # CUDA graphs allocate their memory pool while warming up and a replay allocates nothing new: their
@@ -281,6 +310,20 @@ def worker(args) -> None:
         if memory["fp8_layers"]:
             row.update(fp8_scaling_state(model).log_counts())
     print("RESULT " + json.dumps(row), flush=True)
+
+
+def _default_train_step(arm: str, device: str):
+    """sits_lora.training.default_train_step, or SystemExit with the reason in one line: a package without it yet,
+    or a machine without CUDA (Liger's kernels and the step's CUDA graphs)."""
+    try:
+        from sits_lora.training import default_train_step
+    except ImportError:
+        raise SystemExit(f"arm {arm}: sits_lora.training has no default_train_step (the step NativeLoraTrainer runs "
+                         "by default) in this checkout: nothing to measure") from None
+    if device != "cuda":
+        raise SystemExit(f"arm {arm}: the default step runs Liger's kernels and records CUDA graphs and needs a "
+                         "CUDA GPU")
+    return default_train_step
 
 
 def _write_host_profile(step, device: str, path: str, steps: int = 3) -> None:
@@ -403,7 +446,7 @@ def _plot(rows, path) -> None:
     ax2.barh(names, [r["peak_gib"] or 0 for r in rows], color="#67a")
     ax2.set_xlabel("peak memory, GiB")
     ax2.invert_yaxis()
-    fig.suptitle(f"Llama-3 {rows[0]['model']} shape, bs {rows[0]['batch']} x {rows[0]['seq']}, LoRA r16 on 7 projections")
+    fig.suptitle(f"Llama {rows[0]['model']} shape, bs {rows[0]['batch']} x {rows[0]['seq']}, LoRA r16 on 7 projections")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

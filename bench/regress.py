@@ -1,24 +1,38 @@
-"""The GPU regression gate: every arm of a training step on two Llama-3 shapes, against a baseline and the targets.
+"""The GPU regression gate: every arm of a training step on Llama-architecture shapes, against a baseline and the
+targets.
 
-    python bench/regress.py --out OUT                   # a GPU (H200): 1B and 8B shapes, about 14 minutes
-                                                        # (measured before the two +graph arms were added)
-    python bench/regress.py --out OUT --shapes 1b       # one shape per call: 1B ~8 min, 8B ~6 min
+    python bench/regress.py --out OUT                   # a GPU (H200): the 1B and 8B shapes, every arm 3 times
+    python bench/regress.py --out OUT --shapes 0.5b 1b 8b   # also the 0.5B shape (Qwen2.5-0.5B's widths)
+    python bench/regress.py --out OUT --shapes 1b       # one shape per call, to fit a device call's time limit
+    python bench/regress.py --out OUT --shapes 0.5b --repeats 5 --arms frozen frozen+compile frozen+liger \
+        peft+compile sits+liger sits+default            # the default step and what its targets compare it with
     python bench/regress.py --out OUT --shapes 8b-full --arms frozen+liger sits+liger peft+nf4 sits+nf4+liger \
         sits+int4+liger                                 # the 4-bit arms on all 32 layers of the 8B shape
     python bench/regress.py --out OUT --write-baseline bench/baseline/h200.json   # record a new baseline
     python bench/regress.py --smoke --out OUT           # a CPU: tiny shape, the arms that run without CUDA
+    python bench/regress.py --smoke --out OUT --repeats 1   # the same, each arm once
 
 Each arm is one process of bench/bench_model.py (random bf16 weights, bs 4 x 2048, LoRA r16 on the seven
 projections, fused AdamW): frozen (eager, compile, Liger), PEFT (eager, compile) and sits (eager, compile,
 Liger, fp8, fp8 + Liger) and the 4-bit frozen bases (PEFT QLoRA on bitsandbytes NF4; sits on NF4 and on its
 own INT4, each also with Liger), and frozen + Liger and sits + Liger with the whole step recorded as one CUDA graph
 (+graph, sits_lora.training.graph_train_step: the host's time leaves the step; these two are compared with each
-other, not with the floor). "The floor" is the fastest frozen arm of the same run;
-every arm is compared as its step time over the floor, which drifts less between runs than the times
-themselves. The 8B shape runs SHAPES["8b"]["layers"] of its 32 decoder layers so that the compiled arms
-fit the device call: the layers are identical, so the per-layer ratios are the model's, but the head and
-cross-entropy weigh more in the step than in the full model (the ratios sit a little nearer 1).
+other, not with the floor), and sits+default, the step NativeLoraTrainer runs by default on a GPU
+(sits_lora.training.default_train_step, CUDA graphs too), compared with the floor. "The floor" is the fastest
+frozen arm of the same run; every arm is compared as its step time over the floor, which drifts less between runs
+than the times themselves. The 8B shape runs SHAPES["8b"]["layers"] of its 32 decoder layers so that the compiled
+arms fit the device call: the layers are identical, so the per-layer ratios are the model's, but the head and
+cross-entropy weigh more in the step than in the full model (the ratios sit a little nearer 1). The 0.5B shape
+is the Llama architecture at Qwen2.5-0.5B's widths (no q / k / v biases); it is not run unless --shapes names it.
 Graph breaks are counted first (bench/graph_breaks.py, on this machine's device).
+
+Repeats: every arm runs --repeats times (default 3), each run a process of its own, interleaved (every arm once,
+then every arm again) so that a drift of the host falls on all arms alike; a call takes about --repeats times as
+long as one pass. Each (shape, arm) row is the median of its runs for step_s, host_s and peak_gib, never the best,
+with every run's values beside it (repeats_step_s, repeats_host_s, repeats_peak_gib); the ratios to the floor are
+the medians'. A failed run is counted in "failures"; the row fails only when every run failed. "host_share" is
+host_s / step_s, the host's time to issue a step over the step: printed in the table and in every check's detail
+next to its ratio (an arm whose share nears 1 is host-bound, and the check says so).
 
 Exit status 1 when a sits arm's ratio to the floor is more than 5 % above the baseline's, when a gated
 configuration has a graph break or compiles again on later calls, or when a target below is missed; each failed
@@ -31,6 +45,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -46,8 +61,13 @@ from harness import environment, png, print_table, write_results  # noqa: E402
 DEFAULT_BASELINE = os.path.join(HERE, "baseline", "h200.json")
 SHAPES = {"1b": dict(model="1b", layers=16), "8b": dict(model="8b", layers=4),
           # all 32 layers: the whole model's peak and weight memory (the 4-bit arms' targets), not run by default
-          "8b-full": dict(model="8b", layers=32)}
+          "8b-full": dict(model="8b", layers=32),
+          # Qwen2.5-0.5B's widths (bench_model.MODELS), all 24 layers: the narrowest layers, where the host's share
+          # of a step is largest; not run by default (one more shape of every arm times --repeats): pass
+          # --shapes 0.5b 1b 8b
+          "0.5b": dict(model="0.5b", layers=24)}
 DEFAULT_SHAPES = ("1b", "8b")
+DEFAULT_REPEATS = 3
 SMOKE_SHAPES = {"tiny": dict(model="tiny", layers=2)}
 # frozen+liger+compile is left out: Liger-Kernel 0.8.5 under torch.compile (torch 2.11) stopped with "an illegal
 # memory access was encountered" on the H200 (docs/performance.md); pass it in --arms to try again
@@ -58,9 +78,13 @@ FOUR_BIT_ARMS = ["peft+nf4", "sits+nf4", "sits+nf4+liger", "sits+nf4+bnbdq+liger
 # "+graph": the whole step as one CUDA graph (sits_lora.training.graph_train_step), compared with the frozen model
 # under the same graphs (its own target), not with the floor: the floor stays the eager / compiled frozen steps
 GRAPH_ARMS = ["frozen+liger+graph", "sits+liger+graph"]
+# the step NativeLoraTrainer runs by default on a GPU (sits_lora.training.default_train_step): CUDA graphs too, but
+# compared with the floor, since the floor is what a LoRA step must pay whatever it runs
+DEFAULT_SITS = ("sits+default",)
 ARMS = ["frozen", "frozen+compile", "frozen+liger", "peft", "peft+compile",
-        "sits", "sits+compile", "sits+liger", "sits+fp8", "sits+fp8+liger"] + GRAPH_ARMS + FOUR_BIT_ARMS
-# on a CPU: no Liger (GPU kernels), fp8 emulated
+        "sits", "sits+compile", "sits+liger", "sits+fp8", "sits+fp8+liger"] + GRAPH_ARMS + list(DEFAULT_SITS) + \
+    FOUR_BIT_ARMS
+# on a CPU: no Liger (GPU kernels), no CUDA graphs (+graph, the default step), fp8 emulated
 SMOKE_ARMS = ["frozen", "frozen+compile", "peft", "sits", "sits+compile", "sits+fp8"]
 BF16_SITS = ("sits", "sits+compile", "sits+liger", "sits+liger+compile")
 GRAPHED_SITS = ("sits+graph", "sits+liger+graph")
@@ -72,6 +96,19 @@ INT4_SITS = ("sits+int4", "sits+int4+liger")
 GATED_COMPILE_CONFIGS = ("static", "static, no siblings", "static, fp32 model under bf16 autocast", "fp8 hybrid",
                          "dynamic rank, nested (static)", "dynamic rank, random router")
 TOLERANCE = 1.05
+
+
+def host_share(row: dict) -> Optional[float]:
+    """The host's time to issue the step over the step's time (each the median of the repeats): near 1, the arm
+    waits on its host, not its GPU, and its ratios follow the host's speed."""
+    host, step = row.get("host_s"), row.get("step_s")
+    return host / step if host and step else None
+
+
+def _host_note(rows: list[dict], arm: str) -> str:
+    """"; host share 0.42" for ``arm``'s row, or "" where the host was not timed (a CPU)."""
+    share = next((host_share(r) for r in rows if r["arm"] == arm and "step_s" in r), None)
+    return f"; host share {share:.2f}" if share is not None else ""
 
 
 def _step(rows: list[dict], arm: str) -> Optional[float]:
@@ -92,7 +129,8 @@ def _ratio_target(arms, limit: float, against: Optional[str] = None) -> Callable
         if best is None or ref is None:
             return None, "not measured"
         ratio = best[1] / ref
-        return ratio <= limit, f"{best[0]} {ratio:.3f}x {'the floor' if against is None else against} (<= {limit})"
+        return ratio <= limit, (f"{best[0]} {ratio:.3f}x {'the floor' if against is None else against} (<= {limit})"
+                                + _host_note(rows, best[0]))
     return check
 
 
@@ -102,7 +140,8 @@ def _speedup_target(arms, over: str, factor: float) -> Callable:
         if best is None or ref is None:
             return None, "not measured"
         speedup = ref / best[1]
-        return speedup >= factor, f"{best[0]} {speedup:.2f}x as fast as {over} (>= {factor})"
+        return speedup >= factor, (f"{best[0]} {speedup:.2f}x as fast as {over} (>= {factor})"
+                                   + _host_note(rows, best[0]))
     return check
 
 
@@ -113,7 +152,7 @@ def _vs_best(arms, against, limit: float) -> Callable:
         if best is None or ref is None:
             return None, "not measured"
         ratio = best[1] / ref[1]
-        return ratio <= limit, f"{best[0]} {ratio:.3f}x {ref[0]} (<= {limit})"
+        return ratio <= limit, f"{best[0]} {ratio:.3f}x {ref[0]} (<= {limit})" + _host_note(rows, best[0])
     return check
 
 
@@ -127,6 +166,19 @@ def _peak_vs(arms, against: str, limit: float) -> Callable:
             return None, "not measured"
         ratio = peak / ref
         return ratio <= limit, f"{best[0]} peak {peak:.1f} GiB, {ratio:.2f}x {against}'s {ref:.1f} (<= {limit})"
+    return check
+
+
+def _peak_plus(arm: str, against: str, extra_gib: float) -> Callable:
+    """A target: ``arm``'s peak memory at most ``against``'s peak + ``extra_gib`` GiB."""
+    def check(rows):
+        peak, ref = (next((r.get("peak_gib") for r in rows if r["arm"] == a and "step_s" in r), None)
+                     for a in (arm, against))
+        if not peak or not ref:
+            return None, "not measured"
+        extra = peak - ref
+        return extra <= extra_gib, (f"{arm} peak {peak:.2f} GiB, {against} {ref:.2f} GiB ({extra:+.2f}, "
+                                    f"<= +{extra_gib})")
     return check
 
 
@@ -186,18 +238,29 @@ def _memory_target(arm: str, extra_gib: float) -> Callable:
     return check
 
 
+# a graphed arm's peak counts from its first warm-up step (bench_model), sits+liger's from its timed steps: the
+# memory bound errs against the default step
+_DEFAULT_PEAK = ("default step peak <= sits+liger peak + 1 GiB", _peak_plus("sits+default", "sits+liger", 1.0))
+_SMALL_SHAPE_TARGETS = [
+    ("best sits bf16 <= 1.10x floor", _ratio_target(BF16_SITS, 1.10)),
+    ("sits+liger peak <= floor peak + 1 GiB", _memory_target("sits+liger", 1.0)),
+    ("sits+compile <= 1.10x frozen+compile", _ratio_target(("sits+compile",), 1.10, "frozen+compile")),
+    ("best sits bf16 >= 1.6x peft+compile", _speedup_target(BF16_SITS, "peft+compile", 1.6)),
+    ("best sits fp8 no slower than best sits bf16", _fp8_vs_bf16),
+    ("best graphed sits <= 1.10x frozen+liger+graph", _ratio_target(GRAPHED_SITS, 1.10, "frozen+liger+graph"))]
 TARGETS = {
     "8b": [("best sits bf16 <= 1.05x floor", _ratio_target(BF16_SITS, 1.05)),
            ("sits+liger peak <= floor peak + 1 GiB", _memory_target("sits+liger", 1.0)),
            ("sits+compile <= 1.05x frozen+compile", _ratio_target(("sits+compile",), 1.05, "frozen+compile")),
            ("best sits fp8 <= 0.80x floor", _ratio_target(FP8_SITS, 0.80)),
-           ("best graphed sits <= 1.05x frozen+liger+graph", _ratio_target(GRAPHED_SITS, 1.05, "frozen+liger+graph"))],
-    "1b": [("best sits bf16 <= 1.10x floor", _ratio_target(BF16_SITS, 1.10)),
-           ("sits+liger peak <= floor peak + 1 GiB", _memory_target("sits+liger", 1.0)),
-           ("sits+compile <= 1.10x frozen+compile", _ratio_target(("sits+compile",), 1.10, "frozen+compile")),
-           ("best sits bf16 >= 1.6x peft+compile", _speedup_target(BF16_SITS, "peft+compile", 1.6)),
-           ("best sits fp8 no slower than best sits bf16", _fp8_vs_bf16),
-           ("best graphed sits <= 1.10x frozen+liger+graph", _ratio_target(GRAPHED_SITS, 1.10, "frozen+liger+graph"))],
+           ("best graphed sits <= 1.05x frozen+liger+graph", _ratio_target(GRAPHED_SITS, 1.05, "frozen+liger+graph")),
+           ("default step <= 1.04x floor", _ratio_target(DEFAULT_SITS, 1.04)), _DEFAULT_PEAK],
+    "1b": _SMALL_SHAPE_TARGETS + [
+        ("default step <= 1.10x floor", _ratio_target(DEFAULT_SITS, 1.10)),
+        ("default step >= 1.8x as fast as peft+compile", _speedup_target(DEFAULT_SITS, "peft+compile", 1.8)),
+        _DEFAULT_PEAK],
+    # the smallest shape: the host's share of a step is largest, and the default step's bound looser
+    "0.5b": _SMALL_SHAPE_TARGETS + [("default step <= 1.15x floor", _ratio_target(DEFAULT_SITS, 1.15)), _DEFAULT_PEAK],
 }
 for _shape in TARGETS:
     TARGETS[_shape] += FOUR_BIT_TARGETS
@@ -238,8 +301,11 @@ def compare(rows: list[dict], baseline: Optional[dict], compile_rows: list[dict]
             checks.append(dict(kind="regression", shape=r["shape"], what=r["arm"], ok=None, detail="no baseline"))
             continue
         limit = base["vs_floor"] * tolerance
-        detail = f"{r['vs_floor']:.3f}x floor, baseline {base['vs_floor']:.3f}x (limit {limit:.3f})"
-        if r.get("host_s") and r.get("step_s") and r["host_s"] >= HOST_BOUND * r["step_s"]:
+        detail = (f"{r['vs_floor']:.3f}x floor, baseline {base['vs_floor']:.3f}x (limit {limit:.3f})"
+                  + _host_note([r], r["arm"]))
+        if r.get("failures"):
+            detail += f"; {r['failures']} of {r['repeats']} runs failed ({r['repeat_errors'][-1]})"
+        if (host_share(r) or 0) >= HOST_BOUND:
             # said, not excused: the verdict stands, and the reader knows which machine fact it rests on
             detail += (f"; host-bound (the host took {r['host_s'] * 1000:.1f} of the step's "
                        f"{r['step_s'] * 1000:.1f} ms): the ratio follows this machine's host speed")
@@ -258,6 +324,65 @@ def compare(rows: list[dict], baseline: Optional[dict], compile_rows: list[dict]
             ok, detail = check(shape_rows)
             checks.append(dict(kind="target", shape=shape, what=what, ok=ok, detail=detail))
     return checks
+
+
+def interleaved(arms: list[str], repeats: int) -> list[tuple[int, str]]:
+    """The order of the runs, (repeat, arm): every arm once, then every arm again, ``repeats`` times, so that a
+    drift of the host (clocks, another tenant, the page cache) falls on every arm alike instead of on the arms
+    run last."""
+    return [(i, arm) for i in range(repeats) for arm in arms]
+
+
+def median_row(shape: str, runs: list[dict]) -> dict:
+    """One (shape, arm)'s runs reduced to one row: step_s, host_s, peak_gib, warmup_s and wall_s the medians of
+    the runs that succeeded (of an even count, the mean of the middle two), never the best; tokens_per_s and
+    host_share from those medians; every run's values kept (repeats_step_s, repeats_host_s, repeats_peak_gib).
+    The other fields (loss, weights, parameter counts) are the first successful run's. The row carries the
+    error only when every run failed; otherwise "failures" counts the failed runs and "repeat_errors" says why."""
+    ok = [r for r in runs if "step_s" in r]
+    errors = [r["error"] for r in runs if "step_s" not in r]
+    if not ok:
+        return {"model": runs[0]["model"], "arm": runs[0]["arm"], "shape": shape, "error": errors[-1],
+                "failures": len(errors), "repeat_errors": errors}
+    row = dict(ok[0])
+
+    def median(key):
+        values = [r[key] for r in ok if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    row.update(shape=shape, step_s=median("step_s"), host_s=median("host_s"), peak_gib=median("peak_gib"),
+               warmup_s=median("warmup_s"), wall_s=median("wall_s"))
+    row["tokens_per_s"] = row["batch"] * row["seq"] / row["step_s"]
+    row["host_share"] = host_share(row)
+    row.update(repeats=len(runs), failures=len(errors), repeats_step_s=[r["step_s"] for r in ok],
+               repeats_host_s=[r.get("host_s") for r in ok], repeats_peak_gib=[r.get("peak_gib") for r in ok])
+    if errors:
+        row["repeat_errors"] = errors
+    return row
+
+
+def reduce_repeats(shape: str, runs: dict[str, list[dict]]) -> list[dict]:
+    """Each arm's runs (``runs``: arm -> its runs so far, in arm order) as its median row, with the ratios to the
+    floor (bench_model.add_floor_ratios) computed on the medians."""
+    rows = [median_row(shape, arm_runs) for arm_runs in runs.values() if arm_runs]
+    add_floor_ratios(rows)
+    return rows
+
+
+def measure_shape(shape: str, spec: dict, arms: list[str], repeats: int,
+                  on_progress: Optional[Callable[[list[dict]], None]] = None, **run_options) -> list[dict]:
+    """Every arm of one shape ``repeats`` times, each run a process of its own (bench_model.run_arm), in the
+    interleaved order; the median rows. ``on_progress`` gets the rows so far after each run."""
+    runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+    rows: list[dict] = []
+    for i, arm in interleaved(arms, repeats):
+        if repeats > 1 and arm == arms[0]:
+            print(f"[regress] {shape}: repeat {i + 1} of {repeats}", flush=True)
+        runs[arm].append(run_arm(spec["model"], arm, layers=spec["layers"], **run_options))
+        rows = reduce_repeats(shape, runs)
+        if on_progress is not None:
+            on_progress(rows)
+    return rows
 
 
 def count_graph_breaks(smoke: bool, timeout_s: float) -> list[dict]:
@@ -312,7 +437,7 @@ def write_baseline(path: str, rows: list[dict], previous: Optional[dict], comman
     rows (a gate split over two device calls, one shape each, builds one baseline; a run of a few arms
     updates those). Each row's ratio is to the floor of its own run."""
     keep = ("shape", "model", "layers", "arm", "batch", "seq", "step_s", "tokens_per_s", "vs_floor", "peak_gib",
-            "weights_gib", "adapted_weight_ratio")
+            "weights_gib", "adapted_weight_ratio", "host_share", "repeats_step_s")
     measured = {(r["shape"], r["arm"]) for r in rows}
     kept = [r for r in (previous or {}).get("rows", []) if (r.get("shape"), r.get("arm")) not in measured]
     # an earlier run stays listed while a row it measured is still in the baseline
@@ -337,11 +462,15 @@ def main(argv=None) -> int:
     parser.add_argument("--write-baseline", default=None, help="also write this run as a baseline to this path")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--arm-timeout", type=float, default=240, help="seconds one arm may take")
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                        help="runs of each arm, interleaved (every arm once, then again); each row is their median")
+    parser.add_argument("--arm-timeout", type=float, default=240, help="seconds one run of an arm may take")
     parser.add_argument("--no-graph-breaks", action="store_true",
                         help="skip counting graph breaks (a call that measures one shape after another call counted them)")
     parser.add_argument("--smoke", action="store_true", help="a CPU, tiny shape (checks the script in about a minute)")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: at least 1")
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     unknown = sorted(set(args.shapes or []) - set(shapes))
     if unknown:
@@ -365,17 +494,12 @@ def main(argv=None) -> int:
               "carry its wheel to the GPU)", flush=True)
         arms = [a for a in arms if "nf4" not in a.split("+")]
     for shape in args.shapes or (list(shapes) if args.smoke else list(DEFAULT_SHAPES)):
-        spec = shapes[shape]
-        shape_rows = []
-        for arm in arms:
-            row = run_arm(spec["model"], arm, warmup=args.warmup, steps=args.steps, smoke=args.smoke,
-                          layers=spec["layers"], timeout_s=args.arm_timeout)
-            row["shape"] = shape
-            shape_rows.append(row)
-            add_floor_ratios(shape_rows)
-            # a call cut short still leaves every finished arm on disk
-            write_results("regress", rows + shape_rows, args.out, {"partial": True, "graph_breaks": compile_rows})
-        rows += shape_rows
+        done = list(rows)  # the shapes measured before this one
+        # a call cut short still leaves every finished run on disk
+        rows += measure_shape(shape, shapes[shape], arms, args.repeats,
+                              lambda shape_rows: write_results("regress", done + shape_rows, args.out,
+                                                               {"partial": True, "graph_breaks": compile_rows}),
+                              warmup=args.warmup, steps=args.steps, smoke=args.smoke, timeout_s=args.arm_timeout)
 
     checks = compare(rows, baseline, compile_rows, {} if args.smoke else TARGETS)
     extra = {"command": "python bench/regress.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -387,7 +511,8 @@ def main(argv=None) -> int:
         _plot(ok_rows, baseline, os.path.join(args.out, "regress.png"))
     if args.write_baseline:
         write_baseline(args.write_baseline, ok_rows, baseline, extra["command"])
-    print_table(ok_rows, ["shape", "arm", "tokens_per_s", "step_s", "vs_floor", "peak_gib", "weights_gib", "warmup_s"])
+    print_table(ok_rows, ["shape", "arm", "tokens_per_s", "step_s", "vs_floor", "host_share", "peak_gib",
+                          "weights_gib", "warmup_s", "failures"])
     failed = [c for c in checks if c["ok"] is False]
     for c in checks:
         mark = {True: "ok  ", False: "FAIL", None: "--  "}[c["ok"]]

@@ -142,15 +142,18 @@ def test_a_baseline_split_over_two_calls_keeps_the_other_shape(tmp_path):
 
 @pytest.mark.slow
 def test_smoke_run_on_the_cpu(tmp_path):
-    """The whole gate on a CPU at a tiny size: arms in their own processes, graph breaks counted, files written."""
+    """The whole gate on a CPU at a tiny size: arms in their own processes, each twice, graph breaks counted, files
+    written."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "regress.py"), "--smoke", "--out",
-                           str(tmp_path), "--arms", "frozen", "sits", "sits+compile"],
+                           str(tmp_path), "--arms", "frozen", "sits+compile", "--repeats", "2"],
                           capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads((tmp_path / "regress.json").read_text())
-    assert [r["arm"] for r in result["rows"]] == ["frozen", "sits", "sits+compile"]
+    assert [r["arm"] for r in result["rows"]] == ["frozen", "sits+compile"]
     assert all(r["tokens_per_s"] > 0 and r["vs_floor"] > 0 for r in result["rows"])
+    assert all(len(r["repeats_step_s"]) == 2 and r["failures"] == 0 for r in result["rows"])
+    assert "repeat 2 of 2" in proc.stdout and "host_share" in proc.stdout
     assert result["rows"][0]["vs_floor"] == 1.0  # frozen is this run's only floor arm (a compiled arm may beat it)
     assert {c["config"]: c["graph_breaks"] for c in result["graph_breaks"]} == {c: 0 for c in regress.GATED_COMPILE_CONFIGS}
     assert (tmp_path / "regress.csv").exists() and (tmp_path / "regress.png").stat().st_size > 1000
@@ -200,3 +203,168 @@ def test_a_graph_arm_without_a_gpu_fails_with_the_reason():
         pytest.skip("the refusal on a machine without a GPU")
     row = bench_module("bench_model").run_arm("tiny", "sits+graph", smoke=True, timeout_s=120)
     assert "needs a CUDA GPU" in row["error"], row
+
+
+def _run(arm, step_s, host_s=None, peak_gib=None, model="1b"):
+    """One run of an arm as bench_model.run_arm returns it (bs 4 x 2048)."""
+    return {"model": model, "arm": arm, "layers": 2, "batch": 4, "seq": 2048, "step_s": step_s, "host_s": host_s,
+            "peak_gib": peak_gib, "warmup_s": 10 * step_s, "wall_s": 30.0, "loss": 12.0}
+
+
+def test_a_row_is_the_median_of_its_repeats_never_the_best():
+    row = regress.median_row("1b", [_run("sits", 1.30, 0.5, 9.0), _run("sits", 1.00, 0.4, 9.2),
+                                    _run("sits", 1.10, 0.6, 9.1)])
+    assert (row["step_s"], row["host_s"], row["peak_gib"]) == (1.10, 0.5, 9.1)   # each its own median
+    assert row["repeats_step_s"] == [1.30, 1.00, 1.10] and row["repeats_host_s"] == [0.5, 0.4, 0.6]
+    assert row["repeats_peak_gib"] == [9.0, 9.2, 9.1]
+    assert row["tokens_per_s"] == pytest.approx(4 * 2048 / 1.10)
+    assert row["host_share"] == pytest.approx(0.5 / 1.10)                         # median host / median step
+    assert row["shape"] == "1b" and row["failures"] == 0 and row["repeats"] == 3 and "error" not in row
+    # an even count: the mean of the middle two; a CPU run has no host time, no peak
+    two = regress.median_row("tiny", [_run("sits", 1.0), _run("sits", 2.0)])
+    assert two["step_s"] == 1.5 and two["host_s"] is None and two["peak_gib"] is None and two["host_share"] is None
+
+
+def test_a_failed_repeat_is_counted_and_only_all_failed_fail_the_row():
+    oom = {"model": "1b", "arm": "sits+liger", "error": "CUDA out of memory"}
+    row = regress.median_row("1b", [_run("sits+liger", 1.2), oom, _run("sits+liger", 1.0)])
+    assert "error" not in row and row["step_s"] == pytest.approx(1.1) and row["repeats_step_s"] == [1.2, 1.0]
+    assert row["failures"] == 1 and row["repeat_errors"] == ["CUDA out of memory"]
+    baseline = {"rows": [dict(row, vs_floor=1.2)]}
+    check = _by_what(regress.compare([dict(row, vs_floor=1.2)], baseline, [], {}), "regression")[("1b", "sits+liger")]
+    assert check["ok"] is True and check["detail"].endswith("; 1 of 3 runs failed (CUDA out of memory)")
+    row = regress.median_row("1b", [oom, dict(oom, error="timed out after 240 s")])
+    assert row["error"] == "timed out after 240 s" and row["failures"] == 2 and "step_s" not in row
+    # a row failed in every run fails its regression check, like a single failed run did
+    check = _by_what(regress.compare([row], None, [], {}), "regression")[("1b", "sits+liger")]
+    assert check["ok"] is False and check["detail"] == "timed out after 240 s"
+
+
+def test_floor_ratios_are_those_of_the_medians():
+    runs = {"frozen": [_run("frozen", 1.0), _run("frozen", 0.5), _run("frozen", 1.2)],   # the best would be 0.5
+            "sits": [_run("sits", 1.1), _run("sits", 1.2), _run("sits", 1.15)],
+            "peft": []}                                                                     # not run yet
+    rows = regress.reduce_repeats("1b", runs)
+    assert [r["arm"] for r in rows] == ["frozen", "sits"]
+    assert rows[0]["vs_floor"] == 1.0 and rows[1]["vs_floor"] == pytest.approx(1.15)
+
+
+def test_repeats_run_interleaved_each_in_its_own_call(monkeypatch):
+    assert regress.interleaved(["a", "b", "c"], 2) == [(0, "a"), (0, "b"), (0, "c"), (1, "a"), (1, "b"), (1, "c")]
+    calls, progress = [], []
+    steps = {"frozen": iter([1.0, 1.2, 1.1]), "sits": iter([1.3, 1.1, 1.2])}
+
+    def fake_run_arm(model, arm, *, layers, **options):
+        calls.append((model, arm, layers, options["steps"]))
+        return _run(arm, next(steps[arm]), model=model)
+
+    monkeypatch.setattr(regress, "run_arm", fake_run_arm)
+    rows = regress.measure_shape("0.5b", regress.SHAPES["0.5b"], ["frozen", "sits"], 3,
+                                 lambda rows: progress.append([r["arm"] for r in rows]), steps=6)
+    assert calls == [("0.5b", arm, 24, 6) for arm in ("frozen", "sits")] * 3
+    assert progress[:2] == [["frozen"], ["frozen", "sits"]] and len(progress) == 6   # on disk after every run
+    assert [(r["arm"], r["step_s"], r["vs_floor"]) for r in rows] == [("frozen", 1.1, 1.0),
+                                                                     ("sits", 1.2, pytest.approx(1.2 / 1.1))]
+
+
+def test_the_repeats_option_reaches_every_arm(monkeypatch, tmp_path):
+    """main() with --repeats 2 (no subprocess: run_arm is replaced): the interleaved order, the medians on disk and
+    host_share in the printed table."""
+    calls = []
+
+    def fake_run_arm(model, arm, **options):
+        calls.append(arm)
+        return _run(arm, {"frozen": 1.0, "sits": 1.2}[arm] * (1 + 0.1 * calls.count(arm)), host_s=0.3, model=model)
+
+    monkeypatch.setattr(regress, "run_arm", fake_run_arm)
+    assert regress.main(["--smoke", "--no-graph-breaks", "--out", str(tmp_path), "--repeats", "2",
+                         "--arms", "frozen", "sits"]) == 0
+    assert calls == ["frozen", "sits", "frozen", "sits"]
+    rows = json.loads((tmp_path / "regress.json").read_text())["rows"]
+    assert [(r["arm"], r["repeats_step_s"]) for r in rows] == [("frozen", [1.1, 1.2]), ("sits", [1.32, 1.44])]
+    assert rows[1]["step_s"] == pytest.approx(1.38) and rows[1]["host_share"] == pytest.approx(0.3 / 1.38)
+
+
+def test_host_share_is_given_next_to_every_ratio():
+    baseline = {"rows": _rows("1b", frozen=1.0, sits=1.2)}
+    now = _rows("1b", frozen=1.0, sits=1.2, peft_compile=2.5)
+    now[1]["host_s"] = 0.3
+    regression = _by_what(regress.compare(now, baseline, [], {}), "regression")[("1b", "sits")]
+    assert regression["detail"] == "1.200x floor, baseline 1.200x (limit 1.260); host share 0.25"
+    targets = _by_what(regress.compare(now, None, [], regress.TARGETS), "target")
+    assert targets[("1b", "best sits bf16 <= 1.10x floor")]["detail"].endswith("(<= 1.1); host share 0.25")
+    assert targets[("1b", "best sits bf16 >= 1.6x peft+compile")]["detail"].endswith("; host share 0.25")
+
+
+def _default_rows(shape, default_s, **peaks):
+    rows = _rows(shape, frozen=1.0, frozen_liger=0.9, peft_compile=2.0, sits_liger=1.0, sits_default=default_s)
+    for row in rows:
+        row["peak_gib"] = peaks.get(row["arm"].replace("+", "_"))
+    return rows
+
+
+@pytest.mark.parametrize("shape, default_s, ok", [
+    ("1b", 0.99, True), ("1b", 1.0, False),          # 1.10 x the floor (frozen+liger, 0.9): 0.99
+    ("0.5b", 1.035, True), ("0.5b", 1.04, False),    # 1.15 x 0.9 = 1.035
+    ("8b", 0.936, True), ("8b", 0.94, False),        # 1.04 x 0.9 = 0.936
+])
+def test_the_default_step_is_bound_by_the_floor_per_shape(shape, default_s, ok):
+    bound = {"1b": "1.10", "0.5b": "1.15", "8b": "1.04"}[shape]
+    checks = _by_what(regress.compare(_default_rows(shape, default_s), None, [], regress.TARGETS), "target")
+    check = checks[(shape, f"default step <= {bound}x floor")]
+    assert check["ok"] is ok and check["detail"].startswith("sits+default ")
+
+
+def test_the_default_step_against_peft_compile_and_the_memory_of_sits_liger():
+    checks = _by_what(regress.compare(_default_rows("1b", 1.1, sits_liger=10.0, sits_default=10.9), None, [],
+                                      regress.TARGETS), "target")
+    speed = checks[("1b", "default step >= 1.8x as fast as peft+compile")]
+    assert speed["ok"] is True and "sits+default 1.82x as fast as peft+compile" in speed["detail"]    # 2.0 / 1.1
+    memory = checks[("1b", "default step peak <= sits+liger peak + 1 GiB")]
+    assert memory["ok"] is True and "sits+default peak 10.90 GiB, sits+liger 10.00 GiB (+0.90" in memory["detail"]
+    checks = _by_what(regress.compare(_default_rows("8b", 1.2, sits_liger=10.0, sits_default=11.2), None, [],
+                                      regress.TARGETS), "target")
+    assert checks[("8b", "default step peak <= sits+liger peak + 1 GiB")]["ok"] is False
+    assert ("8b", "default step >= 1.8x as fast as peft+compile") not in checks   # the 1B shape's target only
+    checks = _by_what(regress.compare(_default_rows("0.5b", 1.2), None, [], regress.TARGETS), "target")
+    assert checks[("0.5b", "default step peak <= sits+liger peak + 1 GiB")]["ok"] is None   # no peaks: a CPU
+    # a run without the arm (a package without default_train_step yet) reports its targets as not measured
+    bare = _by_what(regress.compare(_rows("1b", frozen=1.0, sits=1.1), None, [], regress.TARGETS), "target")
+    assert bare[("1b", "default step <= 1.10x floor")]["ok"] is None
+    assert "sits+default" in regress.ARMS and "sits+default" not in regress.SMOKE_ARMS
+
+
+def test_the_default_arm_refuses_with_its_reason_before_building():
+    """Without sits_lora.training.default_train_step the arm says so; with it, on a CPU, that it needs CUDA. In this
+    process: the refusal comes before the model is built."""
+    import argparse
+
+    import torch
+
+    import sits_lora.training
+
+    if torch.cuda.is_available():
+        pytest.skip("the refusals on a machine without a GPU")
+    args = argparse.Namespace(arm="sits+default", model="tiny", layers=0, batch=2, seq=32, smoke=True)
+    with pytest.raises(SystemExit) as refused:
+        bench_module("bench_model").worker(args)
+    reason = ("needs a CUDA GPU" if hasattr(sits_lora.training, "default_train_step")
+              else "sits_lora.training has no default_train_step")
+    assert reason in str(refused.value)
+
+
+def test_the_half_billion_shape_has_qwen2_5_0_5b_widths():
+    import torch
+    from transformers import LlamaForCausalLM
+
+    config = bench_module("bench_model").llama_config("0.5b")
+    assert config.head_dim == 64 and config.num_hidden_layers == 24 and config.vocab_size == 151936
+    assert (config.num_key_value_heads, config.intermediate_size, config.tie_word_embeddings) == (2, 4864, True)
+    assert config.rope_parameters["rope_theta"] == 1e6 and not config.attention_bias
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    attention = model.model.layers[0].self_attn
+    assert (attention.q_proj.out_features, attention.k_proj.out_features) == (896, 128)   # 14 x 64, 2 x 64
+    # Qwen2.5-0.5B's 494M parameters less its q / k / v biases (24 x (896 + 128 + 128)); the head tied
+    assert sum(p.numel() for p in model.parameters()) == 494_032_768 - 24 * (896 + 128 + 128)
+    assert regress.SHAPES["0.5b"] == {"model": "0.5b", "layers": 24} and "0.5b" not in regress.DEFAULT_SHAPES
