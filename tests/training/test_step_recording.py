@@ -250,3 +250,87 @@ def test_the_trainer_records_its_step_on_fixed_shapes(tmp_path, caplog):
             assert trainer.step_recording.on, trainer.step_recording.reason
             assert trainer._train_step.recorded.replays == 4
     assert losses["auto"] == pytest.approx(losses[False], rel=3e-2)
+
+
+def _trainer_run(tmp_path, record, nan_at=None, nan_policy="skip", steps=5, monkeypatch=None):
+    """A tiny model trained by NativeLoraTrainer on the CPU; ``record``: the trainer's recorded path forced on (its
+    step then runs eagerly: a CPU has no CUDA graphs, everything else is the GPU's path). ``nan_at``: the optimizer
+    step (from 1) whose first trainable gradient is made NaN."""
+    from transformers import TrainingArguments
+
+    import sits_lora.training.trainer as trainer_module
+    from sits_lora import SitsHardwareCallback
+    from sits_lora.training import NativeLoraTrainer
+    from sits_lora.training.recording import RecordingDecision
+
+    if record:
+        monkeypatch.setattr(trainer_module, "decide_recording",
+                            lambda *args, **kwargs: RecordingDecision(True, "on: forced by the test"))
+    gen = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 97, (12,), generator=gen)} for _ in range(4 * steps)]
+    for example in data:
+        example["labels"] = example["input_ids"].clone()
+    model = _adapted()
+    calls = [0]
+    if nan_at is not None:
+        first = next(p for p in model.parameters() if p.requires_grad)
+
+        def poison(grad):
+            calls[0] += 1
+            return grad * float("nan") if calls[0] == nan_at else grad
+
+        first.register_hook(poison)
+    args = TrainingArguments(output_dir=str(tmp_path / f"run-{record}"), max_steps=steps, per_device_train_batch_size=4,
+                             report_to="none", use_cpu=True, save_strategy="no", logging_steps=1, learning_rate=1e-2,
+                             max_grad_norm=1.0, optim="adamw_torch_fused", lr_scheduler_type="linear")
+    trainer = NativeLoraTrainer(model=model, args=args, train_dataset=data, record_step=True if record else False,
+                                callbacks=[SitsHardwareCallback(report=False, nan_policy=nan_policy)])
+    trainer.train()
+    return trainer, model
+
+
+def _assert_trained_alike(a_model, b_model):
+    """The two runs moved the adapters alike: their difference is under 2 % of how far training moved them (Adam
+    turns the two losses' rounding into sign flips of near-zero gradients, so single weights can differ by a step;
+    a step applied in one run and not the other moves every weight)."""
+    start = dict(_adapted().named_parameters())
+    moved = diff = 0.0
+    for (name, a), (_, b) in zip(a_model.named_parameters(), b_model.named_parameters()):
+        if a.requires_grad:
+            moved += (a - start[name]).pow(2).sum().item()
+            diff += (a - b).pow(2).sum().item()
+    assert moved > 0 and diff ** 0.5 <= 0.02 * moved ** 0.5, (diff ** 0.5, moved ** 0.5)
+
+
+def test_the_trainer_s_recorded_path_trains_as_its_eager_path(tmp_path, monkeypatch):
+    """The trainer's recorded path (forced on, run eagerly on the CPU): the same losses, logged gradient norms and
+    learning rates, and the same adapters as the Trainer's own step."""
+    eager, eager_model = _trainer_run(tmp_path, record=False)
+    ours, our_model = _trainer_run(tmp_path, record=True, monkeypatch=monkeypatch)
+    assert ours.step_recording.on and ours._train_step is not None and ours._train_step.recorded is None
+    logged = {name: [[e[k] for k in ("loss", "grad_norm", "learning_rate")] for e in t.state.log_history if "loss" in e]
+              for name, t in (("eager", eager), ("ours", ours))}
+    assert len(logged["ours"]) == 5
+    for mine, theirs in zip(logged["ours"], logged["eager"]):
+        assert mine == pytest.approx(theirs, rel=1e-3)       # the two losses round differently; Adam carries it
+    _assert_trained_alike(eager_model, our_model)
+
+
+def test_a_non_finite_step_under_the_recorded_path_is_skipped_and_counted_one_step_later(tmp_path, monkeypatch,
+                                                                                          caplog):
+    eager, eager_model = _trainer_run(tmp_path, record=False, nan_at=3)
+    with caplog.at_level("WARNING", logger="sits_lora"):
+        ours, our_model = _trainer_run(tmp_path, record=True, nan_at=3, monkeypatch=monkeypatch)
+    assert "optimizer step 3: non-finite gradient in base_model.model.model.layers.0" in caplog.text
+    assert "step skipped on the GPU" in caplog.text
+    counts = [e["nonfinite_steps"] for e in ours.state.log_history if "loss" in e]
+    assert counts[-1] == 1 and counts == [e["nonfinite_steps"] for e in eager.state.log_history if "loss" in e]
+    _assert_trained_alike(eager_model, our_model)                 # both dropped step 3, nothing else
+
+
+def test_raise_under_the_recorded_path_names_the_step_and_the_parameter(tmp_path, monkeypatch):
+    from sits_lora.training import NonFiniteGradientError
+
+    with pytest.raises(NonFiniteGradientError, match=r"optimizer step 2: the gradient of base_model\.model\.model\."
+                                                     r"layers\.0\.\S+ is not finite.*step 3 ran"):
+        _trainer_run(tmp_path, record=True, nan_at=2, nan_policy="raise", monkeypatch=monkeypatch)

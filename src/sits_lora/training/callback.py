@@ -381,10 +381,14 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
         self.resolve_recorded_steps()
         if self.nan_policy == "off":
             return
-        flags = torch.empty(nonfinite.shape, dtype=nonfinite.dtype, pin_memory=True)
-        flags.copy_(nonfinite, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
+        done = None
+        if nonfinite.is_cuda:
+            flags = torch.empty(nonfinite.shape, dtype=nonfinite.dtype, pin_memory=True)
+            flags.copy_(nonfinite, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            flags = nonfinite.clone()
         self._unread_step = (state.global_step + 1, flags, done, names)
 
     def resolve_recorded_steps(self) -> None:
@@ -393,7 +397,8 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
         if unread is None:
             return
         step, flags, done, names = unread
-        done.synchronize()
+        if done is not None:
+            done.synchronize()
         bad = [name for name, flag in zip(names, flags.tolist()) if flag]
         outcome = GuardOutcome(step=step, nonfinite=bool(bad), skipped=bool(bad), bad_parameters=bad)
         self._last_outcome = outcome

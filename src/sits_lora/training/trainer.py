@@ -82,6 +82,9 @@ class NativeLoraTrainer(Trainer):
         return None
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)   # under accelerate's wrapper
+        if self._train_step is not None and self._train_step.optimizer is not optimizer:
+            self.step_recording = self._train_step = None   # another train() made another optimizer: decide again
         if self.step_recording is None:
             self._decide_recording(model, inputs)
         if self._train_step is not None:
@@ -127,6 +130,7 @@ class NativeLoraTrainer(Trainer):
         self._train_step = TrainStep(model, optimizer, max_grad_norm=self.args.max_grad_norm,
                                      nan_policy="off" if callback is None else callback.nan_policy,
                                      loss=causal_lm_loss if supported else self._model_loss,
+                                     record=any(p.is_cuda for p in model.parameters()),
                                      max_graphs=decision.max_graphs)
         # the Trainer's own check of each step's loss (logging_nan_inf_filter) waits for the GPU at every step;
         # the guard already leaves a non-finite step unapplied
