@@ -158,6 +158,13 @@ def test_loss_without_gradients():
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
 
 
+def test_no_rows_give_a_zero_loss_and_an_empty_gradient():
+    hidden = torch.randn(0, 8, requires_grad=True)
+    loss = ops.linear_cross_entropy(hidden, torch.randn(11, 8), torch.zeros(0, dtype=torch.long))
+    loss.backward()
+    assert loss.item() == 0.0 and hidden.grad.shape == (0, 8)
+
+
 def test_chunk_rows_come_from_the_shapes():
     """Chunks under max(hidden's bytes, LOGITS_CHUNK_BYTES) of logits, cut even."""
     assert ce.chunk_rows_for(37, 97, 24, 4) == 37

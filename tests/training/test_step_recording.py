@@ -169,9 +169,30 @@ def test_a_non_finite_gradient_leaves_the_update_undone_and_is_named():
     assert not all(torch.equal(a, b) for a, b in zip(before, params))
 
 
+def test_a_collator_s_batch_encoding_and_fp16_gradients_are_taken():
+    """A BatchEncoding (what transformers' collators return) is a Mapping, not a dict: the step takes it as a dict
+    (a recording's signature describes dicts). fp16 gradients' norms are taken in float32: their squares overflow
+    fp16 while every value is finite."""
+    from transformers import BatchEncoding
+
+    model = _adapted()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
+    step = TrainStep(model, optimizer, record=False)
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(4))
+    assert torch.isfinite(step.run(BatchEncoding({"input_ids": ids, "labels": ids})).loss)
+    from sits_lora.training.step import _per_gradient_norms
+
+    big = [torch.full((64,), 1000.0, dtype=torch.float16), torch.ones(3, dtype=torch.float16)]
+    assert torch.allclose(_per_gradient_norms(big), torch.tensor([8000.0, 3 ** 0.5]))
+
+
 def test_the_step_refuses_bad_arguments():
     model = _adapted()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    with pytest.raises(ValueError, match=r"nan_policy='skip'\) leaves a non-finite step unapplied through the fused "
+                                         r"Adam / AdamW kernels, and the optimizer is AdamW without fused=True: build"):
+        default_train_step(model, optimizer)
+    assert default_train_step(model, optimizer, nan_policy="off").nan_policy == "off"
     with pytest.raises(ValueError, match=r"nan_policy='clamp'\) is invalid: 'skip' or 'off'"):
         default_train_step(model, optimizer, nan_policy="clamp")
     with pytest.raises(ValueError, match=r"max_grad_norm=-1\) is invalid: a number >= 0"):
@@ -300,6 +321,30 @@ def _assert_trained_alike(a_model, b_model):
             moved += (a - start[name]).pow(2).sum().item()
             diff += (a - b).pow(2).sum().item()
     assert moved > 0 and diff ** 0.5 <= 0.02 * moved ** 0.5, (diff ** 0.5, moved ** 0.5)
+
+
+def test_a_loss_of_the_trainer_s_own_keeps_the_model_s_loss(tmp_path):
+    from transformers import TrainingArguments
+
+    from sits_lora.training import NativeLoraTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, label_smoothing_factor=0.1)
+    trainer = NativeLoraTrainer(model=_adapted(), args=args)
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    assert trainer._loss_of_its_own({"input_ids": ids, "labels": ids}) == "label_smoothing_factor=0.1"
+    trainer.args.label_smoothing_factor = 0.0
+    assert trainer._loss_of_its_own({"input_ids": ids, "labels": ids}) == ""
+    assert trainer._loss_of_its_own({"input_ids": ids, "labels": ids, "token_type_ids": ids}) == (
+        "the batches carry token_type_ids")
+    trainer.compute_loss_func = lambda outputs, labels, num_items_in_batch=None: outputs.loss
+    assert trainer._loss_of_its_own({"input_ids": ids, "labels": ids}) == "compute_loss_func is set"
+
+    class Custom(NativeLoraTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    custom = Custom(model=_adapted(), args=args)
+    assert custom._loss_of_its_own({"input_ids": ids, "labels": ids}) == "Custom overrides compute_loss"
 
 
 def test_the_trainer_s_recorded_path_trains_as_its_eager_path(tmp_path, monkeypatch):

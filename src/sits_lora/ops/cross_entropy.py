@@ -158,6 +158,8 @@ def chunk_rows_for(n_rows: int, vocab: int, hidden_size: int, element_size: int)
     """Rows per chunk, from the shapes only: the chunk's logits take at most max(the hidden states' bytes,
     LOGITS_CHUNK_BYTES), and the chunks are cut even (37 rows at most 16 a chunk: 13, 13, 11 rather than
     16, 16, 5)."""
+    if n_rows <= 0:
+        return 1   # no rows: no chunk runs
     budget = max(n_rows * hidden_size * element_size, LOGITS_CHUNK_BYTES)
     most = max(1, min(n_rows, budget // (vocab * element_size)))
     chunks = -(-n_rows // most)

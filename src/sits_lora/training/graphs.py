@@ -159,16 +159,18 @@ class GraphedTrainStep:
 
     # ------------------------------------------------------------------ optimizer settings
     def _optimizer_settings(self) -> dict:
-        """{(optimizer, group, key): value} of the settings a recording bakes in: Python numbers, flags and tuples
-        (a learning rate made a tensor reads "tensor": replays read its value)."""
+        """{(optimizer, group, key): value} of the settings a recording bakes in: Python numbers, flags and tuples;
+        a tensor setting (the learning rate) and the optimizer's state by identity: replays read their values, but a
+        new tensor or state dict (``load_state_dict``) is memory the recording does not know."""
         settings = {}
         for i, optimizer in enumerate(self.optimizers):
+            settings[(i, "state")] = ("state", id(optimizer.state))
             for j, group in enumerate(optimizer.param_groups):
                 for key, value in group.items():
                     if key in ("params", "initial_lr"):
                         continue
                     if isinstance(value, torch.Tensor):
-                        value = "tensor"
+                        value = ("tensor", id(value))
                     if isinstance(value, (bool, int, float, str, tuple, type(None))):
                         settings[(i, j, key)] = value
         return settings
@@ -178,7 +180,7 @@ class GraphedTrainStep:
         if settings == self._settings:
             return
         missing = object()
-        changed = sorted({k[2] for k in set(settings) | set(self._settings)
+        changed = sorted({k[-1] for k in set(settings) | set(self._settings)
                           if settings.get(k, missing) != self._settings.get(k, missing)})
         self._setting_changes += 1
         self.reset()
@@ -330,6 +332,8 @@ class GraphedTrainStep:
                         if isinstance(state.get("step"), torch.Tensor) and state["step"].device != p.device:
                             state["step"] = state["step"].to(p.device, torch.float32)
                 lr = group.get("lr")
+                if isinstance(lr, torch.Tensor) and device is not None and lr.device != device:
+                    lr = float(lr)   # a state dict loaded onto the CPU (the Trainer's resume) brings a CPU tensor
                 if (isinstance(lr, float) and device is not None and device.type == "cuda"
                         and group.get("capturable", False) and _takes_tensor_lr(optimizer)):
                     group["lr"] = torch.tensor(lr, dtype=torch.float32, device=device)

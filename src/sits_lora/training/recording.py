@@ -7,6 +7,7 @@ skip a bad update on the device. Each condition that fails is named with its fix
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -39,7 +40,7 @@ def example_lengths(train_dataset: Any, limit: int = _LENGTH_SAMPLE) -> Optional
     try:
         for i in range(min(len(train_dataset), limit)):
             example = train_dataset[i]
-            ids = example.get("input_ids") if isinstance(example, dict) else None
+            ids = example.get("input_ids") if isinstance(example, Mapping) else None
             if ids is None:
                 return None
             lengths.append(len(ids))
@@ -91,14 +92,21 @@ def _blockers(model: nn.Module, args: Any, optimizer: Any, callback: Any, accele
                      "optimizer step: set it to 1 with a larger per_device_train_batch_size)")
     if getattr(args, "fp16", False):
         found.append("fp16=True (its loss scaler decides on the host each step: use bf16=True)")
-    fused = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and all(
-        g.get("fused") for g in getattr(optimizer, "param_groups", []))
+    if getattr(args, "n_gpu", 1) > 1:
+        found.append(f"n_gpu={args.n_gpu} (DataParallel over several GPUs: run one process per GPU)")
+    if getattr(args, "torch_compile", False):
+        found.append("torch_compile=True (the compiled model records its own CUDA graphs: mode='reduce-overhead')")
+    adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+    fused = adam and all(g.get("fused") for g in getattr(optimizer, "param_groups", []))
     nan_policy = getattr(callback, "nan_policy", "off")
-    if not fused and nan_policy != "off":
-        found.append(f"optimizer {type(optimizer).__name__}"
-                     f"{'' if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) else ' without fused=True'}"
-                     " (the guard skips a bad update on the GPU through the fused Adam / AdamW kernels: "
-                     "optim='adamw_torch_fused', the default)")
+    if not adam:
+        # torch's Adam and AdamW count their steps on the device when capturable; an optimizer that counts them in
+        # Python would replay one step count forever
+        found.append(f"optimizer {type(optimizer).__name__} (recorded: torch's Adam / AdamW; optim="
+                     "'adamw_torch_fused', the default)")
+    elif not fused and nan_policy != "off":
+        found.append(f"optimizer {type(optimizer).__name__} without fused=True (the guard skips a bad update on "
+                     "the GPU through the fused kernels: optim='adamw_torch_fused', the default)")
     if nan_policy == "clamp":
         found.append("nan_policy='clamp' (it clamps on the host, per gradient: use 'skip')")
     if getattr(callback, "detect_nonfinite_activations", False):

@@ -38,7 +38,7 @@ logger = logging.getLogger("sits_lora")
 # are left to their own forward.
 FUSED_LOSS_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # model inputs the fused loss passes to the decoder (others go to the model's own forward)
-_DECODER_INPUTS = ("input_ids", "attention_mask", "position_ids")
+DECODER_INPUTS = ("input_ids", "attention_mask", "position_ids")
 IGNORE_INDEX = -100
 
 
@@ -71,14 +71,14 @@ def causal_lm_loss(model: nn.Module, inputs: dict, num_items_in_batch: Any = Non
     from the decoder's hidden states by the fused linear cross-entropy: no logits tensor, no host sync. Only for
     models :func:`fused_loss_support` accepts."""
     lm = _causal_lm(model)
-    unknown = sorted(set(inputs) - set(_DECODER_INPUTS) - {"labels", "shift_labels"})
+    unknown = sorted(set(inputs) - set(DECODER_INPUTS) - {"labels", "shift_labels"})
     if unknown:
-        raise ValueError(f"causal_lm_loss: inputs {unknown} are not decoder inputs ({', '.join(_DECODER_INPUTS)}) "
+        raise ValueError(f"causal_lm_loss: inputs {unknown} are not decoder inputs ({', '.join(DECODER_INPUTS)}) "
                          "or labels; call the model's own forward for them")
     labels = inputs.get("shift_labels")
     if labels is None:
         labels = torch.nn.functional.pad(inputs["labels"][..., 1:], (0, 1), value=IGNORE_INDEX)
-    decoder_inputs = {k: inputs[k] for k in _DECODER_INPUTS if k in inputs}
+    decoder_inputs = {k: inputs[k] for k in DECODER_INPUTS if k in inputs}
     hidden = lm.model(**decoder_inputs, use_cache=False)[0]
     return linear_cross_entropy(hidden, lm.lm_head.weight, labels, ignore_index=IGNORE_INDEX,
                                 num_items=num_items_in_batch)
@@ -106,6 +106,14 @@ class TrainStep:
         self.max_grad_norm = float(max_grad_norm)
         self.nan_policy = nan_policy
         self.loss = loss or causal_lm_loss
+        if nan_policy not in ("skip", "raise", "off"):
+            raise ValueError(f"TrainStep(nan_policy={nan_policy!r}) is invalid: 'skip', 'raise' or 'off'")
+        if nan_policy != "off" and not _reads_found_inf(optimizer):
+            raise ValueError(
+                f"TrainStep(nan_policy={nan_policy!r}) leaves a non-finite step unapplied through the fused Adam / "
+                f"AdamW kernels, and the optimizer is {type(optimizer).__name__}"
+                f"{' without fused=True' if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) else ''}: "
+                "build it with fused=True (torch.optim.AdamW(params, lr=..., fused=True)), or pass nan_policy='off'")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._named = named
         self.gradient_names: list = []     # the gradients of the last call, in the flags' order
@@ -124,12 +132,14 @@ class TrainStep:
     def run(self, inputs: dict, num_items_in_batch: Any = None) -> StepOutcome:
         if isinstance(num_items_in_batch, (int, float)) and not isinstance(num_items_in_batch, bool):
             # a Python count would be a new recording per value: a 0-dim tensor is an input the replays read
-            num_items_in_batch = torch.tensor(float(num_items_in_batch), device=self._found_inf.device)
+            # (a fill on the device: a copy from the host would wait for the stream)
+            num_items_in_batch = torch.full((), float(num_items_in_batch), device=self._found_inf.device)
         elif torch.is_tensor(num_items_in_batch) and num_items_in_batch.device != self._found_inf.device:
             # counted on the host from the batch: a CPU tensor would make the call unrecordable
             num_items_in_batch = num_items_in_batch.to(self._found_inf.device, non_blocking=True)
         step = self.recorded if self.recorded is not None else self._step
-        return StepOutcome(*step(inputs, num_items_in_batch))
+        # a plain dict: collators hand over a BatchEncoding, which a recording's signature does not describe
+        return StepOutcome(*step(dict(inputs), num_items_in_batch))
 
     def _step(self, inputs: dict, num_items_in_batch: Any) -> tuple:
         loss = self.loss(self.model, inputs, num_items_in_batch)
@@ -173,7 +183,9 @@ def _by_dtype(tensors: list) -> dict:
 
 def _per_gradient_norms(grads: list) -> torch.Tensor:
     """Every gradient's 2-norm as one float32 vector, ``grads`` being sorted by dtype: one foreach launch a dtype."""
-    return torch.cat([torch.stack(torch._foreach_norm(group, 2.0)).float() for group in _by_dtype(grads).values()])
+    # in float32: fp16 gradients' norms overflow their own dtype while every value is finite
+    return torch.cat([torch.stack(torch._foreach_norm(group, 2.0, dtype=torch.float32))
+                      for group in _by_dtype(grads).values()])
 
 
 def _reads_found_inf(optimizer: torch.optim.Optimizer) -> bool:
@@ -193,7 +205,7 @@ def default_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_g
             loss = step(**batch)              # input_ids, attention_mask, labels on the GPU
 
     ``record``: record CUDA graphs (default: on CUDA). ``nan_policy``: "skip" leaves a step with a non-finite
-    gradient unapplied on the GPU (fused Adam / AdamW), "off" applies every step. The loss is the fused
+    gradient unapplied on the GPU (torch's Adam / AdamW with ``fused=True``), "off" applies every step. The loss is the fused
     cross-entropy for the models :func:`fused_loss_support` accepts, else the model's own ``loss``. Batches must
     not pack several sequences into one row nor pad on the left (the recording makes attention causal without a
     mask, as an eager step on such batches does)."""
@@ -221,5 +233,5 @@ def _model_loss(model: nn.Module, inputs: dict, num_items_in_batch: Any = None) 
     return model(**inputs, **kwargs).loss
 
 
-__all__ = ["FUSED_LOSS_MODEL_TYPES", "StepOutcome", "TrainStep", "causal_lm_loss", "default_train_step",
+__all__ = ["DECODER_INPUTS", "FUSED_LOSS_MODEL_TYPES", "StepOutcome", "TrainStep", "causal_lm_loss", "default_train_step",
            "fused_loss_support"]

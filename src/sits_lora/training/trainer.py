@@ -14,6 +14,7 @@ from ..utils.cuda_graphs import first_line
 from .callback import SitsHardwareCallback
 from .graphs import GraphCaptureError
 from .recording import RecordingDecision, decide_recording
+from .step import DECODER_INPUTS, TrainStep, causal_lm_loss, fused_loss_support
 
 logger = logging.getLogger("sits_lora")
 RECORD_STEP_VALUES = ("auto", True, False)
@@ -114,11 +115,12 @@ class NativeLoraTrainer(Trainer):
     # ------------------------------------------------------------------ the recorded optimizer step
 
     def _decide_recording(self, model: nn.Module, inputs: dict) -> None:
-        from .step import TrainStep, causal_lm_loss, fused_loss_support
-
         callback = self.sits_callback()
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)   # under accelerate's wrapper
         supported, why_not_fused = fused_loss_support(model)
+        if supported:
+            why_not_fused = self._loss_of_its_own(inputs)
+            supported = not why_not_fused
         decision = decide_recording(self.record_step, model=model, args=self.args, optimizer=optimizer,
                                     callback=callback, accelerator=self.accelerator,
                                     train_dataset=self.train_dataset, data_collator=self.data_collator,
@@ -129,12 +131,32 @@ class NativeLoraTrainer(Trainer):
             return
         self._train_step = TrainStep(model, optimizer, max_grad_norm=self.args.max_grad_norm,
                                      nan_policy="off" if callback is None else callback.nan_policy,
-                                     loss=causal_lm_loss if supported else self._model_loss,
+                                     loss=self._fused_loss if supported else self._model_loss,
                                      record=any(p.is_cuda for p in model.parameters()),
                                      max_graphs=decision.max_graphs)
         # the Trainer's own check of each step's loss (logging_nan_inf_filter) waits for the GPU at every step;
         # the guard already leaves a non-finite step unapplied
         self.args.logging_nan_inf_filter = False
+
+    def _loss_of_its_own(self, inputs: dict) -> str:
+        """Why this trainer's loss is not the causal LM loss the fused one computes ("" when it is)."""
+        if self.compute_loss_func is not None:
+            return "compute_loss_func is set"
+        if getattr(self.args, "label_smoothing_factor", 0):
+            return f"label_smoothing_factor={self.args.label_smoothing_factor}"
+        if type(self).compute_loss is not Trainer.compute_loss:
+            return f"{type(self).__name__} overrides compute_loss"
+        extra = sorted(set(inputs) - set(DECODER_INPUTS) - {"labels", "shift_labels"})
+        if extra:
+            return f"the batches carry {', '.join(extra)}"
+        if "labels" not in inputs and "shift_labels" not in inputs:
+            return "the batches carry no labels"
+        return ""
+
+    def _fused_loss(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
+        # the autocast accelerate wraps the model's forward in (mixed precision), which the decoder call skips
+        with self.accelerator.autocast():
+            return causal_lm_loss(model, inputs, num_items_in_batch)
 
     def _model_loss(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
         return self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
