@@ -353,6 +353,7 @@ def test_the_trainer_s_recorded_path_trains_as_its_eager_path(tmp_path, monkeypa
     eager, eager_model = _trainer_run(tmp_path, record=False)
     ours, our_model = _trainer_run(tmp_path, record=True, monkeypatch=monkeypatch)
     assert ours.step_recording.on and ours._train_step is not None and ours._train_step.recorded is None
+    assert ours.args.logging_nan_inf_filter is True                 # turned off while training, then put back
     logged = {name: [[e[k] for k in ("loss", "grad_norm", "learning_rate")] for e in t.state.log_history if "loss" in e]
               for name, t in (("eager", eager), ("ours", ours))}
     assert len(logged["ours"]) == 5

@@ -60,6 +60,7 @@ class NativeLoraTrainer(Trainer):
         self.step_recording: Optional[RecordingDecision] = None   # decided at the first training step
         self._train_step = None
         self._recorded_grad_norm = None
+        self._nan_filter_setting = None
         callbacks = list(callbacks or [])
         if not any(isinstance(c, SitsHardwareCallback) or c is SitsHardwareCallback for c in callbacks):
             callbacks.append(SitsHardwareCallback())
@@ -74,6 +75,13 @@ class NativeLoraTrainer(Trainer):
                 if not any(isinstance(c, DynamicRankCallback) or c is DynamicRankCallback for c in callbacks):
                     callbacks.append(DynamicRankCallback())
         super().__init__(*args, callbacks=callbacks, **kwargs)
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self._nan_filter_setting is not None:
+                self.args.logging_nan_inf_filter, self._nan_filter_setting = self._nan_filter_setting, None
 
     def sits_callback(self) -> Optional[SitsHardwareCallback]:
         """The SitsHardwareCallback this trainer runs (the Trainer may replace it when restoring callback state)."""
@@ -135,7 +143,9 @@ class NativeLoraTrainer(Trainer):
                                      record=any(p.is_cuda for p in model.parameters()),
                                      max_graphs=decision.max_graphs)
         # the Trainer's own check of each step's loss (logging_nan_inf_filter) waits for the GPU at every step;
-        # the guard already leaves a non-finite step unapplied
+        # the guard already leaves a non-finite step unapplied. Put back when train() returns.
+        if self._nan_filter_setting is None:
+            self._nan_filter_setting = self.args.logging_nan_inf_filter
         self.args.logging_nan_inf_filter = False
 
     def _loss_of_its_own(self, inputs: dict) -> str:
