@@ -180,10 +180,10 @@ def test_a_collator_s_batch_encoding_and_fp16_gradients_are_taken():
     step = TrainStep(model, optimizer, record=False)
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(4))
     assert torch.isfinite(step.run(BatchEncoding({"input_ids": ids, "labels": ids})).loss)
-    from sits_lora.training.step import _per_gradient_norms
+    from sits_lora.training.step import gradient_norms
 
     big = [torch.full((64,), 1000.0, dtype=torch.float16), torch.ones(3, dtype=torch.float16)]
-    assert torch.allclose(_per_gradient_norms(big), torch.tensor([8000.0, 3 ** 0.5]))
+    assert torch.allclose(gradient_norms({torch.float16: big}), torch.tensor([8000.0, 3 ** 0.5]))
 
 
 def test_the_step_refuses_bad_arguments():

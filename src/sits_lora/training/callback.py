@@ -402,27 +402,15 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
         bad = [name for name, flag in zip(names, flags.tolist()) if flag]
         outcome = GuardOutcome(step=step, nonfinite=bool(bad), skipped=bool(bad), bad_parameters=bad)
         self._last_outcome = outcome
-        if not bad:
-            self.consecutive_nonfinite = 0
-            return
-        self.nonfinite_steps += 1
-        self.consecutive_nonfinite += 1
-        if self.nan_policy == "raise":
+        if bad and self.nan_policy == "raise":
+            self.nonfinite_steps += 1
             raise NonFiniteGradientError(
                 f"optimizer step {step}: the gradient of {bad[0]} is not finite"
                 f"{f', and {len(bad) - 1} other parameter(s) too' if len(bad) > 1 else ''}. Its update was left "
                 f"undone on the GPU (nan_policy='raise' under a recorded step: the host reads each step's flags one "
                 f"step later, so step {step + 1} ran). Fix: lower learning_rate, set max_grad_norm, check this step's "
                 f"batch, or use nan_policy='skip' to drop such steps and keep training.")
-        logger.warning("sits_lora: optimizer step %d: non-finite gradient in %s (%d parameter(s)); step skipped on the "
-                       "GPU (nan_policy=%r, %d such steps so far).", step, bad[0], len(bad), self.nan_policy,
-                       self.nonfinite_steps)
-        if self.max_consecutive_nonfinite is not None and self.consecutive_nonfinite >= self.max_consecutive_nonfinite:
-            raise NonFiniteGradientError(
-                f"optimizer step {step}: {self.consecutive_nonfinite} optimizer steps in a row had non-finite "
-                f"gradients (last: {bad[0]}); the run has diverged. Fix: lower learning_rate, set max_grad_norm, check "
-                f"the data, or resume from an earlier checkpoint. SitsHardwareCallback(max_consecutive_nonfinite=None) "
-                f"never stops.")
+        self._count(outcome, "step skipped on the GPU")
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._step_started = time.perf_counter()
@@ -532,13 +520,18 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
         self._last_outcome = outcome
         if outcome.clamped_values:
             self.clamped_values += outcome.clamped_values
+        self._count(outcome, "step skipped" if outcome.skipped else f"{outcome.clamped_values} values clamped")
+
+    def _count(self, outcome: GuardOutcome, action: str) -> None:
+        """Count a guarded step (eager or recorded): a non-finite one is warned about, and the run stops after
+        ``max_consecutive_nonfinite`` of them in a row."""
         if not outcome.nonfinite:
             self.consecutive_nonfinite = 0
             return
+        step = outcome.step
         self.nonfinite_steps += 1
         self.consecutive_nonfinite += 1
         first = outcome.bad_parameters[0] if outcome.bad_parameters else "a parameter on another rank"
-        action = "step skipped" if outcome.skipped else f"{outcome.clamped_values} values clamped"
         logger.warning("sits_lora: optimizer step %d: non-finite gradient in %s (%d parameter(s)); %s "
                        "(nan_policy=%r, %d such steps so far).", step, first, len(outcome.bad_parameters), action,
                        self.nan_policy, self.nonfinite_steps)

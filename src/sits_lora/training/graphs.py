@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from ..utils.cast_copies import note_replayed_weight_writes
-from ..utils.cuda_graphs import (AdapterState, NotGraphable, copy_output, describe_call, first_line, capture_or_undo,
+from ..utils.cuda_graphs import (AdapterState, NotGraphable, capture_or_undo, copy_output, describe_call, first_line,
                                  run_on_side_stream, substitute)
 
 logger = logging.getLogger("sits_lora")

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..dynamic_rank.budget import dynamic_rank_layers
+from .step import skips_updates_on_device
 
 # examples looked at to tell fixed from varying lengths (the dataset is not read whole)
 _LENGTH_SAMPLE = 64
@@ -97,7 +98,7 @@ def _blockers(model: nn.Module, args: Any, optimizer: Any, callback: Any, accele
     if getattr(args, "torch_compile", False):
         found.append("torch_compile=True (the compiled model records its own CUDA graphs: mode='reduce-overhead')")
     adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
-    fused = adam and all(g.get("fused") for g in getattr(optimizer, "param_groups", []))
+    fused = adam and skips_updates_on_device(optimizer)
     nan_policy = getattr(callback, "nan_policy", "off")
     if not adam:
         # torch's Adam and AdamW count their steps on the device when capturable; an optimizer that counts them in

@@ -108,7 +108,8 @@ class TrainStep:
         self.loss = loss or causal_lm_loss
         if nan_policy not in ("skip", "raise", "off"):
             raise ValueError(f"TrainStep(nan_policy={nan_policy!r}) is invalid: 'skip', 'raise' or 'off'")
-        if nan_policy != "off" and not _reads_found_inf(optimizer):
+        self._guarded = nan_policy != "off"
+        if self._guarded and not skips_updates_on_device(optimizer):
             raise ValueError(
                 f"TrainStep(nan_policy={nan_policy!r}) leaves a non-finite step unapplied through the fused Adam / "
                 f"AdamW kernels, and the optimizer is {type(optimizer).__name__}"
@@ -151,24 +152,23 @@ class TrainStep:
         # grouped by dtype (one foreach launch a group); the flags and the names follow this order
         with_grad.sort(key=lambda item: str(item[1].dtype))
         self.gradient_names = [n for n, _ in with_grad]
-        grads = [g for _, g in with_grad]
-        norms = _per_gradient_norms(grads)                         # float32, one per gradient
+        groups = _by_dtype([g for _, g in with_grad])
+        norms = gradient_norms(groups)                               # float32, one a gradient
         total = torch.linalg.vector_norm(norms)
         nonfinite = ~torch.isfinite(norms)
         if self.max_grad_norm > 0:
             # clip_grad_norm_'s factor without its host check; a non-finite total makes it NaN, and that update
             # is skipped below
             factor = (self.max_grad_norm / (total + 1e-6)).clamp(max=1.0)
-            for dtype, group in _by_dtype(grads).items():
-                torch._foreach_mul_(group, factor.to(dtype))
-        guarded = self.nan_policy != "off" and _reads_found_inf(self.optimizer)
-        if guarded:
+            for group in groups.values():
+                torch._foreach_mul_(group, factor)
+        if self._guarded:
             self._found_inf.copy_((~torch.isfinite(total)).float())
             self.optimizer.found_inf = self._found_inf
         try:
             self.optimizer.step()
         finally:
-            if guarded:
+            if self._guarded:
                 del self.optimizer.found_inf
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach(), total, nonfinite
@@ -181,14 +181,13 @@ def _by_dtype(tensors: list) -> dict:
     return groups
 
 
-def _per_gradient_norms(grads: list) -> torch.Tensor:
-    """Every gradient's 2-norm as one float32 vector, ``grads`` being sorted by dtype: one foreach launch a dtype."""
-    # in float32: fp16 gradients' norms overflow their own dtype while every value is finite
-    return torch.cat([torch.stack(torch._foreach_norm(group, 2.0, dtype=torch.float32))
-                      for group in _by_dtype(grads).values()])
+def gradient_norms(groups: dict) -> torch.Tensor:
+    """Every gradient's 2-norm as one float32 vector, from {dtype: gradients} (one foreach launch a dtype), in
+    the groups' order. In float32: fp16 gradients' norms overflow their own dtype while every value is finite."""
+    return torch.cat([torch.stack(torch._foreach_norm(group, 2.0, dtype=torch.float32)) for group in groups.values()])
 
 
-def _reads_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+def skips_updates_on_device(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` skips its update on the device when ``found_inf`` is set: torch's fused Adam and
     AdamW (the other implementations refuse the argument)."""
     return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and all(
@@ -205,8 +204,8 @@ def default_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_g
             loss = step(**batch)              # input_ids, attention_mask, labels on the GPU
 
     ``record``: record CUDA graphs (default: on CUDA). ``nan_policy``: "skip" leaves a step with a non-finite
-    gradient unapplied on the GPU (torch's Adam / AdamW with ``fused=True``), "off" applies every step. The loss is the fused
-    cross-entropy for the models :func:`fused_loss_support` accepts, else the model's own ``loss``. Batches must
+    gradient unapplied on the GPU (torch's Adam / AdamW with ``fused=True``), "off" applies every step. The loss
+    is the fused cross-entropy for the models :func:`fused_loss_support` accepts, else the model's own ``loss``. Batches must
     not pack several sequences into one row nor pad on the left (the recording makes attention causal without a
     mask, as an eager step on such batches does)."""
     if nan_policy not in ("skip", "off"):
@@ -233,5 +232,5 @@ def _model_loss(model: nn.Module, inputs: dict, num_items_in_batch: Any = None) 
     return model(**inputs, **kwargs).loss
 
 
-__all__ = ["DECODER_INPUTS", "FUSED_LOSS_MODEL_TYPES", "StepOutcome", "TrainStep", "causal_lm_loss", "default_train_step",
-           "fused_loss_support"]
+__all__ = ["DECODER_INPUTS", "FUSED_LOSS_MODEL_TYPES", "StepOutcome", "TrainStep", "causal_lm_loss",
+           "default_train_step", "fused_loss_support", "gradient_norms", "skips_updates_on_device"]
