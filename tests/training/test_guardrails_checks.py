@@ -204,6 +204,21 @@ def test_plan_parts_and_options():
     assert json.loads(json.dumps(plan.to_dict()))["total"] == plan.total
 
 
+def test_plan_of_the_fused_loss_holds_one_chunk_of_logits_and_the_input_gradient():
+    from sits_lora.ops.cross_entropy import chunk_rows_for
+
+    model = llama("sits", False)
+    plan = plan_memory(model, 2, 128)
+    fused = plan_memory(model, 2, 128, fused_loss=True)
+    T, h, V = 2 * 128, model.config.hidden_size, model.config.vocab_size
+    a = 2   # bf16 activations
+    assert fused.logits_and_loss == a * T * h + a * chunk_rows_for(T, V, h, a) * V + 4 * T
+    assert fused.loss == "fused" and plan.loss == "model"
+    assert fused.total < plan.total and fused.frozen_weights == plan.frozen_weights
+    assert "sits_lora's fused linear cross-entropy" in fused.table()
+    assert "fp32 cross-entropy buffers" in plan.table()
+
+
 def test_plan_on_meta_device_for_full_size_shapes():
     """A plan needs no memory: Llama-3-8B shapes on the meta device (the probes run on meta tensors too)."""
     from peft import get_peft_model

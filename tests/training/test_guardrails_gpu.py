@@ -55,8 +55,13 @@ def test_hardware_is_measured_and_cached(tmp_path):
     print("\n" + first.table())
 
 
-@pytest.mark.parametrize("gc", [False, True], ids=["no-gc", "gc"])
-def test_plan_within_15_percent_of_cuda_peak(tmp_path, gc):
+@pytest.mark.parametrize("gc, record_step", [
+    (False, False),
+    pytest.param(False, "auto", marks=pytest.mark.xfail(strict=True, reason=(
+        "the recorded step peaks above its plan (the fused loss planned, the recording's own memory not): "
+        "docs/training-step.md, 'Not done yet'"))),
+    (True, "auto")], ids=["eager", "recorded", "gc"])
+def test_plan_within_15_percent_of_cuda_peak(tmp_path, gc, record_step):
     from transformers import TrainerCallback
 
     peaks = []
@@ -77,9 +82,11 @@ def test_plan_within_15_percent_of_cuda_peak(tmp_path, gc):
     before = torch.cuda.memory_allocated()
     callback = SitsHardwareCallback(report=False)
     trainer = NativeLoraTrainer(model=_model(), args=_args(tmp_path, max_steps=3, gradient_checkpointing=gc),
-                                train_dataset=_dataset(), callbacks=[callback, Peak()])
+                                train_dataset=_dataset(), callbacks=[callback, Peak()], record_step=record_step)
     trainer.train()
-    plan = callback.memory_plan
+    assert trainer.step_recording.on == (record_step == "auto" and not gc)
+    plan = callback.memory_plan                  # the recorded step's loss is the fused one, and so is its plan
+    assert plan.loss == ("fused" if trainer.step_recording.on else "model")
     peak = max(peaks) - before
     assert abs(plan.total / peak - 1) < 0.15, (plan.table(), peak / 2**30, before / 2**30)
     rank = next(r for r in callback.results if r.name == "rank")
@@ -87,6 +94,38 @@ def test_plan_within_15_percent_of_cuda_peak(tmp_path, gc):
     print("\n" + plan.table() + f"\nmeasured peak {peak / 2**30:.2f} GiB ({before / 2**30:.2f} GiB held before it); "
           "rank ceilings "
           + ", ".join(f"{row['example'].rsplit('.', 1)[-1]} {row['ceiling']}" for row in rank.details["layers"]))
+
+
+def test_a_recorded_step_with_a_non_finite_loss_is_left_unapplied(tmp_path):
+    """The recorded step's guard: a NaN that enters on the GPU during a replay (a device tensor the recording reads,
+    set between steps) leaves that step's update undone on the device, and is counted."""
+    from transformers import TrainerCallback
+
+    model = _model()
+    fault = torch.zeros((), device="cuda", dtype=torch.bfloat16)
+    model.base_model.model.model.layers[3].mlp.register_forward_hook(lambda module, args, output: output + fault)
+    snapshots = []
+
+    class Faults(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            fault.fill_(float("nan") if state.global_step + 1 == 4 else 0.0)   # step 4: a replay
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            snapshots.append(trainable_state(model))
+
+    callback = SitsHardwareCallback(report=False, nan_policy="skip")
+    trainer = NativeLoraTrainer(model=model, args=_args(tmp_path, max_steps=5), train_dataset=_dataset(),
+                                callbacks=[callback, Faults()])
+    trainer.train()
+    assert trainer.step_recording.on and trainer._train_step.recorded.replays >= 2
+    assert trainer.state.global_step == 5 and callback.nonfinite_steps == 1
+    names = list(snapshots[0])
+    for name in names:
+        assert all(torch.isfinite(s[name]).all() for s in snapshots), name
+        assert torch.equal(snapshots[3][name], snapshots[2][name]), name           # step 4 applied nothing
+    assert any(not torch.equal(snapshots[4][n], snapshots[3][n]) for n in names)   # step 5 did
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    assert {int(state["step"]) for state in optimizer.state.values()} == {4}
 
 
 def test_skip_on_device_equals_run_without_those_updates(tmp_path):

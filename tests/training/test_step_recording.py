@@ -55,7 +55,8 @@ def test_batch_shapes_fixed_bucketed_varying_and_unknown():
     assert fixed is None and "not known ahead" in detail
 
 
-def _decide(model, requested="auto", optimizer=None, nan_policy="skip", dataset=None, inputs=None, **args):
+def _decide(model, requested="auto", optimizer=None, nan_policy="skip", dataset=None, inputs=None, callbacks=(),
+            **args):
     arguments = dict(world_size=1, gradient_accumulation_steps=1, fp16=False, gradient_checkpointing=False)
     arguments.update(args)
     optimizer = optimizer or torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=True)
@@ -64,7 +65,7 @@ def _decide(model, requested="auto", optimizer=None, nan_policy="skip", dataset=
     return decide_recording(requested, model=model, args=types.SimpleNamespace(**arguments), optimizer=optimizer,
                             callback=callback, accelerator=accelerator, train_dataset=dataset or _Blocks([16] * 4),
                             data_collator=None, inputs=inputs or {"input_ids": torch.zeros(2, 16, dtype=torch.long)},
-                            fused_loss=fused_loss_support(model))
+                            fused_loss=fused_loss_support(model), callbacks=callbacks)
 
 
 def test_the_decision_names_each_blocker_and_its_fix(monkeypatch):
@@ -93,6 +94,32 @@ def test_the_decision_names_each_blocker_and_its_fix(monkeypatch):
     right = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "attention_mask": torch.tensor([[1, 1, 1, 0]] * 2)}
     assert _decide(model, inputs=right).on
     assert "vary" in _decide(model, dataset=_Blocks([3, 30])).reason
+
+
+def test_callbacks_on_the_optimizer_step_and_gradient_hooks_are_blockers(monkeypatch):
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import DefaultFlowCallback, PrinterCallback
+
+    class Snapshot(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            pass
+
+    class Logs(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            pass
+
+    model = _adapted()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert _decide(model, callbacks=[DefaultFlowCallback(), PrinterCallback(), Logs()]).on
+    reason = _decide(model, callbacks=[Logs(), Snapshot()]).reason
+    assert reason.startswith("off: callback Snapshot.on_pre_optimizer_step (") and "on_step_end" in reason
+    name, param = next((n, p) for n, p in model.named_parameters() if p.requires_grad)
+    handle = param.register_hook(lambda grad: grad)
+    reason = _decide(model).reason
+    assert reason.startswith(f"off: gradient hooks on {name} (") and "replays" in reason
+    handle.remove()
+    assert _decide(model).on
 
 
 def test_fused_loss_support_names_what_it_does_not_cover():
@@ -354,6 +381,8 @@ def test_the_trainer_s_recorded_path_trains_as_its_eager_path(tmp_path, monkeypa
     ours, our_model = _trainer_run(tmp_path, record=True, monkeypatch=monkeypatch)
     assert ours.step_recording.on and ours._train_step is not None and ours._train_step.recorded is None
     assert ours.args.logging_nan_inf_filter is True                 # turned off while training, then put back
+    plans = {name: t.sits_callback().memory_plan for name, t in (("eager", eager), ("ours", ours))}
+    assert plans["eager"].loss == "model" and plans["ours"].loss == "fused"   # the plan follows the loss that runs
     logged = {name: [[e[k] for k in ("loss", "grad_norm", "learning_rate")] for e in t.state.log_history if "loss" in e]
               for name, t in (("eager", eager), ("ours", ours))}
     assert len(logged["ours"]) == 5

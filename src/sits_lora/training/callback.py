@@ -172,6 +172,7 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
         self.first_nonfinite_module: Optional[str] = None
         self.hardware: Optional[HardwareReport] = None
         self.memory_plan: Optional[MemoryPlan] = None
+        self._plan_inputs: Optional[tuple] = None   # (batch, seq_len, plan_memory kwargs) of the plan at train begin
         self.results: list[ConstraintResult] = []
         self._guard = GradientGuard(nan_policy, self.nan_clamp_value)
         self._watch: Optional[ActivationWatch] = None
@@ -282,6 +283,7 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
         results: list[ConstraintResult] = []
         plan_error = ""
         self.memory_plan = None
+        self._plan_inputs = (batch, seq_len, plan_kwargs) if seq_len else None
         if seq_len:
             try:
                 self.memory_plan = plan_memory(model, batch, seq_len, **plan_kwargs)
@@ -370,6 +372,18 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
         self._check_activations(state)
         if sync:
             self._guard_step(state)
+
+    def plan_fused_loss(self, model: nn.Module) -> None:
+        """Called by NativeLoraTrainer when its recorded step computes the loss with the fused linear cross-entropy:
+        ``memory_plan`` becomes that step's. The check at train begin planned the model's own loss, the larger."""
+        if self._plan_inputs is None or self.memory_plan is None:
+            return
+        batch, seq_len, plan_kwargs = self._plan_inputs
+        try:
+            self.memory_plan = plan_memory(model, batch, seq_len, **plan_kwargs, fused_loss=True)
+        except Exception as error:  # a plan must never stop training by itself
+            logger.warning("sits_lora: plan_memory failed for the fused loss (%s: %s); the plan keeps the model's "
+                           "loss", type(error).__name__, error)
 
     def after_recorded_step(self, state, nonfinite: torch.Tensor, names: list) -> None:
         """Called by NativeLoraTrainer after a recorded optimizer step (sits_lora.training.step), which guarded its

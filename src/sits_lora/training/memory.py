@@ -29,7 +29,9 @@ size, V vocabulary, H / KV query / key-value heads of size d, a the activation e
 - logits and loss: transformers upcasts the logits to fp32 for the cross-entropy; at the start of
   backward the saved log-softmax, its incoming gradient and the gradient it produces are three
   fp32 T x V buffers (12·T·V), on top of every saved activation: that is the peak. Liger's fused
-  linear cross-entropy holds its input's gradient (a·T·h) and one chunk of about T x h logits instead.
+  linear cross-entropy holds its input's gradient (a·T·h) and one chunk of about T x h logits instead;
+  sits_lora's (``ops.linear_cross_entropy``, the loss of the recorded default step) the same gradient and one
+  chunk of logits as ``chunk_rows_for`` cuts it.
 
 Adapted layers are probed, not assumed: one forward of each distinct layer on 16 and 32 tokens
 under ``torch.autograd.graph.saved_tensors_hooks`` records what it saves for backward (its own
@@ -55,6 +57,7 @@ from ..activations.offload import offloads_activations, offloads_checkpoints
 from ..activations.selective import is_selective
 from ..activations.tiled_mlp import mlp_tile_tokens as mlp_tile_tokens_of
 from ..bases.int4 import Int4BaseLinear
+from ..ops.cross_entropy import chunk_rows_for
 from ..utils.model_structure import decoder_layers, stored_bytes, text_config, unwrap_model  # noqa: F401 (re-exported)
 
 
@@ -113,6 +116,13 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     # pinned host memory the offloaded checkpoints take (not part of ``total``, which is the device's)
     host_offload: int = 0
+    # which cross-entropy the plan holds: "model" (the logits in fp32), "liger" or "fused" (sits_lora's)
+    loss: str = "model"
+
+    @property
+    def loss_note(self) -> str:
+        return {"model": "  (fp32 cross-entropy buffers)", "liger": "  (Liger's fused linear cross-entropy)",
+                "fused": "  (sits_lora's fused linear cross-entropy)"}.get(self.loss, "")
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -133,7 +143,7 @@ class MemoryPlan:
             ("activations", self.activations,
              f"  ({self.layers} layers, {format_bytes(self.activations_per_layer)} each without checkpointing; "
              f"checkpointing: {self.gradient_checkpointing})"),
-            ("logits and loss", self.logits_and_loss, "  (fp32 cross-entropy buffers)"),
+            ("logits and loss", self.logits_and_loss, self.loss_note),
             ("total at peak", self.total, ""),
         ]
         if self.host_offload:
@@ -375,6 +385,7 @@ def plan_memory(
     liger: Optional[bool] = None,
     mlp_tile_tokens: Optional[int] = None,
     offloaded_layers: Optional[Sequence[int]] = None,
+    fused_loss: bool = False,
 ) -> MemoryPlan:
     """Predict the peak device memory of one LoRA training step of ``model`` (see the module docstring).
 
@@ -400,6 +411,8 @@ def plan_memory(
             number tiled by that many tokens.
         offloaded_layers: None plans the layers whose saved tensors go to the host as the model has them
             (``enable_activation_offload``); a list of decoder layer indices plans those instead.
+        fused_loss: True plans the loss as sits_lora's fused linear cross-entropy (what NativeLoraTrainer's
+            recorded step runs: ``trainer.step_recording``); False as the model computes it.
 
     Raises:
         UnsupportedModelError: the model has no decoder blocks with self_attn.{q,k,v,o}_proj and
@@ -666,17 +679,22 @@ def plan_memory(
             outside += extra
     activations = saved_blocks + outside
 
-    if liger_loss:
-        # Liger's fused linear cross-entropy never holds the T x V logits: it computes the gradient of its
-        # input in forward (T x h, kept for backward) one chunk of about T x h logits at a time
+    if fused_loss:
+        # sits_lora's fused linear cross-entropy never holds the T x V logits: it computes the gradient of its
+        # input in forward (T x h, kept for backward) one chunk of logits at a time
+        loss = a * T * h + a * chunk_rows_for(T, V, h, a) * V + 4 * T
+    elif liger_loss:
+        # Liger's does the same with chunks of about T x h logits
         rows = -(-T // -(-V // h))
         chunk = min(1 << (rows - 1).bit_length(), T)
         loss = a * T * h + a * chunk * V + 4 * T
+    else:
+        loss = 12.0 * T * V
+    if liger_loss:
         # Liger's SwiGLU backward writes its gradients over the saved gate and up: one T x I gradient and a few
         # T x h ones at a time
         transient = a * T * I + 3 * a * T * h
     else:
-        loss = 12.0 * T * V
         # One layer's backward holds about four T x I tensors of gradients at once (of the MLP output,
         # the activation, the up projection, and the down projection's input): fitted to the peaks a
         # tensor tracker measured on the CPU. Under checkpointing the layer's recomputed saves add to it.
@@ -704,6 +722,7 @@ def plan_memory(
         activations_per_layer=int(max(per_block_full)), grads_at_peak=grads_at_peak, notes=notes,
         host_offload=int(resid * T * h * n_offloaded
                          + sum(full for full, off in zip(per_block_full, host_blocks) if off)),
+        loss="fused" if fused_loss else ("liger" if liger_loss else "model"),
     )
 
 

@@ -79,7 +79,31 @@ def batch_shapes(train_dataset: Any, data_collator: Any) -> tuple[Optional[bool]
                    "buckets (pad_to_multiple_of), or pack the text into fixed-length blocks"), 2
 
 
-def _blockers(model: nn.Module, args: Any, optimizer: Any, callback: Any, accelerator: Any) -> list:
+def _optimizer_step_callbacks(callbacks: Any, callback: Any) -> list:
+    """The names of the callbacks, other than transformers' own and sits_lora's, that act on the optimizer step:
+    under a recorded step they would find it applied already and the gradients gone."""
+    from transformers import TrainerCallback
+
+    names = []
+    for cb in callbacks or ():
+        if cb is callback or type(cb).__module__.split(".")[0] == "transformers":
+            continue
+        hooks = [hook for hook in ("on_pre_optimizer_step", "on_optimizer_step")
+                 if getattr(type(cb), hook, None) is not getattr(TrainerCallback, hook)]
+        if hooks:
+            names.append(f"{type(cb).__name__}.{'/'.join(hooks)}")
+    return names
+
+
+def _gradient_hooks(model: nn.Module) -> list:
+    """The trainable parameters with hooks on their gradient (register_hook, register_post_accumulate_grad_hook):
+    a recording runs their Python once, and its replays repeat what that run did."""
+    return [name for name, p in model.named_parameters()
+            if p.requires_grad and (getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None))]
+
+
+def _blockers(model: nn.Module, args: Any, optimizer: Any, callback: Any, accelerator: Any,
+              callbacks: Any = ()) -> list:
     """Every condition, other than the batch shapes, that keeps the step from being recorded, each with its fix."""
     found = []
     params = [p for p in model.parameters() if p.requires_grad]
@@ -126,6 +150,15 @@ def _blockers(model: nn.Module, args: Any, optimizer: Any, callback: Any, accele
         checkpointing = getattr(args, "gradient_checkpointing", False)
     if checkpointing:
         found.append("gradient checkpointing (its recomputation is not recorded yet)")
+    hooked = _optimizer_step_callbacks(callbacks, callback)
+    if hooked:
+        found.append(f"callback {', '.join(hooked)} (the recorded step applies the update inside training_step, so "
+                     "it would find the step done and the gradients gone: move it to on_step_end)")
+    hooked = _gradient_hooks(model)
+    if hooked:
+        more = f" and {len(hooked) - 2} more" if len(hooked) > 2 else ""
+        found.append(f"gradient hooks on {', '.join(hooked[:2])}{more} (a recording runs their Python once and "
+                     "replays what it did)")
     return found
 
 
@@ -146,12 +179,12 @@ def _pads_only_on_the_right(inputs: dict) -> tuple[bool, str]:
 
 def decide_recording(requested, *, model: nn.Module, args: Any, optimizer: Any, callback: Any, accelerator: Any,
                      train_dataset: Any, data_collator: Any, inputs: dict,
-                     fused_loss: tuple[bool, str]) -> RecordingDecision:
+                     fused_loss: tuple[bool, str], callbacks: Any = ()) -> RecordingDecision:
     """Whether NativeLoraTrainer(record_step=``requested``) records (module docstring). ``requested`` True raises
     ValueError naming every condition that fails."""
     if requested is False:
         return RecordingDecision(False, "off (record_step=False): eager steps")
-    blockers = _blockers(model, args, optimizer, callback, accelerator)
+    blockers = _blockers(model, args, optimizer, callback, accelerator, callbacks)
     fixed, shapes, graphs = batch_shapes(train_dataset, data_collator)
     if fixed is False:
         blockers.append(shapes)

@@ -132,7 +132,8 @@ class NativeLoraTrainer(Trainer):
         decision = decide_recording(self.record_step, model=model, args=self.args, optimizer=optimizer,
                                     callback=callback, accelerator=self.accelerator,
                                     train_dataset=self.train_dataset, data_collator=self.data_collator,
-                                    inputs=inputs, fused_loss=(supported, why_not_fused))
+                                    inputs=inputs, fused_loss=(supported, why_not_fused),
+                                    callbacks=self.callback_handler.callbacks)
         self.step_recording = decision
         logger.warning("sits_lora: step recording %s", decision.reason)
         if not decision.on:
@@ -142,6 +143,8 @@ class NativeLoraTrainer(Trainer):
                                      loss=self._fused_loss if supported else self._model_loss,
                                      record=any(p.is_cuda for p in model.parameters()),
                                      max_graphs=decision.max_graphs)
+        if supported and callback is not None:
+            callback.plan_fused_loss(model)
         # the Trainer's own check of each step's loss (logging_nan_inf_filter) waits for the GPU at every step;
         # the guard already leaves a non-finite step unapplied. Put back when train() returns.
         if self._nan_filter_setting is None:
