@@ -11,6 +11,12 @@ grad: the floor any LoRA step must pay. "The floor" is the fastest frozen step a
 torch.compile, Liger-Kernel and Liger + compile measured in the same run (FLOOR_ARMS, those of them that
 ran). Each arm runs in its own process (clean memory statistics, no
 monkey-patching leaking between arms); the parent writes JSON, CSV and a PNG.
+
+The Unsloth arms (UNSLOTH_ARMS, off by default) load the same random weights through
+``FastLanguageModel.from_pretrained(<folder>)``: the shape is written once as a local checkpoint folder (weights,
+config and a placeholder tokenizer; no hub), and LoRA gets the same rank, alpha, dropout and projections
+(``LORA``). Where unsloth is not installed the arm stops with one line saying so (docs/unsloth.md: how it is
+carried to the GPU).
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ MODELS = {
                  num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False, rope_theta=10000.0),
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# every LoRA arm's adapter: PEFT's, sits_lora's and Unsloth's
+LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS)
 ARMS = ["frozen", "frozen+compile", "peft", "peft+compile", "sits", "sits+compile"]
 # the frozen arms whose fastest step is "the floor"
 FLOOR_ARMS = ("frozen", "frozen+compile", "frozen+liger", "frozen+liger+compile", "frozen+compile+cg",
@@ -78,6 +86,10 @@ OPTIONAL_ARMS = ["peft+liger", "sits+liger", "sits+gc", "peft+gc", "sits+fp8", "
                  # (sits_lora.training.default_train_step: its own sync-free fused linear cross-entropy, clipping,
                  # CUDA graphs after warm-up) over Liger's RMSNorm, SwiGLU and RoPE
                  "sits+default"]
+# Unsloth's LoRA ("unsloth") and QLoRA ("+nf4": its 4-bit load, bitsandbytes NF4), with its gradient checkpointing
+# off or ("+gc") in the mode it recommends, use_gradient_checkpointing="unsloth" (offloaded to the host)
+UNSLOTH_ARMS = ["unsloth", "unsloth+gc", "unsloth+nf4", "unsloth+nf4+gc"]
+OPTIONAL_ARMS += UNSLOTH_ARMS
 
 
 @contextlib.contextmanager
@@ -134,7 +146,80 @@ def llama_config(model_name: str, layers: int = 0):
     return config
 
 
-def build(model_name: str, arm: str, device: str, dtype, layers: int = 0):
+def unsloth_lora_kwargs(arm: str) -> dict:
+    """The keyword arguments of ``FastLanguageModel.get_peft_model`` for an Unsloth arm: ``LORA`` and its
+    gradient checkpointing ("unsloth" under +gc, else off)."""
+    return dict(LORA, bias="none", use_gradient_checkpointing="unsloth" if "gc" in arm.split("+") else False,
+                random_state=0)
+
+
+def local_checkpoint(model_name: str, layers: int, dtype, root: str, device: str = "cpu") -> str:
+    """The MODELS shape with the random weights ``build`` makes (seed 0, made on ``device``) saved once as a
+    checkpoint folder under ``root``, with a placeholder tokenizer (one token per id), for loaders that read a
+    folder; a folder written whole before is reused."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+    config = llama_config(model_name, layers)
+    folder = os.path.join(root, f"llama-{model_name}-{config.num_hidden_layers}l-{str(dtype).removeprefix('torch.')}")
+    if os.path.exists(os.path.join(folder, "complete")):
+        return folder
+    raw = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(config.vocab_size)}, unk_token="t0"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="t0", bos_token="t1", eos_token="t2",
+                                        pad_token="t3")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    # named after the weights are made: a pad id at init would zero its embedding row
+    model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = 1, 2, 3
+    tmp = folder + ".partial"   # an interrupted write leaves no folder that looks whole
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    open(os.path.join(tmp, "complete"), "w").close()
+    del model
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    return folder
+
+
+def _unsloth_model(model_name: str, arm: str, dtype, layers: int, seq: int):
+    """An Unsloth arm's model and trainable parameters, loaded from ``local_checkpoint``'s folder."""
+    from unsloth import FastLanguageModel   # imported first by the worker (unsloth patches transformers on import)
+
+    parts = set(arm.split("+"))
+    folder = local_checkpoint(model_name, layers, dtype, os.environ.get("SITS_BENCH_CHECKPOINTS", "/tmp/sits_bench_ckpt"),
+                              device="cuda")
+    torch.cuda.empty_cache()
+    model, _ = FastLanguageModel.from_pretrained(model_name=folder, max_seq_length=seq, dtype=dtype,
+                                                 load_in_4bit="nf4" in parts, local_files_only=True,
+                                                 use_gradient_checkpointing="unsloth" if "gc" in parts else False)
+    model = FastLanguageModel.get_peft_model(model, **unsloth_lora_kwargs(arm))
+    model.config.use_cache = False
+    with torch.no_grad():  # B = 0 at init, as in build
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    return model, [p for p in model.parameters() if p.requires_grad]
+
+
+def _import_unsloth(arm: str, device: str) -> None:
+    """Import unsloth before transformers is imported (its patches need that), or SystemExit with one line."""
+    if device != "cuda":
+        raise SystemExit(f"arm {arm}: skipped: Unsloth runs on a CUDA GPU only")
+    try:
+        import unsloth  # noqa: F401
+    except ImportError as error:
+        raise SystemExit(f"arm {arm}: skipped: unsloth is not installed ({error}); docs/unsloth.md says how to carry "
+                         "it to the GPU") from None
+
+
+def build(model_name: str, arm: str, device: str, dtype, layers: int = 0, seq: int = 2048):
+    if arm.startswith("unsloth"):
+        return _unsloth_model(model_name, arm, dtype, layers, seq)
     from transformers import LlamaForCausalLM
 
     config = llama_config(model_name, layers)
@@ -164,7 +249,7 @@ def build(model_name: str, arm: str, device: str, dtype, layers: int = 0):
     if arm.startswith("peft"):
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS))
+        model = get_peft_model(model, LoraConfig(**LORA))
     else:
         from peft import get_peft_model
 
@@ -175,8 +260,7 @@ def build(model_name: str, arm: str, device: str, dtype, layers: int = 0):
             fp8 = dict(fp8="hybrid", fp8_emulate=device == "cpu")
         saved = {"recompute_lora_inputs": False} if "saved" in arm.split("+") else {}
         int4 = {"base_quant": "int4"} if "int4" in arm.split("+") else {}
-        model = get_peft_model(model, SitsLoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS,
-                                                     **fp8, **saved, **int4))
+        model = get_peft_model(model, SitsLoraConfig(**LORA, **fp8, **saved, **int4))
     if "gc" in arm.split("+"):
         model.enable_input_require_grads()
     if "offload" in arm.split("+"):
@@ -197,10 +281,12 @@ def worker(args) -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     batch, seq = (args.batch, args.seq) if not args.smoke else (2, 32)
     parts = args.arm.split("+")
+    if args.arm.startswith("unsloth"):
+        _import_unsloth(args.arm, device)
     default = "default" in parts
     if default:  # refused before the model is built: the arm has nothing else to measure
         default_train_step = _default_train_step(args.arm, device)
-    model, params = build(args.model, args.arm, device, dtype, args.layers)
+    model, params = build(args.model, args.arm, device, dtype, args.layers, seq)
     # the whole model as it waits for its first step: weights (4-bit ones packed), LoRA parameters
     weights_gib = torch.cuda.memory_allocated() / 2**30 if device == "cuda" else None
     model.train()

@@ -24,7 +24,9 @@ than the times themselves. The 8B shape runs SHAPES["8b"]["layers"] of its 32 de
 arms fit the device call: the layers are identical, so the per-layer ratios are the model's, but the head and
 cross-entropy weigh more in the step than in the full model (the ratios sit a little nearer 1). The 0.5B shape
 is the Llama architecture at Qwen2.5-0.5B's widths (no q / k / v biases); it is not run unless --shapes names it.
-Graph breaks are counted first (bench/graph_breaks.py, on this machine's device).
+Graph breaks are counted first (bench/graph_breaks.py, on this machine's device). Unsloth's arms (unsloth, unsloth+gc,
+unsloth+nf4, unsloth+nf4+gc; docs/unsloth.md) run only when --arms names them, and their targets are checked only
+where they ran.
 
 Repeats: every arm runs --repeats times (default 3), each run a process of its own, interleaved (every arm once,
 then every arm again) so that a drift of the host falls on all arms alike; a call takes about --repeats times as
@@ -91,6 +93,8 @@ GRAPHED_SITS = ("sits+graph", "sits+liger+graph")
 FP8_SITS = ("sits+fp8", "sits+fp8+liger")
 NF4_SITS = ("sits+nf4", "sits+nf4+liger", "sits+nf4+bnbdq+liger", "sits+nf4+fp8", "sits+nf4+fp8+liger")
 INT4_SITS = ("sits+int4", "sits+int4+liger")
+UNSLOTH_BF16 = ("unsloth", "unsloth+gc")
+UNSLOTH_NF4 = ("unsloth+nf4", "unsloth+nf4+gc")
 # the configurations of bench/graph_breaks.py that must compile without a break (the dynamic-rank ones are
 # reported, not gated: their routing state does not trace yet)
 GATED_COMPILE_CONFIGS = ("static", "static, no siblings", "static, fp32 model under bf16 autocast", "fp8 hybrid",
@@ -142,6 +146,24 @@ def _speedup_target(arms, over: str, factor: float) -> Callable:
         speedup = ref / best[1]
         return speedup >= factor, (f"{best[0]} {speedup:.2f}x as fast as {over} (>= {factor})"
                                    + _host_note(rows, best[0]))
+    return check
+
+
+def _speedup_over_best(arms, over, factor: float, within_peak: bool = False) -> Callable:
+    """A target: the best of ``arms`` at least ``factor`` x as fast as the best of ``over``; ``within_peak``: and
+    its peak memory at most that arm's."""
+    def check(rows):
+        best, ref = _best(rows, arms), _best(rows, over)
+        if best is None or ref is None:
+            return None, "not measured"
+        speedup = ref[1] / best[1]
+        ok, detail = speedup >= factor, f"{best[0]} {speedup:.2f}x as fast as {ref[0]} (>= {factor})"
+        if within_peak:
+            peak = {r["arm"]: r.get("peak_gib") for r in rows if "step_s" in r}
+            if peak.get(best[0]) and peak.get(ref[0]):
+                ok = ok and peak[best[0]] <= peak[ref[0]]
+                detail += f", peak {peak[best[0]]:.1f} GiB against {peak[ref[0]]:.1f} (<=)"
+        return ok, detail + _host_note(rows, best[0])
     return check
 
 
@@ -212,6 +234,8 @@ def _whole_weights(arms, against, limit: float) -> Callable:
 
 
 _fp8_vs_bf16 = _vs_best(FP8_SITS, BF16_SITS, 1.0)
+# Unsloth beside us (its arms run only when --arms names them): our best bf16 step, the default one included
+_OVER_UNSLOTH = ("best sits bf16 >= 1.15x unsloth", _speedup_over_best(BF16_SITS + DEFAULT_SITS, UNSLOTH_BF16, 1.15))
 # the 4-bit targets, the same on every shape (the 4-layer 8B shape's peak and whole-model weights are mostly
 # its head and embeddings: the "8b-full" shape measures those as the model has them)
 FOUR_BIT_TARGETS = [
@@ -254,17 +278,19 @@ TARGETS = {
            ("sits+compile <= 1.05x frozen+compile", _ratio_target(("sits+compile",), 1.05, "frozen+compile")),
            ("best sits fp8 <= 0.80x floor", _ratio_target(FP8_SITS, 0.80)),
            ("best graphed sits <= 1.05x frozen+liger+graph", _ratio_target(GRAPHED_SITS, 1.05, "frozen+liger+graph")),
-           ("default step <= 1.04x floor", _ratio_target(DEFAULT_SITS, 1.04)), _DEFAULT_PEAK],
+           ("default step <= 1.04x floor", _ratio_target(DEFAULT_SITS, 1.04)), _DEFAULT_PEAK, _OVER_UNSLOTH],
     "1b": _SMALL_SHAPE_TARGETS + [
         ("default step <= 1.10x floor", _ratio_target(DEFAULT_SITS, 1.10)),
         ("default step >= 1.8x as fast as peft+compile", _speedup_target(DEFAULT_SITS, "peft+compile", 1.8)),
-        _DEFAULT_PEAK],
+        _DEFAULT_PEAK, _OVER_UNSLOTH],
     # the smallest shape: the host's share of a step is largest, and the default step's bound looser
     "0.5b": _SMALL_SHAPE_TARGETS + [("default step <= 1.15x floor", _ratio_target(DEFAULT_SITS, 1.15)), _DEFAULT_PEAK],
 }
 for _shape in TARGETS:
     TARGETS[_shape] += FOUR_BIT_TARGETS
 TARGETS["8b-full"] = FOUR_BIT_TARGETS + [
+    ("best sits nf4 >= 1.15x unsloth+nf4 at <= its peak", _speedup_over_best(NF4_SITS, UNSLOTH_NF4, 1.15,
+                                                                             within_peak=True)),
     ("whole-model weights, fastest sits nf4 <= 0.35x fastest sits bf16", _whole_weights(NF4_SITS, BF16_SITS, 0.35)),
     ("whole-model weights, fastest sits int4 <= 0.35x fastest sits bf16",
      _whole_weights(INT4_SITS, BF16_SITS, 0.35))]
