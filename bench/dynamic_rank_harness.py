@@ -271,6 +271,7 @@ def train_model(model, train_blocks, settings: EvalSettings, lr: float, seed: in
     torch.manual_seed(seed)
     model.train()
     trace = []
+    losses = []   # device tensors, read once at the end (a read per step would wait for the GPU)
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -281,6 +282,7 @@ def train_model(model, train_blocks, settings: EvalSettings, lr: float, seed: in
         ids = train_blocks[batch].to(device)                                             # (B, S)
         with _autocast(device):
             loss = model(input_ids=ids, labels=ids).loss
+        losses.append(loss.detach())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
@@ -295,7 +297,8 @@ def train_model(model, train_blocks, settings: EvalSettings, lr: float, seed: in
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     model.eval()
-    return {"train_seconds": seconds, "final_train_loss": loss.item(), "budget_trace": trace}
+    return {"train_seconds": seconds, "final_train_loss": loss.item(), "budget_trace": trace,
+            "train_losses": [float(v) for v in losses]}
 
 
 @torch.no_grad()

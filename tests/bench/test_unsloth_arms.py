@@ -83,3 +83,25 @@ def test_the_unsloth_targets():
     heavy = rows("8b-full", sits_nf4_liger=(1.0, 40.0), unsloth_nf4=(1.2, 35.0))
     assert check("8b-full", nf4, heavy)["ok"] is False and "peak 40.0 GiB against 35.0" in check(
         "8b-full", nf4, heavy)["detail"]
+
+
+def test_the_quality_runs_start_both_adapters_alike_and_keep_every_step(tmp_path):
+    import json
+
+    quality = bench_module("unsloth_quality")
+    ours, _ = bench_model.build("tiny", "sits", "cpu", torch.float32)
+    theirs, _ = bench_model.build("tiny", "peft", "cpu", torch.float32)   # another library's initialization
+    assert quality.same_start(ours, 3) == quality.same_start(theirs, 3) == 2 * 7
+    ours_p, theirs_p = dict(ours.named_parameters()), dict(theirs.named_parameters())
+    assert all(torch.equal(p, theirs_p[n]) for n, p in ours_p.items() if "lora_" in n)
+    assert not any(p.any() for n, p in ours_p.items() if "lora_B" in n)
+    assert quality.main(["--size", "tiny", "--arms", "sits", "unsloth", "--out", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "unsloth_quality.json").read_text())
+    sits = [r for r in saved["runs"] if r["arm"] == "sits"]
+    assert len(sits) == 2 and all(len(r["train_losses"]) == r["steps"] == 4 for r in sits)
+    assert all(r["error"].startswith("arm unsloth: skipped: ") for r in saved["runs"] if r["arm"] == "unsloth")
+    assert saved["verdict"]["ok"] is None
+    assert quality.verdict([{"arm": "sits", "test_loss": 2.0}, {"arm": "unsloth", "test_loss": 1.9},
+                            {"arm": "unsloth", "test_loss": 2.1}])["ok"] is True
+    assert quality.verdict([{"arm": "sits", "test_loss": 2.2}, {"arm": "unsloth", "test_loss": 1.9},
+                            {"arm": "unsloth", "test_loss": 2.1}])["ok"] is False
