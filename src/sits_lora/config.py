@@ -224,7 +224,7 @@ class SitsLoraConfig(LoraConfig):
                 "router's bucket biases by -Δλ·b_k/r (no budget term in the gradient), so the decisions follow "
                 "at once; the biases save with the adapter, so inference routes with the final price. "
                 "'target': λ reaches the routers through their gradient and holds the mean from both sides "
-                "(λ may turn negative); it lags (on SmolLM2 it swung from 9 to 21 around a target of 16). "
+                "(λ may turn negative); it lags, so the mean swings around the target (docs/dynamic-rank.md). "
                 "'ceiling': as 'target' with λ ≥ 0, so target_mean_rank is only an upper bound."
             )
         },

@@ -32,8 +32,8 @@ DEQUANTIZERS = ("bitsandbytes", "triton")
 
 def dequantizer() -> str:
     """Which kernel forms W on a GPU: ``SITS_LORA_BNB4_DEQUANT`` = "triton" (the default:
-    ``sits_lora.ops.bnb4_dequant``, 68-70 % of the H200's copy bandwidth on the 8B shapes against 44-51 % for
-    bitsandbytes' own, bench/bench_int4.py) or "bitsandbytes" (its ``dequantize_4bit``)."""
+    ``sits_lora.ops.bnb4_dequant``, which gets closer to the copy bandwidth than bitsandbytes' own; see
+    docs/quantization.md) or "bitsandbytes" (its ``dequantize_4bit``)."""
     choice = os.environ.get("SITS_LORA_BNB4_DEQUANT", "triton")
     if choice not in DEQUANTIZERS:
         raise ValueError(f"SITS_LORA_BNB4_DEQUANT={choice!r} is invalid: allowed values are "

@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "the memory plan against the memory budget, each adapted layer's rank against its roofline "
                     "ceiling (GPU), host<->device bytes per step against the step time (GPU), and the alignment of "
                     "4-bit layers. The model is built on the meta device from its configuration: no weights are read, "
-                    "so an 8B model is checked in about a second.",
+                    "so even an 8B model is checked quickly.",
         epilog="example:\n  sits-lora check --model path/to/model --config recipes/configs/default.yaml "
                "--batch-size 4 --seq-len 2048\nexit status 1 when a constraint is violated.")
     _add_model_args(check)
@@ -125,8 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "against the frozen layer), PCIe (both directions, pinned and pageable, 64 KiB to 1 GiB; loading "
                     "a real adapter checkpoint to the GPU) and INT4 alignment (load + dequantize latency of a packed "
                     "4-bit buffer at byte offsets 0..128, and whether the alignment rule holds). The CPU backend "
-                    "measures what a CPU has and marks the rest 'not applicable'. About 1 minute on an H200, "
-                    "10 s on a CPU. Writes bench.json and bench.png to --out.",
+                    "measures what a CPU has and marks the rest 'not applicable', so it finishes sooner than a GPU "
+                    "run. Writes bench.json and bench.png to --out.",
         epilog="alignment rule 'sits2026': packed INT4 buffers start on 32-byte boundaries (what sits_lora's guard "
                "rails check). It holds when every offset obeying it is as fast as offset 0 within the run-to-run "
                "spread (at least 5 %).\nexample:\n  sits-lora bench --backend cpu --json out.json")
@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "each adapted layer shape of the model, at the run's tokens per micro-batch, on this GPU, and "
                     "store the choices in the cache training reads. The cache key is the GPU name, kernel, shape and "
                     "dtype, not the torch / triton versions: shapes already in the cache (or among the choices shipped "
-                    "for the H200) are reported as cached and not measured again, with the versions that measured "
+                    "with the package) are reported as cached and not measured again, with the versions that measured "
                     "them when known (recorded next to the cache in kernel_configs.versions.json); --force measures "
                     "them again, e.g. after an upgrade. Needs a GPU.",
         epilog="example:\n  sits-lora compile --model path/to/model --config recipes/configs/default.yaml")

@@ -19,8 +19,9 @@ things on this machine, each a measurement and none an assumption:
 
 The alignment rule. ``alignment="sits2026"`` is the rule sits_lora's guard rails enforce on packed
 INT4 weights (``sits_lora.training`` check "int4"): every packed buffer starts on a 32-byte boundary,
-one DRAM sector of an NVIDIA GPU. The seed paper behind it claims 12.3 µs to dequantize an aligned
-buffer against 28.9 µs at offset 16 (+135 %). The benchmark tests the rule instead of trusting it:
+one DRAM sector of an NVIDIA GPU. The seed paper behind it claims that a buffer at offset 16 takes
+far longer to dequantize than an aligned one (its figures are ``SEED_INT4_CLAIM_US``, which the
+result quotes beside this machine's). The benchmark tests the rule instead of trusting it:
 it holds when every offset that obeys it (0, 32, 64, 128) is as fast as offset 0 within the
 run-to-run spread of the measurements (at least 5 %); it is needed when an offset that breaks it
 (4, 8, 16) is slower than that. The result also names the smallest alignment the measurements

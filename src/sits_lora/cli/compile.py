@@ -5,13 +5,13 @@ layers give the shapes, and every side kernel (shrink, expand, dy pass, x pass) 
 by ``sits_lora.ops.fused.tune_layer_kernels`` at the run's token count (batch x seq). The choices go
 to the on-disk cache that training reads (``sits_lora.ops.tuning``; the file is
 ``$SITS_LORA_TUNING_CACHE``, default ``~/.cache/sits_lora/kernel_configs.json``). A kernel and shape
-already in that cache, or among the H200 choices shipped with the package, is reported as "cached"
+already in that cache, or among the choices shipped with the package, is reported as "cached"
 and not measured again (``force`` measures everything again).
 
 The cache key is the GPU name, kernel, shape (dims) and dtype, not the torch / triton versions: an
 entry measured under other versions is reused after an upgrade. So each row says which versions
 measured its entry, when known: compile records the versions of what it tunes in a file next to
-the cache (``kernel_configs.versions.json``), and the packaged choices come from one H200 run
+the cache (``kernel_configs.versions.json``), and the packaged choices come from one tuning run
 (``_PACKAGED_VERSIONS``); an entry written by anything else (``bench/tune_kernels.py``, a tuning
 call during training) is "unknown". The report counts the entries measured under other versions
 than the ones running now.
@@ -34,9 +34,9 @@ class GpuRequiredError(CheckError):
     """compile needs a GPU."""
 
 
-# The versions of the H200 runs that src/sits_lora/ops/tuned_configs.json copies
-# (bench/results/2026-11-30-h200-run2/tuning.json, and the decode kernel's entries from a later run of
-# bench/decode_kernels.py under the same versions; tests/cli/test_cli.py checks that they agree).
+# The versions of the tuning runs that src/sits_lora/ops/tuned_configs.json copies (bench/tune_kernels.py,
+# and bench/decode_kernels.py for the decode kernel's entries, under the same versions; see docs/kernels.md).
+# tests/cli/test_cli.py checks that they agree.
 _PACKAGED_VERSIONS = {"torch": "2.11.0+cu130", "triton": "3.6.0"}
 CACHE_KEY_FIELDS = ("gpu", "kernel", "dims", "dtype")
 

@@ -1,25 +1,24 @@
 """Every block of a diffusion pipeline compiled alone: inductor fuses what runs between cuDNN's convolutions.
 
-After fp8 linears and CUDA graphs, an SDXL U-Net call spends about half its GPU time outside the linears and the
-attention: GroupNorm, SiLU, residual adds and the layout copies around cuDNN's convolutions (bench/NOTES.md,
-"fp8 inference of the denoiser"). ``torch.compile`` of the whole U-Net fuses them but takes minutes at the SDXL
-shape; diffusers' ``compile_repeated_blocks`` compiles only the transformer blocks, which leaves them. Here each
-block is compiled alone, so a few block shapes compile in seconds: the transformer blocks, the ResNet blocks and the
-down / upsamplers of a U-Net (the blocks of a DiT), and the VAE's decoder as a whole. With ``channels_last`` (the
-default) the U-Net and the VAE take cuDNN's own layout, whose copies disappear once inductor writes the GroupNorm and
-SiLU kernels for it (eager GroupNorm is slower in that layout: compile and channels_last go together).
+After fp8 linears and CUDA graphs, an SDXL U-Net call spends much of its GPU time outside the linears and the
+attention: GroupNorm, SiLU, residual adds and the layout copies around cuDNN's convolutions (docs/diffusion.md).
+``torch.compile`` of the whole U-Net fuses them but takes minutes at the SDXL shape; diffusers'
+``compile_repeated_blocks`` compiles only the transformer blocks, which leaves them. Here each block is compiled
+alone, so a few block shapes compile in seconds: the transformer blocks, the ResNet blocks and the down / upsamplers
+of a U-Net (the blocks of a DiT), and the VAE's decoder as a whole. With ``channels_last`` (the default) the U-Net
+and the VAE take cuDNN's own layout, whose copies disappear once inductor writes the GroupNorm and SiLU kernels for
+it (eager GroupNorm is slower in that layout: compile and channels_last go together).
 
     pipe = StableDiffusionXLPipeline(...).to("cuda")
     sits_lora.diffusion.compile_blocks(pipe)      # the first image compiles; then, e.g., graph_denoiser(pipe)
 
-Measured on the H200 at the SD1.5 shape (30 steps, CFG, VAE decode, base model with fp8 linears and CUDA graphs):
-0.473 s an image without, 0.409 s with the blocks compiled, 0.324 s with the blocks compiled in channels_last
-(bench/NOTES.md, "Every diffusion block compiled"); at the SDXL shape 1.458 -> 1.108 s (bench/NOTES.md, "Every
-diffusion block compiled at the SDXL shape"). A sits_lora adapter's cross-attention to_k / to_v keep their outputs
-across the steps of a generation (``reuse_cross_attention_kv``) inside compiled blocks too: that decision is Python
-(tensor identity and version counters), which dynamo does not trace, so each of those calls is one opaque operator
-in the block's graph whose body runs the eager group (sits_lora.siblings): no graph break, the block stays one graph
-(a break there had split each transformer block into five, `bench/diffusion_graph_breaks.py`).
+Compiling the blocks makes an image faster than fp8 linears and CUDA graphs alone, and channels_last faster still
+(docs/diffusion.md, "Every block compiled", gives the timings). A sits_lora adapter's cross-attention to_k / to_v
+keep their outputs across the steps of a generation (``reuse_cross_attention_kv``) inside compiled blocks too: that
+decision is Python (tensor identity and version counters), which dynamo does not trace, so each of those calls is
+one opaque operator in the block's graph whose body runs the eager group (sits_lora.siblings): no graph break, the
+block stays one graph (a break there would split each transformer block into several graphs,
+`bench/diffusion_graph_breaks.py`).
 ``keep_cross_attention_kv=False`` compiles to_k / to_v into the graph instead, recomputed every step as the base
 model's are.
 """

@@ -1,7 +1,7 @@
 """CUDA graphs over the denoiser's forward: each denoising step replays one recorded launch sequence.
 
-A U-Net call issues a few thousand small kernels; on a GPU as fast as an H200 the host's time to issue them is the
-step (bench/NOTES.md, "Diffusion"). ``graph_denoiser(pipe)`` records the denoiser's forward once per input
+A U-Net call issues a few thousand small kernels; on a fast GPU the host's time to issue them is the
+step (docs/diffusion.md). ``graph_denoiser(pipe)`` records the denoiser's forward once per input
 signature (shapes, dtypes, non-tensor arguments, and what each LoRA layer would do: active adapters, scales,
 merged or not) and replays it: a step then costs a copy of each input tensor into the recorded buffers, one
 replay, and a copy of the output. It works for any ``nn.Module`` denoiser (a U-Net or a DiT, with sits_lora's,

@@ -4,8 +4,8 @@ An unmerged LoRA keeps the base weights intact (switching or scaling adapters co
 ``graph_denoiser``, costs about nothing per image: the cross-attention to_k / to_v keep their outputs across the
 steps of a generation, so the adapter's only other calls are small. Compiled (``compile_blocks``) every other LoRA
 call is a few more small kernels in the graph, and with ``keep_cross_attention_kv=False`` the K / V are computed
-every step as the base model's are: unmerged then cost more than merged (bench/NOTES.md, "Every diffusion block
-compiled at the SDXL shape"). Merging costs a pass over every adapted weight, and the same again to unmerge. So::
+every step as the base model's are: unmerged then cost more than merged (docs/diffusion.md, "Every block
+compiled"). Merging costs a pass over every adapted weight, and the same again to unmerge. So::
 
     plan = sits_lora.diffusion.merge_plan(pipe, images=20, steps=30)   # after compile_blocks / graph_denoiser
     plan.action, plan.reason      # "merge", "20 images x 30 steps: merging (... ms with the unmerge) pays after ..."

@@ -14,20 +14,17 @@ How λ reaches the routers:
   its own mean, so λ does not scale with the number of layers. With gradient accumulation, Trainer
   divides the task loss by the number of micro-batches but not the λ term: λ settles at a
   proportionally smaller value, same constraint. "target" holds the mean from both sides (a negative
-  λ rewards rank); "ceiling" only caps it: on SmolLM2 the routers settled at a mean rank of 9-12 under
-  a target of 16 with λ = 0 (bench/results/2026-11-30-h200-session2/dynamic_rank_eval). Through the
-  gradient λ acts with a lag: in 80 steps on SmolLM2 "target" left the routers at 11.7-16.2
-  (entropy-gated, by seed) and 21.5 ("learned", λ still rising) under a target of 16
-  (…-session3/dynamic_rank_eval).
+  λ rewards rank); "ceiling" only caps it: routers that want less rank than the target settle below it
+  with λ at 0. Through the gradient λ acts with a lag: in a short run "target" can leave the routers
+  well off the target, on either side, while λ is still moving (docs/dynamic-rank.md).
 - "price" (the default): into the decision itself (Lagrangian relaxation of the routing: each token picks
   argmax_k of logit_k − λ·b_k/r, the idea of DeepSeek-V3's bias-based load balancing). After each
   step every router's bucket bias c_k moves by −Δλ·b_k/r; no budget term in the gradient. The next
   forward's decisions respond at once, and the price lives in the biases, which save with the
-  adapter: inference routes with the price training ended at. On SmolLM2 (CPU, 60 steps of 2 × 32
-  tokens) it held 13-19 where "target" swung from 9 to 21 (bench/results/2026-11-30-cpu-rank-budget-trace).
-  On the H200 evaluation (8 × 512 tokens a step, η 2) every routed arm held 17.3 ± 0.05 for a target of 16:
-  steady but late, because the routers' demand for rank keeps growing while they learn, and an integral
-  rule lags a growing demand by drift·r/(sensitivity·η); hence η 6 by default (…-session4, bench/NOTES.md).
+  adapter: inference routes with the price training ended at. It holds the mean closer to the target
+  than "target" does. With a small η it holds steady but late (above the target), because the routers'
+  demand for rank keeps growing while they learn, and an integral rule lags a growing demand by
+  drift·r/(sensitivity·η); hence η 6 by default (docs/dynamic-rank.md).
 
 Padding: a forward pre-hook on the model reads ``attention_mask`` and the layers skip tokens where
 it is 0, in the statistics and in the λ term. Tokens with label -100 count (they are not padding).

@@ -14,10 +14,9 @@ from typing import Any, Optional, Sequence
 RANK_SCHEDULERS = ("entropy-gated", "learned", "random", "static")
 RANK_BUDGET_MODES = ("target", "ceiling", "price")
 # rank_budget_step_size=None: the step size of each mode (price moves logits directly, target a gradient term).
-# price 6.0: at 2.0 the H200 evaluation's routers sat 1.3 ranks over a target of 16; fitted on its traces the
-# lag is drift·r/(sensitivity·η) and the loop gain sensitivity·η/r is at most ~0.25 at 2.0, so 6.0 cuts the lag
-# threefold at a gain below 1 (bench/NOTES.md); on SmolLM2 on the CPU 6.0 halved the mean error without more
-# swing (bench/results/2026-11-30-cpu-rank-budget-trace)
+# price 6.0: the price lags the routers' growing demand for rank by drift·r/(sensitivity·η), which leaves them
+# steadily above the target at a small step; 6.0 cuts that lag threefold against 2.0 while the loop gain
+# sensitivity·η/r stays below 1, so the mean settles without swinging (docs/dynamic-rank.md)
 DEFAULT_BUDGET_STEP_SIZE = {"price": 6.0, "target": 0.5, "ceiling": 0.5}
 ROUTED_SCHEDULERS = ("entropy-gated", "learned")
 

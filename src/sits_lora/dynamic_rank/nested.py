@@ -2,18 +2,14 @@
 
 A nested adapter (``rank_scheduler='static'``) trains at random buckets so that every truncation to
 the first b_k rank dimensions keeps working. A truncation to k runs every layer, for every token of a
-sequence, at rank k; training should see that. Drawn by each layer for each token on its own, a token at the full rank in one layer sat at a lower one in the next: with 4 buckets and 210
-adapted layers (SmolLM2-135M, seven projections) no token ever trained at one rank through the model,
-and the adapter truncated to 16 / 32 / 48 / 64 scored 2.186 / 2.207 / 2.301 / 2.429 held-out loss
-against 2.172 for a static r = 64 adapter: the more rank it kept, the worse. One draw per token shared
-by the layers gave 2.176 / 2.182 / 2.202 / 2.233: better, and @16 level with static r = 16,
-but still worse with more rank, plausibly because attention mixes tokens that trained at different
-ranks while a truncation runs all of them at one. So the draw is one bucket per sequence (the first
-leading dimension of a layer's input; a 2-D input draws per token, and a packed batch of one row gets
-one bucket per forward, as DyLoRA draws), shared by every layer of the forward: 2.169 / 2.174 / 2.191 /
-2.217 against 2.170 for static r = 64 trained in the same call. What more rank still loses is mostly
-the learning rate, tuned at the rank-16 truncation: at half of it, 2.176 / 2.167 / 2.170 / 2.178
-(bench/NOTES.md).
+sequence, at rank k; training should see that. Drawn by each layer for each token on its own, a token at the
+full rank in one layer sits at a lower one in the next: with a few buckets and hundreds of adapted layers no token
+ever trains at one rank through the model, and the truncations score worse the more rank they keep. One draw per
+token shared by the layers is better, but still worse with more rank, plausibly because attention mixes tokens
+that trained at different ranks while a truncation runs all of them at one. So the draw is one bucket per sequence
+(the first leading dimension of a layer's input; a 2-D input draws per token, and a packed batch of one row gets
+one bucket per forward, as DyLoRA draws), shared by every layer of the forward; what more rank still loses then is
+mostly the learning rate, tuned at the smallest truncation (docs/dynamic-rank.md).
 
 ``attach_forward_draw(model)`` (the tuner calls it for a nested adapter) opens a draw scope around
 each training forward of ``model``. Its seed comes from torch's CPU generator at the scope's entry,

@@ -199,11 +199,10 @@ _COMPILED_ROUTING = {}
 
 
 def compiled_routing_wanted() -> bool:
-    """True only when ``SITS_LORA_COMPILE_ROUTER=1``. Eager is the default: on the H200 the whole routed
-    layer was 0.94-0.95x as costly with the eager decision as with the compiled one at 4096 x 4096 and
-    2048 x 8192 and equal at the wide shapes (bench_dynamic_rank_layer.py; the compiled call's own
-    Python cost outweighs the ~20 launches it replaces), and eager has no compile wait in each new
-    process (bench/NOTES.md)."""
+    """True only when ``SITS_LORA_COMPILE_ROUTER=1``. Eager is the default: with the eager decision the
+    whole routed layer costs no more than with the compiled one, and less at the narrow shapes
+    (bench_dynamic_rank_layer.py; the compiled call's own Python cost outweighs the ~20 launches it
+    replaces); eager also has no compile wait in each new process (docs/dynamic-rank.md)."""
     return os.environ.get("SITS_LORA_COMPILE_ROUTER", "0") == "1"
 
 
@@ -211,8 +210,8 @@ def route(raw: Tensor, inv_rms: Tensor, bias: Tensor, entropy: Optional[Tensor],
           uniform: Optional[Tensor], temperature: float):
     """:func:`routing_decision`: eager by default; with SITS_LORA_COMPILE_ROUTER=1 (:func:`compiled_routing_wanted`)
     compiled by torch.compile on a GPU (never on a CPU, nor inside a model that is itself being compiled,
-    which fuses it anyway): a few kernels instead of ~20, measured no cheaper per layer step on the H200.
-    If compilation fails the eager function runs, after one warning."""
+    which fuses it anyway): a few kernels instead of ~20, yet no cheaper per layer step
+    (:func:`compiled_routing_wanted` says why). If compilation fails the eager function runs, after one warning."""
     if (not raw.is_cuda or torch.compiler.is_compiling() or _COMPILED_ROUTING.get("failed")
             or not compiled_routing_wanted()):
         return routing_decision(raw, inv_rms, bias, entropy, entropy_weight, uniform, temperature)

@@ -32,8 +32,8 @@ logger = logging.getLogger("sits_lora")
 
 _CACHE_VERSION = 1
 # Parameter elements hashed per tensor for the model's fingerprint: 4096 strided samples of each tensor
-# tell apart any two checkpoints in practice at a cost of ~1 ms per tensor, where hashing every weight of an
-# 8B model would take tens of seconds.
+# tell apart any two checkpoints in practice at the cost of one small strided read per tensor, where hashing
+# every weight of an 8B model would take tens of seconds.
 _FINGERPRINT_SAMPLES = 4096
 
 

@@ -3,13 +3,12 @@
 fp8 halves the two base GEMMs but adds work per layer that does not shrink with the layer: two casts,
 the W8 transpose in the backward, an expand launch for dX's LoRA term (cuBLAS's bf16 epilogue folds it,
 ``torch._scaled_mm`` has none) and their host time. On a narrow layer that extra costs more than the
-GEMMs save. One H200 layer step at T = 8192, r16, fp8 / bf16 (bench/results/2026-12-01-h200-session8):
-1.65 at 2048 x 512, 1.35 at 2048², 1.49 at 2048 x 8192, 1.38 at 8192 x 2048, 1.22 at 4096 x 1024,
-1.02 at 4096², 0.66 at 4096 x 14336 and 14336 x 4096: only the 8B MLP pays. With ``"auto"`` a layer is
-quantized only where fp8 pays: a measurement of its shape on this GPU when one is stored with the
-tuned kernel configs (:func:`measure_layer`, ``python bench/tune_kernels.py --fp8``; the H200's ship in
-the package), else the rule in_features x out_features >= MIN_ELEMENTS (32 Mi, between the largest
-measured loss, 16 Mi, and the smallest measured win, 56 Mi).
+GEMMs save: of the Llama 1B and 8B layer shapes, only the 8B MLP's (4096 x 14336 and 14336 x 4096) are
+large enough for fp8 to pay in a layer step (docs/fp8.md). With ``"auto"`` a layer is quantized only
+where fp8 pays: a measurement of its shape on this GPU when one is stored with the tuned kernel configs
+(:func:`measure_layer`, ``python bench/tune_kernels.py --fp8``; the package ships those of the GPU it was
+tuned on), else the rule in_features x out_features >= MIN_ELEMENTS (32 Mi, between the largest shape
+where fp8 lost, 4096², 16 Mi, and the smallest where it won, 4096 x 14336, 56 Mi).
 """
 
 from __future__ import annotations

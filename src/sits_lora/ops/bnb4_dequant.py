@@ -11,9 +11,9 @@ import bitsandbytes):
 
 w = code[nibble] * scale, computed in float32 and written in ``out``'s dtype, as bitsandbytes' own kernel does. The
 Triton kernel reads the packed bytes once and each scale from cache; it exists because bitsandbytes' ``dequantize_4bit``
-reaches 44-51 % of the H200's copy bandwidth on the 8B shapes and this one 68-70 % (bench/bench_int4.py), and
-bitsandbytes' costs more host time per call. ``sits_lora.bases.bnb4`` uses it unless ``SITS_LORA_BNB4_DEQUANT``
-says "bitsandbytes".
+reaches a smaller share of the GPU's copy bandwidth than this one on the 8B shapes (bench/bench_int4.py;
+docs/quantization.md), and bitsandbytes' costs more host time per call. ``sits_lora.bases.bnb4`` uses it unless
+``SITS_LORA_BNB4_DEQUANT`` says "bitsandbytes".
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def bnb4_dequantize_scaled(packed: Tensor, layout: Bnb4Layout, shape: tuple[int,
     elif on_interpreter:
         block_n, block_kb, warps = 16, 16, 4
     else:
-        # the fastest of nine tiles in both layouts on the H200 (bench/bench_int4.py --fp8-tiles)
+        # the fastest of nine tiles in both layouts (bench/bench_int4.py --fp8-tiles)
         block_n, block_kb, warps = 64, 64, 4
     from .bnb4_kernels import DEQUANTIZE_SCALED  # Triton loads on first use
 

@@ -75,7 +75,7 @@ def resolve_kernel(requested: str, x: Tensor, out_features: int = 0) -> str:
 
 # Calls whose base GEMM is smaller than this many FLOPs (2·tokens·in·out) take the few-matmul ATen path
 # (sits_lora.ops.aten) when the config says kernel="auto": below it the fused path's launches cost the host
-# more than its fewer passes save the GPU (bench/NOTES.md, "Small calls"). SITS_LORA_ATEN_BELOW_FLOPS sets it;
+# more than its fewer passes save the GPU (docs/diffusion.md, "Small calls"). SITS_LORA_ATEN_BELOW_FLOPS sets it;
 # 0 keeps every call on the fused kernels.
 _ATEN_BELOW_FLOPS = float(os.environ.get("SITS_LORA_ATEN_BELOW_FLOPS", 16e9))
 
@@ -126,7 +126,7 @@ def decode_call(x: Tensor, in_features: int) -> bool:
 
 
 # Which GEMM carries the base product: "cublas" (addmm epilogue) or "triton" (our GEMM with a fused
-# low-rank epilogue). Chosen per GPU by measurement; see bench/NOTES.md.
+# low-rank epilogue). Chosen per GPU by measurement; see docs/kernels.md.
 GEMM_BACKENDS = ("cublas", "triton")
 _GEMM_BACKEND = os.environ.get("SITS_LORA_GEMM", "cublas")
 

@@ -4,7 +4,7 @@ While generating, a layer sees T = batch rows, one new token each. The frozen we
 T is, and at T <= 64 reading it is the whole cost: a merged model issues one GEMV-like GEMM per projection. The
 training path's split (base GEMM, shrink, expand) or the small-call ATen path's three matmuls issue three launches
 and three passes where the merged model has one; under CUDA graphs (sits_lora.serving.graph_decode), where launches
-cost no host time, those extra kernels are most of what an unmerged adapter costs (bench/NOTES.md, "Decode steps
+cost no host time, those extra kernels are most of what an unmerged adapter costs (docs/serving.md, "Decode steps
 as CUDA graphs"). Here one program per tile of BLOCK_N output columns (and BLOCK_M rows) streams its stripe of W
 and, alongside it, all of A, so that each program has the rows' h = x·Aᵀ (r numbers a row: recomputed per program
 from L2, a fraction of the stripe's bytes) and adds s·h·B_tileᵀ before its one store:
@@ -35,9 +35,9 @@ computes all of them. The grid is the siblings' output tiles one after another; 
 tile index, picks that sibling's W, b, A, B, s and output, and reads them with sibling 0's strides (so they must
 share dtype, strides and rank: ``siblings_fuse``); each sibling gets its own contiguous output (with split K, its
 columns of the planes, which the summing kernel hands to its output). A decode call's cost at these sizes is mostly
-not its bytes (a 1B k / v projection reads 2 MB, 0.5 µs at the H200's bandwidth, and takes ~6 µs): the group's one
-launch replaces the merged model's three GEMMs (two for gate / up). The configuration is tuned at the group's total
-width.
+not its bytes (a 1B k / v projection reads 2 MB, well under a microsecond at the GPU's bandwidth, and the call
+takes several times that): the group's one launch replaces the merged model's three GEMMs (two for gate / up). The
+configuration is tuned at the group's total width.
 
 One row (batch-1 decoding): tl.dot needs 16 rows, so the call above pads the row to 16 and the products run on
 tensor cores over a staged W tile. ``_lora_decode_gemv_kernel`` instead multiplies each loaded W tile with the row
@@ -200,7 +200,8 @@ _DECODE = TritonLauncher(_lora_decode_kernel)
 _DECODE_GEMV = TritonLauncher(_lora_decode_gemv_kernel)
 _SUM_SPLITS = TritonLauncher(_sum_splits_kernel)
 _SUM_BLOCK = 1024
-# Shared memory a configuration may plan for: under the H200's 227 KiB a block (and under the A100's 163 KiB)
+# Shared memory a configuration may plan for: under Hopper GPUs' 227 KiB a block (and under the 163 KiB of the
+# data-center GPUs of the generation before)
 _SMEM_BUDGET = 160 * 1024
 _FITTED: dict = {}   # (the tuned configuration's items, row block, rank block, dtype sizes) -> the fitted one
 

@@ -144,11 +144,10 @@ def lora_linear_dynamic_rank_triton(x, x_lora, weight, bias, lora_A, lora_B, sca
 
     rank_limit (T,) int32 on x's device; bucket_ends (K,) int64, the ranks of the buckets; x_lora None:
     the LoRA input is x. ``group_tokens`` sorts the tokens by limit for the expand kernel (one sort
-    per layer call) so that its blocks skip the rank tiles above their bucket. Off by default: on the
-    H200 the sort (~31 µs of GPU time) costs more than the tiles save (the expand is bound by writing
-    its output, not by its rank-64 arithmetic). GPU kernel time × the static kernel at r_max, training
-    (router gradient), mixed buckets, T = 8192, four Llama shapes: 1.06 / 1.01 / 1.03 / 1.05 grouped,
-    1.01 / 0.97 / 1.01 / 1.00 in token order (bench/results/2026-11-30-h200-session6/layer).
+    per layer call) so that its blocks skip the rank tiles above their bucket. Off by default: the sort
+    costs more GPU time than the skipped tiles save (the expand is bound by writing its output, not by
+    its rank-64 arithmetic), and in token order the kernels already cost what the static kernel at
+    r_max costs (docs/dynamic-rank.md).
     """
     order = torch.argsort(rank_limit).to(torch.int32) if group_tokens else None
     return DynamicRankLoraFunction.apply(x, x_lora, weight, bias, lora_A, lora_B, bucket_weights, float(scaling),

@@ -20,9 +20,9 @@ absolute maximum for the next scale; the base GEMMs run through ``torch._scaled_
 multiples of 16, the second operand column-major); the LoRA output is added to the GEMM's output
 in place by one more pass (``lora_expand_add_``), the traffic of the bf16 path's cuBLAS epilogue.
 fp8 tensor cores read both operands K-major, so dX needs W8 transposed: one copy of N·K bytes per
-backward call, by a tiled Triton transpose (``transpose_fp8``): 13-35 µs on the H200 where
-``w8.t().contiguous()`` took 92-341 µs (0.35 TB/s, a quarter of the dX GEMM it feeds; bench/results/
-2026-11-30-h200-session4/callA/fp8_gemms.log); keeping both layouts would double the frozen weight's memory.
+backward call, by a tiled Triton transpose (``transpose_fp8``), which reads and writes coalesced tiles
+where ``w8.t().contiguous()`` runs far below the copy bandwidth and costs a good part of the dX GEMM it
+feeds (docs/fp8.md); keeping both layouts would double the frozen weight's memory.
 
 Emulation (``emulate=True``): the same casts in plain PyTorch, products in fp32 on dequantized
 values; runs anywhere, used by CPU tests.
@@ -115,7 +115,7 @@ def _cast_config(device: torch.device) -> dict:
     if device.type != "cuda":
         return dict(BLOCK_T=16, BLOCK_C=32, num_warps=4)
     # 16 rows x 512 columns of bf16 per step: 16 KiB in flight per program; T = 8192 gives 512
-    # programs (about four per SM of an H200) and 512 atomics on the amax.
+    # programs (about four per SM of a 132-SM Hopper GPU) and 512 atomics on the amax.
     return dict(BLOCK_T=16, BLOCK_C=512, num_warps=8)
 
 
@@ -334,7 +334,7 @@ def fp8_linear_forward(x, x_lora, w8, w_inv, bias, lora_A, lora_B, scaling: floa
 def _cublas_scale(scale: torch.Tensor) -> torch.Tensor:
     """The scale as torch._scaled_mm may pass it to cuBLAS: 16-byte aligned.
 
-    cuBLAS (CUDA 13, measured on the H200) rejects an fp8 GEMM whose scale pointer is not 16-byte
+    cuBLAS (CUDA 13) rejects an fp8 GEMM whose scale pointer is not 16-byte
     aligned with CUBLAS_STATUS_NOT_SUPPORTED. The scaling state pads its 1/scale entries to 16 bytes
     (Fp8ScalingState.scale_inv), so the layer's scales pass as they are; any other scale at a 4- or
     8-byte offset is copied here (4 bytes, no host sync).

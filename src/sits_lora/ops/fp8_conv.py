@@ -1,6 +1,6 @@
 """fp8 2-D convolution for inference: an implicit-GEMM Triton kernel over e4m3 inputs and weights.
 
-torch has no fp8 convolution (cuDNN's are bf16 / fp16 on the H200): a diffusion U-Net's 3x3 convolutions and a
+torch has no fp8 convolution (cuDNN's are bf16 / fp16): a diffusion U-Net's 3x3 convolutions and a
 VAE decoder's stay at half the tensor cores' fp8 rate. This kernel runs one as a GEMM without materializing the
 patches: output pixels are the rows (M = batch · H_out · W_out), output channels the columns (N = C_out), and the
 reduction runs over the taps and the input channels (K = KH · KW · C_in), the A tile of a (tap, channel block) read
@@ -114,7 +114,7 @@ INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "GROUP_M": 2, "num_warps": 1
 
 def conv_config(m: int, block_k: int) -> dict:
     """The tile for M output pixels and K blocks of ``block_k`` on Hopper, from the fastest of ten configurations
-    timed per shape at SDXL's U-Net and VAE convolutions (bench/fp8_conv.py on the H200): 128 x 128 tiles from
+    timed per shape at SDXL's U-Net and VAE convolutions (bench/fp8_conv.py): 128 x 128 tiles from
     16k pixels up (the VAE, the U-Net's 128² level), 64 x 128 below (the U-Net's 64² and 32² levels, where 128-row
     tiles leave SMs idle)."""
     wide = m >= 16384

@@ -152,10 +152,10 @@ def _lora_expand_kernel(
     HAS_LIMIT (per-token rank): token t uses the first limit[t] columns of h only. A block whose
     largest limit is below R runs the 16-wide rank tiles up to it, skipping the rest; a block with a
     token at the full rank runs one full-width dot, as the static kernel does (four 16-wide dots in
-    a loop instead cost 6-9 % of the whole layer on the H200 at 4096², r = 64). The limit is applied
-    by a select after a load under the static kernel's mask, not as the load's mask: a mask that varies
-    along the contiguous rank axis can keep the compiler from vectorizing the load (as the load's mask,
-    the expand took 19 % longer than the static one at 4096² on the H200). dynamic_rank_forward
+    a loop instead cost a visible share of the whole layer). The limit is applied by a select after a
+    load under the static kernel's mask, not as the load's mask: a mask that varies along the contiguous
+    rank axis can keep the compiler from vectorizing the load (as the load's mask, the expand ran
+    clearly slower than the static one; docs/dynamic-rank.md). dynamic_rank_forward
     passes the limit only with grouped tokens: in token order h comes limited from the shrink.
     GROUPED: the block's tokens are order[block's range] (tokens sorted by limit), so that most
     blocks hold one limit and skip every tile above it. Without a limit, h may arrive as H_PARTS partial
@@ -383,7 +383,7 @@ def _dy_pass_config(dy: torch.Tensor, R: int, config: Optional[dict]) -> dict:
 def dy_pass_splits(dy: torch.Tensor, R: int, config: Optional[dict] = None) -> int:
     """How many N splits (g partials) the dy pass makes for dy (T, N) at rank R."""
     cfg = _dy_pass_config(dy, R, config)
-    # About two programs per SM of an H100 / H200 (132 SMs): split N when there are few token blocks.
+    # About two programs per SM of a Hopper GPU (132 SMs): split N when there are few token blocks.
     return _split(dy.shape[1], cfg["BLOCK_N"], cdiv(dy.shape[0], cfg["BLOCK_T"]), 264)[0]
 
 
@@ -613,8 +613,8 @@ def limit_grad(g: torch.Tensor, rank_limit: torch.Tensor, scale: float, h_full: 
     runs the static kernel. With the unlimited ``h_full`` and ``bucket_ends`` (K,): the (T, K) fp32
     gradient of the router's bucket weights, s · Σ_{r < bucket_ends[k]} h[t, r] g[t, r] (it reads h and g
     beyond each token's limit). Limiting h and g once here and in the shrink, instead of in every pass
-    that reads them, is what made the per-token-rank passes as fast as the static ones (bench/NOTES.md);
-    the bucket gradient in one kernel replaces six torch kernels (~16 µs at T = 8192, r 64)."""
+    that reads them, is what made the per-token-rank passes as fast as the static ones (docs/dynamic-rank.md);
+    the bucket gradient in one kernel replaces six torch kernels."""
     T, R = g.shape
     g_out = torch.empty_like(g)
     bucket_grad = h_full is not None

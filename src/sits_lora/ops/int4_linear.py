@@ -34,10 +34,10 @@ GROUP_SIZE = 128
 ROW_ALIGN_BYTES = 32
 PACKED_COLUMNS_MULTIPLE = 2 * ROW_ALIGN_BYTES      # input features per aligned row unit: 64 (32 bytes)
 # At or below this many tokens, and for rows of at most FUSED_MAX_IN_FEATURES, the fused dequant-GEMM runs;
-# otherwise dequantize + cuBLAS. Measured on the H200 (bench/bench_int4.py, forward product, bf16): fused
-# 0.040-0.057 ms against 0.067-0.110 for dequantize + cuBLAS at 16-64 tokens on 4096 x 4096 and 14336 x 4096 W;
-# cuBLAS wins from 256 tokens (0.113 against 0.154 at 14336 x 4096), and at every count on 4096 x 14336 (the
-# kernel splits no K: 64 programs walk 14336 features each).
+# otherwise dequantize + cuBLAS. With few tokens the product is bound by the weight's bytes, and the fused kernel,
+# which reads a quarter of them, wins; from a few hundred tokens the product is bound by FLOPs and cuBLAS wins. On
+# long rows cuBLAS wins at every token count: the fused kernel splits no K, so a few dozen programs each walk a
+# whole row (bench/bench_int4.py times both; docs/quantization.md).
 FUSED_MAX_TOKENS = 64
 FUSED_MAX_IN_FEATURES = 8192
 MODES = ("auto", "dequant", "fused")
@@ -98,8 +98,8 @@ def int4_unpack_reference(packed: Tensor, scales: Tensor, mins: Tensor, in_featu
 
 def int4_unpack_into(packed: Tensor, scales: Tensor, mins: Tensor, out: Tensor) -> Tensor:
     """The PyTorch dequantization into a preallocated float ``out`` (N, Kp), allocating nothing of W's size: on a
-    CPU the allocator's page faults otherwise cost more than the work (about 40x for 1M weights on this
-    project's 2-core machine). For rows without padding (in_features a multiple of 64), ``out`` is W."""
+    CPU the allocator's page faults otherwise cost far more than the work. For rows without padding (in_features
+    a multiple of 64), ``out`` is W."""
     N = packed.shape[0]
     if out.shape != (N, 2 * packed.shape[1]) or not out.is_contiguous():
         raise ValueError(f"int4_unpack_into: out must be contiguous ({N}, {2 * packed.shape[1]}), got "

@@ -3,8 +3,8 @@
 ``kernel[grid](*args)`` (``JITFunction.run``) rebuilds the same facts on every call: it binds the
 arguments, specializes each one, turns the options into a cache key string, checks the kernel's
 globals, asks the driver for the device and stream, and the launcher asks the driver to validate
-every pointer. On the H200's host that is ~30 µs per launch against ~10 µs for the compiled
-kernel's own launcher (bench/profile_host.py), and a layer step issues four of them.
+every pointer. That takes several times the host time of the compiled kernel's own launcher
+(bench/profile_host.py; docs/performance.md), and a layer step issues four of them.
 
 ``TritonLauncher`` keeps the compiled kernel per specialization. A call computes the facts Triton
 specializes on, from the arguments, in one pass: each tensor's dtype and whether its address is
@@ -75,7 +75,7 @@ def _generic_bind(values: list, constexpr: list) -> tuple:
 
 def _make_bind(values: list, constexpr: list):
     """A binder written for the argument types of one call (as Triton writes its own): straight-line code
-    instead of a loop with type tests, ~4x faster. A later call with another type at some position
+    instead of a loop with type tests, several times faster. A later call with another type at some position
     raises (AttributeError / TypeError) and takes _generic_bind."""
     params, key, launch = [], [], []
     for i, (value, is_constexpr) in enumerate(zip(values, constexpr)):

@@ -5,7 +5,7 @@ warps and pipeline stages. ``tune`` measures them for a layer shape on the curre
 the fastest in a JSON cache keyed by GPU name, kernel, shape and dtype (not the torch / triton
 versions: see config_key), so training starts without tuning and a second tuning run reuses the
 cache. The package ships the
-choices measured on an H200 (tuned_configs.json, from bench/tune_kernels.py); without an entry the
+choices for the GPUs it was tuned on (tuned_configs.json, from bench/tune_kernels.py); without an entry the
 kernels use the first configuration of each space below, and the interpreter uses small blocks that
 keep CPU tests fast.
 """
@@ -78,8 +78,8 @@ INTERPRETER_CONFIG = {
 _lock = threading.Lock()
 _cache: Optional[dict] = None
 # config_for's answers by (kernel, device, dims, dtype). Every launcher asks on every call, and the key
-# (device name, string formatting) cost ~15-25 µs of host time per launch on the H200's host
-# (bench/profile_host.py): a layer step issues 4-8 launches. Cleared whenever a tuning result is stored.
+# (device name, string formatting) is slow to build next to a direct launch (bench/profile_host.py), and a layer
+# step issues 4-8 launches. Cleared whenever a tuning result is stored.
 _answers: dict = {}
 
 

@@ -1,8 +1,9 @@
 """The fine-tuning recipe behind ``recipes/train.py``: load, measure, train, measure, save.
 
 Defaults fine-tune SmolLM2-135M-Instruct (GGUF, offline) on the standard-library documentation
-corpus with a sits_lora adapter on all seven projections, and finish in 5-11 minutes on a
-2-core CPU. Every default is a field of :class:`TrainRecipe`, settable from a YAML file or flags.
+corpus with a sits_lora adapter on all seven projections, and finish within minutes on a
+2-core CPU (docs/results.md gives the timings). Every default is a field of :class:`TrainRecipe`,
+settable from a YAML file or flags.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class TrainRecipe:
         "help": "auto | true | false: Liger-Kernel's fused RMSNorm / RoPE / SwiGLU / linear cross-entropy around "
                 "the adapter, applied by the Trainer (TrainingArguments.use_liger_kernel) for every model type "
                 "Liger supports. auto: on with a CUDA GPU, liger-kernel installed (pip install 'sits-lora[gpu]') "
-                "and a supported model; the fastest frozen step on the H200 (bench/regress.py)"})
+                "and a supported model; it gives the fastest frozen step (bench/regress.py; docs/performance.md)"})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16"})
     seed: int = field(default=0, metadata={"help": "random seed"})
     logging_steps: int = field(default=5, metadata={"help": "log every N steps"})
@@ -384,8 +385,8 @@ def resolve_liger(requested, model_type: str, cuda: Optional[bool] = None) -> tu
     types = liger_model_types()
     if types is None:
         return False, ("off: liger-kernel is not installed (pip install 'sits-lora[gpu]'); without it the norms, "
-                       "SwiGLU and the cross-entropy over the full logits stay unfused: on the H200 a LoRA step of a "
-                       "Llama-3-1B shape ran 1.27x slower with 2.2x the peak memory (bench/regress.py)")
+                       "SwiGLU and the cross-entropy over the full logits stay unfused: a LoRA step runs slower and its "
+                       "peak memory is much higher (bench/regress.py; docs/performance.md)")
     if model_type not in types:
         if requested is True:
             raise ValueError(f"liger=true: Liger-Kernel has no kernels for model type {model_type!r} (it patches "
@@ -430,8 +431,8 @@ def _versions() -> dict:
 def _set_cpu_threads(requested: int) -> int:
     import torch
 
-    # `accelerate launch` exports OMP_NUM_THREADS=1 for a single CPU process, which halves the
-    # speed of the default run on a 2-core machine (7.4 s against 5.0 s a step, measured here).
+    # `accelerate launch` exports OMP_NUM_THREADS=1 for a single CPU process, which leaves all but one core
+    # idle and slows the default run down markedly on a small machine.
     if requested == 0:
         local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         requested = max(1, (os.cpu_count() or 1) // local_processes)

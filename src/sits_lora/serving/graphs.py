@@ -1,7 +1,7 @@
 """CUDA graphs over decoding: each generated token's forward replays one recorded launch sequence.
 
 A decode step of a 1B Llama issues a few hundred small kernels for a few megabytes of work per layer; eager, the
-host's time to issue them is the step (bench/NOTES.md, "Mixed-adapter batches and decoding"), with or without an
+host's time to issue them is the step (docs/serving.md, "Decode steps as CUDA graphs"), with or without an
 adapter. ``graph_decode(model)`` replaces the causal LM's forward with a recorder: a call that feeds at most
 ``max_tokens`` new tokens per sample (a decode step) into a *static* KV cache is recorded once per signature and
 replayed after that; every other call (the prefill, a call with a growing cache, a call with gradients) runs the

@@ -662,8 +662,8 @@ def memory_alternatives(model, batch: int, seq_len: int, plan: MemoryPlan, budge
     if sits_layers and any(vars(m).get("input_recompute") is None for m in sits_layers):
         rebuilt = plan_memory(model, batch, seq_len, **{**plan_kwargs, "recompute_lora_inputs": True})
         if rebuilt.total < plan.total:
-            out["LoRA inputs rebuilt in backward (SitsLoraConfig(recompute_lora_inputs=True); measured +0-2 % step time on "
-                "8B shapes, +14 % on the launch-bound 1B)"] = rebuilt
+            out["LoRA inputs rebuilt in backward (SitsLoraConfig(recompute_lora_inputs=True); costs a little step "
+                "time, more on small launch-bound models)"] = rebuilt
     bandwidth = getattr(hardware, "pinned_bandwidth", None)
     rate = getattr(hardware, "matmul_flops", None)
     if n_ckpt == 0 and bandwidth and rate:

@@ -1,9 +1,9 @@
 """CUDA graphs over a whole training step: forward, loss, backward and the optimizer's update replayed as one
 recorded launch sequence.
 
-A LoRA step of a diffusers U-Net (or of a small language model) issues a few thousand small kernels, and on a GPU
-as fast as an H200 the host's time to issue them is the step: the SD1.5 U-Net's frozen forward + backward at batch
-8 takes 88 ms of host for far less GPU work (bench/NOTES.md, "Diffusion"). ``graph_train_step(step_fn, optimizer)``
+A LoRA step of a diffusers U-Net (or of a small language model) issues a few thousand small kernels, and on a fast
+GPU the host's time to issue them is the step: the SD1.5 U-Net's frozen forward + backward keeps the host busy far
+longer than the GPU work it issues lasts (docs/diffusion.md). ``graph_train_step(step_fn, optimizer)``
 runs ``step_fn`` eagerly for its first ``warmup`` calls per input signature (real steps on real batches, off the
 recording: autotuning, allocator growth, the optimizer's state), records the next call as a CUDA graph, and from
 then on a call copies its tensors into the recorded inputs, replays, and returns a copy of the outputs::
@@ -36,8 +36,8 @@ at recording): accumulate inside the step function, over micro-batches passed to
 Attention in transformers models: eagerly, transformers looks at the batch (packed sequences? padding?) and, when
 neither, calls ``scaled_dot_product_attention`` with ``is_causal=True`` and no mask. While a stream captures it
 cannot look, so it builds the causal mask as a tensor (transformers 5.17 for every call; later versions when an
-``attention_mask`` is passed), and a masked attention skips no blocks: on an H200 cuDNN's attention kernels of a
-1B Llama step ran 2.8x slower in the replays (bench/NOTES.md). ``assume_causal_attention=True`` records those calls
+``attention_mask`` is passed), and a masked attention skips no blocks: cuDNN's attention kernels of a small Llama
+step run several times slower in the replays (docs/performance.md). ``assume_causal_attention=True`` records those calls
 as the eager warm-up step made them (``is_causal=True``, no mask): right only while no batch packs sequences or
 pads on the left (right padding is exact: causal attention never reads later positions). Without it, a recording
 that saw such masks says so once.
@@ -311,7 +311,7 @@ class GraphedTrainStep:
             logger.warning(
                 "graph_train_step: %d attention calls got a mask tensor while recording where the eager step used "
                 "is_causal=True without one (transformers cannot look at the batch while a stream captures); masked "
-                "attention skips no blocks and ran 2.8x slower on an H200. If no batch packs sequences or pads on "
+                "attention skips no blocks and runs several times slower. If no batch packs sequences or pads on "
                 "the left, pass assume_causal_attention=True to graph_train_step.", masked)
 
     def _prepare_optimizers(self) -> None:

@@ -30,8 +30,9 @@ from ..utils.env import cpu_name
 from ..utils.units import GIB, format_rate
 
 
-# Sizes of the measurements. Large enough to reach the plateau on an H200 (a 512 MiB copy takes
-# ~0.25 ms at 4.25 TB/s; an 8192³ bf16 GEMM ~1.4 ms), small enough that all of them take ~1 s.
+# Sizes of the measurements. Large enough to reach the plateau on a Hopper GPU (at several TB/s a 512 MiB copy
+# still lasts far longer than a launch; an 8192³ bf16 GEMM is about a TFLOP of work), small enough that all of
+# them together take about a second.
 _COPY_BYTES = 512 * 2**20
 _PINNED_BYTES = 256 * 2**20
 

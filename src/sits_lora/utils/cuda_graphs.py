@@ -98,9 +98,9 @@ def _count_registration(module, name, submodule):
 class AdapterState:
     """:func:`adapter_state` of one model, cheap to ask every call: the module list is kept and walked again only
     when a module was registered somewhere since (an adapter injected, a layer replaced). Walking SDXL's U-Net
-    (1,930 modules) took 2.8 ms of a CPU a call, 8.3 with a LoRA on its cross-attention, against ~0.1 / 1.1 kept;
-    a replayed denoising step is ~30 ms of GPU work, and a scheduler that waits for the GPU every step adds the
-    host's time to it (bench/NOTES.md, "The kept K / V as one operator, timed")."""
+    (1,930 modules) every call, more so with a LoRA on its cross-attention, costs the CPU many times what the kept
+    list costs, a visible share of a replayed denoising step's GPU work; and a scheduler that waits for the GPU
+    every step adds the host's time to it (docs/diffusion.md, "Every block compiled")."""
 
     def __init__(self, model: Optional[nn.Module]) -> None:
         global _hooked
