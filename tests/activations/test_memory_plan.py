@@ -6,7 +6,7 @@ import torch
 from test_recompute import SHAPE, TARGETS, _family, _peft
 
 from sits_lora import plan_memory
-from sits_lora.training.callback import memory_alternatives
+from sits_lora.training.alternatives import memory_alternatives
 from sits_lora.training.constraints import check_memory
 
 

@@ -294,7 +294,7 @@ def run_check(model: Optional[str] = None, config: Optional[str] = None, batch_s
               rank_share: float = 0.10) -> CheckReport:
     """Build the recipe's adapted model on the meta device and check it against this machine."""
     from ..training import plan_memory, probe_hardware
-    from ..training.callback import memory_alternatives
+    from ..training.alternatives import memory_alternatives
     from ..training.constraints import (
         check_int4,
         check_memory,

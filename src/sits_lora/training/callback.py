@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -23,7 +22,6 @@ from .constraints import (
     check_memory,
     check_pcie,
     check_rank,
-    choose_offloaded_layers,
     estimate_step_seconds,
     pcie_bytes_per_step,
     resolve_policies,
@@ -38,11 +36,12 @@ from .guards import (
     NonFiniteGradientError,
     activation_message,
 )
+from .alternatives import memory_alternatives
 from .hardware import HardwareReport, probe_hardware
 from ..activations.offload import offloads_checkpoints
-from ..activations.tiled_mlp import DEFAULT_TILE_TOKENS
 from .memory import (GIB, MemoryPlan, UnsupportedModelError, checkpointed_layers, decoder_layers, plan_memory,
                      text_config, unwrap_model)
+from .run_shape import batch_bytes, infer_seq_len, optimizer_kind, weight_bytes
 
 logger = logging.getLogger("sits_lora")
 
@@ -265,12 +264,12 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
     # ------------------------------------------------------------------ constraints
 
     def _check_constraints(self, args, model, train_dataloader) -> list[ConstraintResult]:
-        seq_len = self.seq_len or _infer_seq_len(train_dataloader)
+        seq_len = self.seq_len or infer_seq_len(train_dataloader)
         batch = int(args.per_device_train_batch_size)
         accumulation = int(args.gradient_accumulation_steps)
         tokens = batch * seq_len if seq_len else None
         autocast = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else None)
-        optimizer = _optimizer_kind(str(getattr(args.optim, "value", args.optim)))
+        optimizer = optimizer_kind(str(getattr(args.optim, "value", args.optim)))
         # transformers' offload (every checkpointed layer's input), or sits_lora's own, which the plan reads per layer
         # from the model (enable_offloaded_checkpointing(keep_on_device=...))
         transformers_offload = bool((getattr(args, "activation_checkpointing_kwargs", None)
@@ -303,7 +302,7 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
                                                    self.hardware)
             results.append(check_memory(self.memory_plan, budget, source, alternatives, plan_error))
 
-        act_bytes = 2 if autocast is not None else _weight_bytes(model)
+        act_bytes = 2 if autocast is not None else weight_bytes(model)
         if self.policies["rank"] != "off":
             results.append(check_rank(model, self.hardware, tokens, act_bytes, self.rank_share))
 
@@ -313,9 +312,9 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
                 offload_bytes = self.memory_plan.host_offload  # what goes to the host, layer by layer, as planned
             elif offload and seq_len:
                 config = text_config(unwrap_model(model))
-                offload_bytes = n_ckpt * tokens * int(config.hidden_size) * _weight_bytes(model)
+                offload_bytes = n_ckpt * tokens * int(config.hidden_size) * weight_bytes(model)
             self._pcie_parts = pcie_bytes_per_step(
-                model, batch_bytes=_batch_bytes(train_dataloader, batch), activation_offload_bytes=offload_bytes,
+                model, batch_bytes=batch_bytes(train_dataloader, batch), activation_offload_bytes=offload_bytes,
                 gradient_checkpointing=n_ckpt > 0, accumulation=accumulation)
             step_seconds = None
             if self.hardware.is_cuda and self.hardware.matmul_flops and tokens:
@@ -575,138 +574,3 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
                 f"the parameter named is then the first trainable one, not necessarily the one that went bad. "
                 f"sits_lora.NativeLoraTrainer checks before that and names it."
             ) from None
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def _optimizer_kind(name: str) -> str:
-    name = name.lower()
-    if "8bit" in name:
-        return "adamw_8bit"
-    if name.startswith("adafactor"):
-        return "adafactor"
-    if name.startswith("sgd"):
-        return "sgd"
-    if "lion" in name:
-        return "lion"
-    return "adamw"
-
-
-def _weight_bytes(model: nn.Module) -> int:
-    for p in model.parameters():
-        if p.is_floating_point() and not p.requires_grad:
-            return p.element_size()
-    return 2
-
-
-def _dataset_of(train_dataloader):
-    dataset = getattr(train_dataloader, "dataset", None)
-    if dataset is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
-        return None
-    return dataset
-
-
-def _infer_seq_len(train_dataloader) -> Optional[int]:
-    """The longest ``input_ids`` among the first 64 examples (indexing only: the sampler's RNG is untouched)."""
-    dataset = _dataset_of(train_dataloader)
-    if dataset is None:
-        return None
-    longest = 0
-    try:
-        for i in range(min(64, len(dataset))):
-            example = dataset[i]
-            ids = example.get("input_ids") if isinstance(example, dict) else None
-            if ids is not None:
-                longest = max(longest, len(ids))
-    except (KeyError, TypeError, IndexError):
-        return None
-    return longest or None
-
-
-def _batch_bytes(train_dataloader, batch: int) -> int:
-    dataset = _dataset_of(train_dataloader)
-    if dataset is None or len(dataset) == 0:
-        return 0
-    example = dataset[0]
-    if not isinstance(example, dict):
-        return 0
-    total = 0
-    for value in example.values():
-        if isinstance(value, torch.Tensor):
-            total += value.numel() * max(value.element_size(), 8 if not value.is_floating_point() else 4)
-        elif isinstance(value, (list, tuple)):
-            total += len(value) * 8  # collated to int64
-    return total * batch
-
-
-def memory_alternatives(model, batch: int, seq_len: int, plan: MemoryPlan, budget: int, n_ckpt: int,
-                        plan_kwargs: dict, hardware=None) -> dict[str, MemoryPlan]:
-    """Plans of the changes that shrink an over-budget ``plan``, by label (what to set), cheapest first: Liger-Kernel
-    (on a GPU, installed, not applied yet), rebuilt LoRA inputs (sits_lora layers that save theirs), the saved
-    tensors of the layers whose copies hide behind the forward in host memory (with ``hardware``'s pinned bandwidth
-    and matmul rate, when nothing is checkpointed), gradient checkpointing (when ``n_ckpt``, the checkpointed
-    layers, is 0), checkpointing with the kept inputs on the host
-    and the MLP in tiles (when it plans lower than all before it), the largest per-device batch that fits
-    ``budget`` (with the gradient accumulation that keeps the effective batch), and half the rank.
-    ``plan_kwargs``: the keyword arguments ``plan`` was made with."""
-    out: dict[str, MemoryPlan] = {}
-    # cheapest first: what costs no step time, then recomputation, then a smaller batch, then a smaller adapter
-    liger_applies = (not plan_kwargs.get("liger") and torch.cuda.is_available()
-                     and importlib.util.find_spec("liger_kernel") is not None)
-    if liger_applies:
-        liger = plan_memory(model, batch, seq_len, **{**plan_kwargs, "liger": True})
-        if liger.total < plan.total:
-            out["Liger-Kernel's RMSNorm, SwiGLU and fused cross-entropy (TrainingArguments(use_liger_kernel=True))"] = liger
-    sits_layers = [m for m in model.modules() if hasattr(type(m), "input_recompute")]
-    if sits_layers and any(vars(m).get("input_recompute") is None for m in sits_layers):
-        rebuilt = plan_memory(model, batch, seq_len, **{**plan_kwargs, "recompute_lora_inputs": True})
-        if rebuilt.total < plan.total:
-            out["LoRA inputs rebuilt in backward (SitsLoraConfig(recompute_lora_inputs=True); costs a little step "
-                "time, more on small launch-bound models)"] = rebuilt
-    bandwidth = getattr(hardware, "pinned_bandwidth", None)
-    rate = getattr(hardware, "matmul_flops", None)
-    if n_ckpt == 0 and bandwidth and rate:
-        # no recompute: the layers whose saved tensors can cross PCIe while the forward computes
-        chosen = choose_offloaded_layers(model, batch, seq_len, pinned_bandwidth=bandwidth, matmul_flops=rate,
-                                         **plan_kwargs)["layers"]
-        if chosen:
-            offloaded = plan_memory(model, batch, seq_len, **{**plan_kwargs, "offloaded_layers": chosen})
-            if offloaded.total < plan.total:
-                out[f"the saved tensors of decoder layers {chosen[0]}-{chosen[-1]} in pinned host memory, copies hidden "
-                    f"behind the forward (sits_lora.activations.enable_activation_offload(model, "
-                    f"range({chosen[0]}, {chosen[-1] + 1})))"] = offloaded
-    if n_ckpt == 0:
-        out["gradient checkpointing (TrainingArguments(gradient_checkpointing=True))"] = plan_memory(
-            model, batch, seq_len, gradient_checkpointing=True, **plan_kwargs)
-    if not plan_kwargs.get("activation_offload"):
-        # what still grows with the sequence under checkpointing: the kept layer inputs (to the host) and one
-        # layer's MLP (in tiles)
-        offloaded = plan_memory(model, batch, seq_len, **{**plan_kwargs, "gradient_checkpointing": True,
-                                                          "activation_offload": True,
-                                                          "mlp_tile_tokens": DEFAULT_TILE_TOKENS})
-        if offloaded.total < min([plan.total] + [p.total for p in out.values()]):
-            out["checkpointed layer inputs in pinned host memory and the MLP in tiles (sits_lora.activations: "
-                "enable_offloaded_checkpointing(model); tile_mlp(model))"] = offloaded
-    if batch > 1:
-        low, high = 1, batch - 1
-        best = None
-        while low <= high:
-            mid = (low + high) // 2
-            candidate = plan_memory(model, mid, seq_len, **plan_kwargs)
-            if candidate.total <= budget:
-                best, low = (mid, candidate), mid + 1
-            else:
-                high = mid - 1
-        b, candidate = best or (1, plan_memory(model, 1, seq_len, **plan_kwargs))
-        out[f"per_device_train_batch_size={b} (with gradient_accumulation_steps x{-(-batch // b)} for the same "
-            f"effective batch)"] = candidate
-    ranks = [r for m in model.modules() for r in getattr(m, "r", {}).values()] if hasattr(model, "modules") else []
-    if ranks and max(ranks) > 1:
-        r = max(ranks)
-        ratio = (r // 2) / r
-        shrink = (1 - ratio) * (plan.adapter_weights + plan.optimizer_states
-                                + (plan.adapter_grads if plan.grads_at_peak else 0))
-        alt = MemoryPlan(**{**plan.__dict__, "total": int(plan.total - shrink), "notes": list(plan.notes)})
-        out[f"r={r // 2} (adapters, their gradients and optimizer states halve)"] = alt
-    return out
