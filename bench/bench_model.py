@@ -330,8 +330,17 @@ def worker(args) -> None:
             return default_step(input_ids=ids, labels=ids)
     cuda_graphs = mode == "reduce-overhead" or graphed or default
     t0 = time.perf_counter()
+    # each warm-up call's own peak (allocated bytes, reset before the call): for a recorded arm the eager calls, then
+    # the call that records, then replays; what a recording holds beyond an eager step shows between them
+    warmup_peaks = []
     for _ in range(max(args.warmup, 3) if graphed or default else args.warmup):
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+            warmup_peaks.append(torch.cuda.max_memory_allocated() / 2**30)
     if device == "cuda":
         torch.cuda.synchronize()
         # CUDA graphs allocate their memory pool while warming up and a replay allocates nothing new: their
@@ -364,8 +373,11 @@ def worker(args) -> None:
         "batch": batch, "seq": seq,
         "step_s": step_s, "tokens_per_s": batch * seq / step_s,
         "host_s": sorted(host_times)[len(host_times) // 2] if host_times else None,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        # a graphed arm's peak counts from its first warm-up call (the graphs' pool is made while warming up)
+        "peak_gib": (max([torch.cuda.max_memory_allocated() / 2**30] + (warmup_peaks if cuda_graphs else []))
+                     if device == "cuda" else None),
         "peak_includes_warmup": cuda_graphs,
+        "warmup_peaks_gib": warmup_peaks or None,   # per warm-up call; peak_gib of a graphed arm is their maximum
         "warmup_s": warmup_s, "loss": float(loss), "trainable_params": sum(p.numel() for p in params),
         "weights_gib": weights_gib,
     }
