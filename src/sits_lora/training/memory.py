@@ -370,6 +370,106 @@ def _check_args(batch_size, seq_len, optimizer, gradient_accumulation_steps):
                          f"{', '.join(map(repr, OPTIMIZERS))}.")
 
 
+def _modelled_layers(inner: nn.Module) -> tuple:
+    """(config, decoder blocks, the first block, its self_attn, its mlp), or UnsupportedModelError where the model
+    has no decoder blocks with self_attn.{q,k,v,o}_proj and mlp.{gate,up,down}_proj."""
+    config = text_config(inner)
+    _, blocks = decoder_layers(inner)
+    if not blocks or config is None:
+        raise UnsupportedModelError(
+            f"plan_memory: {type(inner).__name__} has no list of decoder layers and config; it models transformers "
+            f"decoder models (Llama, Mistral, Qwen2 and similar)."
+        )
+    first = blocks[0]
+    attn = getattr(first, "self_attn", None)
+    mlp = getattr(first, "mlp", None)
+    missing = [f"self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj") if not hasattr(attn, n)]
+    missing += [f"mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj") if not hasattr(mlp, n)]
+    if missing:
+        raise UnsupportedModelError(
+            f"plan_memory: the decoder layers of {type(inner).__name__} ({type(first).__name__}) have no "
+            f"{', '.join(missing)}; it models layers with self_attn.{{q,k,v,o}}_proj and mlp.{{gate,up,down}}_proj "
+            f"(Llama, Mistral, Qwen2 and similar)."
+        )
+    return config, blocks, first, attn, mlp
+
+
+def _parameter_bytes(inner: nn.Module, blocks: Sequence[nn.Module], notes: list) -> tuple:
+    """(frozen bytes, adapter bytes, the trainable tensors as this rank holds them): tied parameters once, the rank's
+    shards under FSDP2 / ZeRO-3 with what they gather at the peak, and the 4-bit bases' dequantization buffers."""
+    # Parameters, tied ones once; under FSDP2 (fully_shard) or ZeRO-3 the rank's own shards (ZeRO-3's are views
+    # into one flat buffer: a tensor is its storage and its place in it).
+    seen: set[tuple[int, int]] = set()
+    frozen = adapters = 0
+    trainable: list[torch.Tensor] = []
+    for p in list(inner.parameters()) + list(inner.buffers()):
+        local = _local_shard(p)
+        place = (local.untyped_storage()._cdata, local.storage_offset())
+        if place in seen:
+            continue
+        seen.add(place)
+        size = _held_bytes(p, local)
+        if isinstance(p, nn.Parameter) and p.requires_grad:
+            adapters += size
+            trainable.append(local)
+        else:
+            frozen += size
+    gathered = _fsdp_gathered_bytes(inner, blocks)
+    if gathered:
+        frozen += gathered
+        notes.append(f"FSDP2 / ZeRO-3: each rank holds its shards of the parameters; at the peak the parameters outside the "
+                     f"decoder layers and two decoder layers (the one running, the one prefetched) are gathered "
+                     f"whole: {format_bytes(gathered)} more, counted in the frozen weights")
+    # INT4 bases hold packed codes (counted above) and dequantize into one buffer per device, the size of the
+    # largest such layer's W, for the GEMM of a training batch (sits_lora.ops.int4_linear)
+    dequant_buffer = max((m.in_features * m.out_features * m.weight_scales.element_size()
+                          for m in inner.modules() if isinstance(m, Int4BaseLinear)), default=0)
+    # the same for the bitsandbytes 4-bit bases of SitsLoraLinear4bit layers (W in the dtype it was quantized from),
+    # and a buffer of its own, one byte a value, for those that form W in e4m3 for fp8 GEMMs (a buffer per dtype)
+    bnb4 = [m for m in inner.modules() if type(m).__name__ == "SitsLoraLinear4bit"]
+    dequant_buffer = max([dequant_buffer] + [
+        m.in_features * m.out_features * m.get_base_layer().weight.quant_state.dtype.itemsize
+        for m in bnb4 if not hasattr(m.frozen_base, "w_inv")])
+    dequant_buffer += max([0] + [m.in_features * m.out_features for m in bnb4 if hasattr(m.frozen_base, "w_inv")])
+    frozen += dequant_buffer
+    devices = {p.device for p in inner.parameters() if p.device.type != "meta"}
+    if len(devices) > 1:
+        notes.append(f"the parameters span {len(devices)} devices ({', '.join(sorted(map(str, devices)))}): the plan "
+                     f"is their sum, not the peak of one device")
+    return frozen, adapters, trainable
+
+
+def _loss_and_transient(fused_loss: bool, liger_loss: bool, tile: Optional[int], a: int, T: int, h: int, V: int,
+                        I: int) -> tuple:
+    """(bytes the loss holds at the start of backward, bytes one layer's backward holds at once) for T tokens, hidden
+    size h, vocabulary V, MLP size I, activations of a bytes; ``tile``: the MLP's tile when it runs in tiles."""
+    if fused_loss:
+        # sits_lora's fused linear cross-entropy never holds the T x V logits: it computes the gradient of its
+        # input in forward (T x h, kept for backward) one chunk of logits at a time
+        loss = a * T * h + a * chunk_rows_for(T, V, h, a) * V + 4 * T
+    elif liger_loss:
+        # Liger's does the same with chunks of about T x h logits
+        rows = -(-T // -(-V // h))
+        chunk = min(1 << (rows - 1).bit_length(), T)
+        loss = a * T * h + a * chunk * V + 4 * T
+    else:
+        loss = 12.0 * T * V
+    if liger_loss:
+        # Liger's SwiGLU backward writes its gradients over the saved gate and up: one T x I gradient and a few
+        # T x h ones at a time
+        transient = a * T * I + 3 * a * T * h
+    else:
+        # One layer's backward holds about four T x I tensors of gradients at once (of the MLP output,
+        # the activation, the up projection, and the down projection's input): fitted to the peaks a
+        # tensor tracker measured on the CPU. Under checkpointing the layer's recomputed saves add to it.
+        transient = 4 * a * T * I
+    if tile is not None:
+        # one tile's gate, up, product and their gradients, the T x h input gradient being filled, and the
+        # attention's backward (dq, dk, dv) that now outweighs the MLP's
+        transient = 6 * a * tile * I + 3 * a * T * h
+    return loss, transient
+
+
 def plan_memory(
     model: nn.Module,
     batch_size: int,
@@ -424,24 +524,7 @@ def plan_memory(
         raise ValueError(f"plan_memory: mlp_tile_tokens={mlp_tile_tokens!r} is invalid: it must be an int >= 0 (0 plans "
                          f"the MLPs untiled, None as the model runs them).")
     inner = unwrap_model(model)
-    config = text_config(inner)
-    _, blocks = decoder_layers(inner)
-    if not blocks or config is None:
-        raise UnsupportedModelError(
-            f"plan_memory: {type(inner).__name__} has no list of decoder layers and config; it models transformers "
-            f"decoder models (Llama, Mistral, Qwen2 and similar)."
-        )
-    first = blocks[0]
-    attn = getattr(first, "self_attn", None)
-    mlp = getattr(first, "mlp", None)
-    missing = [f"self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj") if not hasattr(attn, n)]
-    missing += [f"mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj") if not hasattr(mlp, n)]
-    if missing:
-        raise UnsupportedModelError(
-            f"plan_memory: the decoder layers of {type(inner).__name__} ({type(first).__name__}) have no "
-            f"{', '.join(missing)}; it models layers with self_attn.{{q,k,v,o}}_proj and mlp.{{gate,up,down}}_proj "
-            f"(Llama, Mistral, Qwen2 and similar)."
-        )
+    config, blocks, first, attn, mlp = _modelled_layers(inner)
 
     notes: list[str] = []
     T, B, S = batch_size * seq_len, batch_size, seq_len
@@ -465,46 +548,8 @@ def plan_memory(
     if liger is not None:
         liger_norm = liger_mlp = liger_loss = liger
 
-    # Parameters, tied ones once; under FSDP2 (fully_shard) or ZeRO-3 the rank's own shards (ZeRO-3's are views
-    # into one flat buffer: a tensor is its storage and its place in it).
-    seen: set[tuple[int, int]] = set()
-    frozen = adapters = 0
-    trainable: list[torch.Tensor] = []
-    for p in list(inner.parameters()) + list(inner.buffers()):
-        local = _local_shard(p)
-        place = (local.untyped_storage()._cdata, local.storage_offset())
-        if place in seen:
-            continue
-        seen.add(place)
-        size = _held_bytes(p, local)
-        if isinstance(p, nn.Parameter) and p.requires_grad:
-            adapters += size
-            trainable.append(local)
-        else:
-            frozen += size
-    gathered = _fsdp_gathered_bytes(inner, blocks)
-    if gathered:
-        frozen += gathered
-        notes.append(f"FSDP2 / ZeRO-3: each rank holds its shards of the parameters; at the peak the parameters outside the "
-                     f"decoder layers and two decoder layers (the one running, the one prefetched) are gathered "
-                     f"whole: {format_bytes(gathered)} more, counted in the frozen weights")
+    frozen, adapters, trainable = _parameter_bytes(inner, blocks, notes)
     grads = sum(p.numel() * p.element_size() for p in trainable)
-    # INT4 bases hold packed codes (counted above) and dequantize into one buffer per device, the size of the
-    # largest such layer's W, for the GEMM of a training batch (sits_lora.ops.int4_linear)
-    dequant_buffer = max((m.in_features * m.out_features * m.weight_scales.element_size()
-                          for m in inner.modules() if isinstance(m, Int4BaseLinear)), default=0)
-    # the same for the bitsandbytes 4-bit bases of SitsLoraLinear4bit layers (W in the dtype it was quantized from),
-    # and a buffer of its own, one byte a value, for those that form W in e4m3 for fp8 GEMMs (a buffer per dtype)
-    bnb4 = [m for m in inner.modules() if type(m).__name__ == "SitsLoraLinear4bit"]
-    dequant_buffer = max([dequant_buffer] + [
-        m.in_features * m.out_features * m.get_base_layer().weight.quant_state.dtype.itemsize
-        for m in bnb4 if not hasattr(m.frozen_base, "w_inv")])
-    dequant_buffer += max([0] + [m.in_features * m.out_features for m in bnb4 if hasattr(m.frozen_base, "w_inv")])
-    frozen += dequant_buffer
-    devices = {p.device for p in inner.parameters() if p.device.type != "meta"}
-    if len(devices) > 1:
-        notes.append(f"the parameters span {len(devices)} devices ({', '.join(sorted(map(str, devices)))}): the plan "
-                     f"is their sum, not the peak of one device")
     opt_bytes = _optimizer_bytes(optimizer, trainable)
 
     weight_dtype = base_layer_of(attn.q_proj).weight.dtype
@@ -679,30 +724,7 @@ def plan_memory(
             outside += extra
     activations = saved_blocks + outside
 
-    if fused_loss:
-        # sits_lora's fused linear cross-entropy never holds the T x V logits: it computes the gradient of its
-        # input in forward (T x h, kept for backward) one chunk of logits at a time
-        loss = a * T * h + a * chunk_rows_for(T, V, h, a) * V + 4 * T
-    elif liger_loss:
-        # Liger's does the same with chunks of about T x h logits
-        rows = -(-T // -(-V // h))
-        chunk = min(1 << (rows - 1).bit_length(), T)
-        loss = a * T * h + a * chunk * V + 4 * T
-    else:
-        loss = 12.0 * T * V
-    if liger_loss:
-        # Liger's SwiGLU backward writes its gradients over the saved gate and up: one T x I gradient and a few
-        # T x h ones at a time
-        transient = a * T * I + 3 * a * T * h
-    else:
-        # One layer's backward holds about four T x I tensors of gradients at once (of the MLP output,
-        # the activation, the up projection, and the down projection's input): fitted to the peaks a
-        # tensor tracker measured on the CPU. Under checkpointing the layer's recomputed saves add to it.
-        transient = 4 * a * T * I
-    if tiled:
-        # one tile's gate, up, product and their gradients, the T x h input gradient being filled, and the
-        # attention's backward (dq, dk, dv) that now outweighs the MLP's
-        transient = 6 * a * tile * I + 3 * a * T * h
+    loss, transient = _loss_and_transient(fused_loss, liger_loss, tile if tiled else None, a, T, h, V, I)
     recompute = max(per_block_full) + transient if n_ckpt else transient
     if n_offloaded:
         recompute += resid * T * h  # the next layer's input, fetched back while this layer runs backward
