@@ -215,7 +215,7 @@ def transpose_fp8(w8: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- a Triton fp8 GEMM (the candidate)
 #
-# Issue 6 asks for torch._scaled_mm "or a Triton fp8 GEMM if faster: measure". This is the candidate that
+# The fp8 GEMMs run on torch._scaled_mm (cuBLAS) unless a Triton one measures faster. This is the candidate that
 # bench/fp8_gemms.py times against cuBLAS; the layer does not use it. What it could win: dX reading W8 as
 # stored (no transpose per backward) and, later, the LoRA term in its epilogue (no expand launch).
 
