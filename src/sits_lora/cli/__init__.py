@@ -100,8 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
                "`sits-lora COMMAND --help` explains each command.",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    fmt = argparse.RawDescriptionHelpFormatter
+    for add in (_add_check_command, _add_bench_command, _add_profile_command, _add_compile_command):
+        add(commands, argparse.RawDescriptionHelpFormatter)
+    return parser
 
+
+def _add_check_command(commands, fmt) -> None:
+    """`sits-lora check`: a training run's constraints, without training."""
     check = commands.add_parser(
         "check", formatter_class=fmt, help="hardware report and constraints of a training run, without training",
         description="The hardware report and the constraints a training run is held to, computed without training: "
@@ -118,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="share of a layer's time its LoRA branch may take in the rank check (default 0.10)")
     _add_json(check)
 
+
+def _add_bench_command(commands, fmt) -> None:
+    """`sits-lora bench`: the machine's compliance benchmark."""
     bench = commands.add_parser(
         "bench", formatter_class=fmt, help="compliance benchmark: device memory, PCIe, INT4 alignment",
         description="Measure this machine on three dimensions: device memory (copy bandwidth, bf16 / fp8 matmul "
@@ -144,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_json(bench)
 
+
+def _add_profile_command(commands, fmt) -> None:
+    """`sits-lora profile`: a model's per-layer latency with its adapter."""
     profile = commands.add_parser(
         "profile", formatter_class=fmt, help="per-layer forward / backward latency of a model with its adapter",
         description="Forward and backward latency of a real model with the config's adapter, by decoder layer and op "
@@ -157,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--out", default="profile", help="folder for profile.csv / .png / .json (default ./profile)")
     _add_json(profile)
 
+
+def _add_compile_command(commands, fmt) -> None:
+    """`sits-lora compile`: the fused kernels tuned for a model's shapes."""
     compile_ = commands.add_parser(
         "compile", formatter_class=fmt, help="tune the fused kernels for a model's layer shapes on this GPU",
         description="Tune the launch configuration of every fused side kernel (shrink, expand, dy pass, x pass) for "
@@ -174,7 +188,6 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--cache", metavar="FILE",
                           help="the cache file (default $SITS_LORA_TUNING_CACHE or ~/.cache/sits_lora/kernel_configs.json)")
     _add_json(compile_)
-    return parser
 
 
 def _emit(args, payload: dict, table: str) -> None:
