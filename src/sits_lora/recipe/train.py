@@ -440,11 +440,94 @@ def _set_cpu_threads(requested: int) -> int:
     return requested
 
 
+def _quantization_config(recipe: TrainRecipe, dtype):
+    """transformers' BitsAndBytesConfig for base_quant="nf4" (QLoRA's load), else None."""
+    if recipe.base_quant != "nf4":
+        return None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=dtype)
+
+
+def _report_fp8_layers(model, recipe: TrainRecipe, say) -> Optional[int]:
+    """How many adapted layers run on the fp8 base (said in one line), or None with fp8 off."""
+    if recipe.fp8 == "off":
+        return None
+    from ..fp8 import fp8_layer_plan
+
+    plan = fp8_layer_plan(model)
+    fp8_layers = sum(entry["base"] == "fp8" for entry in plan.values())
+    say(f"[sits_lora] fp8 base ({recipe.fp8}): {fp8_layers} of {len(plan)} adapted layers"
+        + (" (fp8_layers=auto: none faster at these shapes)" if not fp8_layers and recipe.fp8_layers == "auto"
+           else ""))
+    return fp8_layers
+
+
+def _training_arguments(recipe: TrainRecipe, model, dtype, use_liger: bool, liger_config):
+    """The Trainer's arguments for the recipe."""
+    import torch
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=recipe.output_dir,
+        max_steps=recipe.max_steps,
+        per_device_train_batch_size=recipe.batch_size,
+        gradient_accumulation_steps=recipe.grad_accum,
+        learning_rate=recipe.learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=recipe.warmup_steps,
+        logging_steps=recipe.logging_steps,
+        save_strategy="steps",
+        save_steps=recipe.checkpoint_steps(),
+        save_total_limit=2,
+        report_to="none",
+        seed=recipe.seed,
+        bf16=dtype == torch.bfloat16 and torch.cuda.is_available(),
+        dataloader_num_workers=0,
+        use_cpu=not torch.cuda.is_available(),
+        use_liger_kernel=use_liger,
+        **({"liger_kernel_config": liger_config} if liger_config else {}),
+        # adapters inside the decoder layers take part in every forward: DDP need not search the autograd graph
+        # for unused parameters each step (the Trainer's default for a PeftModel). One outside them (lm_head: Liger's
+        # fused cross-entropy reads its base weight alone) keeps the search, or DDP would stop at the next step
+        ddp_find_unused_parameters=False if all(".layers." in name for name, p in model.named_parameters()
+                                                if p.requires_grad) else None,
+    )
+
+
+def _metrics(recipe: TrainRecipe, trainer, train_output, source, ppl_before: float, ppl_after: float,
+             train_seconds: float, wall_seconds: float, world: int, heldout_blocks: int, adapter_dir: str,
+             use_liger: bool, fp8_layers: Optional[int]) -> dict:
+    """What metrics.json holds for a finished run."""
+    return {
+        "heldout_perplexity_before": ppl_before,
+        "heldout_perplexity_after": ppl_after,
+        "train_loss": train_output.training_loss,
+        # (step, loss) as the Trainer logged it every logging_steps: on several processes the mean over the ranks
+        "loss_curve": [[entry["step"], entry["loss"]] for entry in trainer.state.log_history if "loss" in entry],
+        "train_seconds": train_seconds,
+        "wall_seconds": wall_seconds,
+        "tokens_trained": recipe.max_steps * recipe.batch_size * recipe.grad_accum * recipe.seq_len * world,
+        "processes": world,
+        "heldout_tokens": heldout_blocks * (recipe.seq_len - 1),
+        "model": source.describe(),
+        "adapter_dir": os.path.abspath(adapter_dir),
+        "hardware_report": os.path.abspath(os.path.join(recipe.output_dir, "hardware_report.json")),
+        "liger_kernel": use_liger,
+        # whether the optimizer step was recorded as CUDA graphs, and why not (NativeLoraTrainer's line)
+        "step_recording": trainer.step_recording.reason if trainer.step_recording else None,
+        "fp8_base_layers": fp8_layers,   # adapted layers on the fp8 base (None: fp8 off)
+        "recipe": dataclasses.asdict(recipe),
+        "versions": _versions(),
+    }
+
+
 def run(recipe: TrainRecipe) -> dict:
     """Run the recipe; return (and write to output_dir/metrics.json) what it measured."""
     import torch
     from peft import get_peft_model
-    from transformers import TrainingArguments, default_data_collator, set_seed
+    from transformers import default_data_collator, set_seed
 
     from ..config import SitsLoraConfig
     from .data import load_text_splits, pack_into_blocks
@@ -465,13 +548,8 @@ def run(recipe: TrainRecipe) -> dict:
     threads = _set_cpu_threads(recipe.cpu_threads) if not torch.cuda.is_available() else None
     dtype = torch_dtype_named(recipe.dtype)
     recipe.check_inputs()
-    quantization = None
-    if recipe.base_quant == "nf4":
-        from transformers import BitsAndBytesConfig
-
-        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                          bnb_4bit_compute_dtype=dtype)
-    model, tokenizer, source = load_model_and_tokenizer(recipe.model, dtype=dtype, quantization_config=quantization)
+    model, tokenizer, source = load_model_and_tokenizer(recipe.model, dtype=dtype,
+                                                        quantization_config=_quantization_config(recipe, dtype))
     if os.path.isdir(source.location):
         # a local model: nothing to ask the hub, and PEFT would ask it at every save for the base model's
         # config (base_model_name_or_path is a hub id for the default GGUF), waiting on the network offline
@@ -510,41 +588,8 @@ def run(recipe: TrainRecipe) -> dict:
         model = get_peft_model(model, config)
     if main_process:
         model.print_trainable_parameters()
-    fp8_layers = None
-    if recipe.fp8 != "off":
-        from ..fp8 import fp8_layer_plan
-
-        plan = fp8_layer_plan(model)
-        fp8_layers = sum(entry["base"] == "fp8" for entry in plan.values())
-        say(f"[sits_lora] fp8 base ({recipe.fp8}): {fp8_layers} of {len(plan)} adapted layers"
-            + (" (fp8_layers=auto: none faster at these shapes)" if not fp8_layers and recipe.fp8_layers == "auto"
-               else ""))
-
-    args = TrainingArguments(
-        output_dir=recipe.output_dir,
-        max_steps=recipe.max_steps,
-        per_device_train_batch_size=recipe.batch_size,
-        gradient_accumulation_steps=recipe.grad_accum,
-        learning_rate=recipe.learning_rate,
-        lr_scheduler_type="cosine",
-        warmup_steps=recipe.warmup_steps,
-        logging_steps=recipe.logging_steps,
-        save_strategy="steps",
-        save_steps=recipe.checkpoint_steps(),
-        save_total_limit=2,
-        report_to="none",
-        seed=recipe.seed,
-        bf16=dtype == torch.bfloat16 and torch.cuda.is_available(),
-        dataloader_num_workers=0,
-        use_cpu=not torch.cuda.is_available(),
-        use_liger_kernel=use_liger,
-        **({"liger_kernel_config": liger_config} if liger_config else {}),
-        # adapters inside the decoder layers take part in every forward: DDP need not search the autograd graph
-        # for unused parameters each step (the Trainer's default for a PeftModel). One outside them (lm_head: Liger's
-        # fused cross-entropy reads its base weight alone) keeps the search, or DDP would stop at the next step
-        ddp_find_unused_parameters=False if all(".layers." in name for name, p in model.named_parameters()
-                                                if p.requires_grad) else None,
-    )
+    fp8_layers = _report_fp8_layers(model, recipe, say)
+    args = _training_arguments(recipe, model, dtype, use_liger, liger_config)
     if recipe.overwrite and main_process:
         _clear_run(recipe.output_dir)  # only now: a run that fails while loading leaves the old one whole
     if world > 1:
@@ -564,27 +609,8 @@ def run(recipe: TrainRecipe) -> dict:
     ppl_after = heldout_perplexity(model, heldout_blocks, desc="held-out perplexity (after)")
     adapter_dir = os.path.join(recipe.output_dir, "adapter")
     _save_adapter_atomically(model, adapter_dir, main_process)
-    metrics = {
-        "heldout_perplexity_before": ppl_before,
-        "heldout_perplexity_after": ppl_after,
-        "train_loss": train_output.training_loss,
-        # (step, loss) as the Trainer logged it every logging_steps: on several processes the mean over the ranks
-        "loss_curve": [[entry["step"], entry["loss"]] for entry in trainer.state.log_history if "loss" in entry],
-        "train_seconds": train_seconds,
-        "wall_seconds": time.perf_counter() - t_start,
-        "tokens_trained": recipe.max_steps * recipe.batch_size * recipe.grad_accum * recipe.seq_len * world,
-        "processes": world,
-        "heldout_tokens": len(heldout_blocks) * (recipe.seq_len - 1),
-        "model": source.describe(),
-        "adapter_dir": os.path.abspath(adapter_dir),
-        "hardware_report": os.path.abspath(os.path.join(recipe.output_dir, "hardware_report.json")),
-        "liger_kernel": use_liger,
-        # whether the optimizer step was recorded as CUDA graphs, and why not (NativeLoraTrainer's line)
-        "step_recording": trainer.step_recording.reason if trainer.step_recording else None,
-        "fp8_base_layers": fp8_layers,   # adapted layers on the fp8 base (None: fp8 off)
-        "recipe": dataclasses.asdict(recipe),
-        "versions": _versions(),
-    }
+    metrics = _metrics(recipe, trainer, train_output, source, ppl_before, ppl_after, train_seconds,
+                       time.perf_counter() - t_start, world, len(heldout_blocks), adapter_dir, use_liger, fp8_layers)
     if main_process:
         write_json_atomically(os.path.join(recipe.output_dir, "metrics.json"), metrics)
     say(f"[sits_lora] held-out perplexity: {ppl_before:.3f} -> {ppl_after:.3f} "
