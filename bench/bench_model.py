@@ -206,7 +206,7 @@ def _unsloth_model(model_name: str, arm: str, dtype, layers: int, seq: int):
     return model, [p for p in model.parameters() if p.requires_grad]
 
 
-def _import_unsloth(arm: str, device: str) -> None:
+def import_unsloth(arm: str, device: str) -> None:
     """Import unsloth before transformers is imported (its patches need that), or SystemExit with one line."""
     if device != "cuda":
         raise SystemExit(f"arm {arm}: skipped: Unsloth runs on a CUDA GPU only")
@@ -282,7 +282,7 @@ def worker(args) -> None:
     batch, seq = (args.batch, args.seq) if not args.smoke else (2, 32)
     parts = args.arm.split("+")
     if args.arm.startswith("unsloth"):
-        _import_unsloth(args.arm, device)
+        import_unsloth(args.arm, device)
     default = "default" in parts
     if default:  # refused before the model is built: the arm has nothing else to measure
         default_train_step = _default_train_step(args.arm, device)

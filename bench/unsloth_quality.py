@@ -30,6 +30,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from dynamic_rank_harness import evaluate_model, load_blocks, load_eval_model, settings_for, train_model  # noqa: E402
+from bench_model import import_unsloth  # noqa: E402
 from harness import png, write_results  # noqa: E402
 
 ARMS = ("sits", "unsloth")
@@ -103,12 +104,7 @@ def worker(arm: str, size: str, seed: int, lr: float) -> dict:
     """One run: train, then the held-out loss. Stops with one line where the arm cannot run here."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if arm == "unsloth":
-        if device.type != "cuda":
-            raise SystemExit("arm unsloth: skipped: Unsloth runs on a CUDA GPU only")
-        try:
-            import unsloth  # noqa: F401  (before transformers: its patches need that)
-        except ImportError as error:
-            raise SystemExit(f"arm unsloth: skipped: unsloth is not installed ({error}); docs/unsloth.md") from None
+        import_unsloth(arm, device.type)   # before transformers (its patches need that), or one line and out
     settings = settings_for("tiny" if size == "tiny" else "budget", **SIZES[size], progress=False)
     model, tokenizer = build_arm(arm, settings, seed, device)
     train, _, test = load_blocks(tokenizer, settings)
