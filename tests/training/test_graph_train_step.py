@@ -136,12 +136,15 @@ def _capturing(monkeypatch):
     monkeypatch.setattr(import_utils, "is_cuda_stream_capturing", lambda: True)
 
 
-def _attention_spy(monkeypatch):
-    """The masks and is_causal flags that reach torch's attention (under what _AttentionDecisions patches in)."""
+def _attention_spy(monkeypatch, key_heads=None):
+    """The masks and is_causal flags that reach torch's attention (under what _AttentionDecisions patches in); the
+    key's head count of each call appended to ``key_heads`` when given."""
     calls, real = [], torch.nn.functional.scaled_dot_product_attention
 
     def spy(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
         calls.append((attn_mask is None, is_causal))
+        if key_heads is not None:
+            key_heads.append(key.shape[1])
         return real(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
@@ -156,13 +159,15 @@ def test_attention_masked_only_while_recording_is_made_as_the_eager_step_made_it
     model = tiny_llama(0).eval()
     ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)   # a collator's all-ones mask: eagerly transformers drops it for is_causal=True
-    calls = _attention_spy(monkeypatch)
+    key_heads = []
+    calls = _attention_spy(monkeypatch, key_heads)
     decisions = _AttentionDecisions()
     with torch.no_grad():
         with decisions.watching():
             eager = model(input_ids=ids, attention_mask=mask).logits
         layers = len(decisions.eager)
         assert layers == model.config.num_hidden_layers and calls == [(True, True)] * layers
+        eager_heads = key_heads[:]
         _capturing(monkeypatch)
         calls.clear()
         with decisions.recording(rewrite=False):
@@ -170,9 +175,12 @@ def test_attention_masked_only_while_recording_is_made_as_the_eager_step_made_it
         assert calls == [(False, False)] * layers and (decisions.masked_while_recording, decisions.rewritten) == (
             layers, 0)
         calls.clear()
+        key_heads.clear()
         with decisions.recording(rewrite=True):
             causal = model(input_ids=ids, attention_mask=mask).logits
     assert calls == [(True, True)] * layers and decisions.rewritten == layers
+    # grouped-query attention read in place, as eagerly: no copy of the key and value heads out to the query's count
+    assert eager_heads == [model.config.num_key_value_heads] * layers and key_heads == eager_heads
     torch.testing.assert_close(masked, eager, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(causal, eager, rtol=1e-5, atol=1e-5)
     assert torch.nn.functional.scaled_dot_product_attention.__name__ == "spy"   # the patch is gone

@@ -77,7 +77,7 @@ class _AttentionDecisions:
         self.rewritten = 0
 
     @contextlib.contextmanager
-    def _patched(self, call):
+    def _patched(self, call, grouped_query=None):
         real = torch.nn.functional.scaled_dot_product_attention
 
         def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *args, **kwargs):
@@ -85,11 +85,12 @@ class _AttentionDecisions:
                 return real(query, key, value, attn_mask, dropout_p, is_causal, *args, **kwargs)
             return call(real, query, key, value, attn_mask, dropout_p, is_causal, *args, **kwargs)
 
-        torch.nn.functional.scaled_dot_product_attention = sdpa
-        try:
+        with contextlib.ExitStack() as stack:
+            torch.nn.functional.scaled_dot_product_attention = sdpa
+            stack.callback(setattr, torch.nn.functional, "scaled_dot_product_attention", real)
+            if grouped_query is not None:
+                stack.enter_context(_transformers_gqa_decision(grouped_query))
             yield
-        finally:
-            torch.nn.functional.scaled_dot_product_attention = real
 
     @staticmethod
     def _decision(query, key, attn_mask, is_causal) -> tuple:
@@ -107,23 +108,54 @@ class _AttentionDecisions:
 
     def recording(self, rewrite: bool):
         """Within: call i with a mask where the eager step's call i was causal without one, at the same lengths, is
-        counted, and with ``rewrite`` made causal without the mask."""
+        counted, and with ``rewrite`` made causal without the mask. With ``rewrite``, transformers' choice of grouped
+        query attention for such a call is made as for the eager call too: with a mask it copies the key and value
+        heads out to the query's count (and sums their gradients back), where the eager call read them in place."""
         self.masked_while_recording = self.rewritten = 0
         index = [0]
+
+        def was_plain_causal(i: int, q_len: int, kv_len: int) -> bool:
+            eager = self.eager[i] if i < len(self.eager) else None
+            return q_len == kv_len and eager == (True, True, q_len, kv_len)
 
         def call(real, query, key, value, attn_mask, dropout_p, is_causal, *args, **kwargs):
             i = index[0]
             index[0] += 1
-            eager = self.eager[i] if i < len(self.eager) else None
-            q_len, kv_len = query.shape[-2], key.shape[-2]
-            if attn_mask is not None and q_len == kv_len and eager == (True, True, q_len, kv_len):
+            if attn_mask is not None and was_plain_causal(i, query.shape[-2], key.shape[-2]):
                 self.masked_while_recording += 1
                 if rewrite:
                     self.rewritten += 1
                     attn_mask, is_causal = None, True
             return real(query, key, value, attn_mask, dropout_p, is_causal, *args, **kwargs)
 
-        return self._patched(call)
+        def grouped_query(real, attention_mask, key, *args, **kwargs):
+            # asked just before attention call index[0]; the mask's rows are the query's length
+            if (attention_mask is not None and attention_mask.dim() >= 2
+                    and was_plain_causal(index[0], attention_mask.shape[-2], key.shape[-2])):
+                attention_mask = None
+            return real(attention_mask, key, *args, **kwargs)
+
+        return self._patched(call, grouped_query if rewrite else None)
+
+
+@contextlib.contextmanager
+def _transformers_gqa_decision(decide):
+    """Within: transformers' ``use_gqa_in_sdpa(attention_mask, key, ...)`` answered by ``decide(real, attention_mask,
+    key, ...)``; nothing where this transformers has no such function (older versions repeat the heads always)."""
+    try:
+        from transformers.integrations import sdpa_attention
+    except ImportError:
+        yield
+        return
+    real = getattr(sdpa_attention, "use_gqa_in_sdpa", None)
+    if real is None:
+        yield
+        return
+    sdpa_attention.use_gqa_in_sdpa = lambda *args, **kwargs: decide(real, *args, **kwargs)
+    try:
+        yield
+    finally:
+        sdpa_attention.use_gqa_in_sdpa = real
 
 
 class GraphCaptureError(RuntimeError):
