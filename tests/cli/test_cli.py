@@ -451,8 +451,9 @@ def test_packaged_tuning_versions_are_those_of_their_run():
     with open(os.path.join(run, "tuning.json")) as f:
         environment = json.load(f)["environment"]
     suffix = f"|torch{environment['torch'].split('+')[0]}|triton{environment['triton']}"
-    kernels = {k: v for k, v in packaged.items() if not any(f"|{name}|" in k for name in ("fp8_layer", "decode",
-                                                                                          "decode_gemv"))}
+    kernels = {k: v for k, v in packaged.items() if k != "capabilities" and not any(
+        f"|{name}|" in k for name in ("fp8_layer", "decode", "decode_gemv"))}
+    assert packaged["capabilities"] == {"NVIDIA H200": [9, 0]}   # the GPU of every packaged entry
     assert {k.removesuffix(suffix): v for k, v in measured.items() if k.endswith(suffix)} == kernels
     assert _PACKAGED_VERSIONS == {"torch": environment["torch"], "triton": environment["triton"]}
     fp8_run = os.path.join(REPO_ROOT, "bench", "results", "2026-12-01-h200-session8", "call4_gate_8b", "tune")

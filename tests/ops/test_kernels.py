@@ -218,6 +218,7 @@ def test_config_for_remembers_its_answer_until_a_tuning_result_replaces_it(monke
     from sits_lora.ops import tuning
 
     monkeypatch.setattr(tuning, "_device_name", lambda device: "FakeGPU")
+    monkeypatch.setattr(tuning, "_capability", lambda device: [9, 0])
     monkeypatch.setattr(tuning, "_cache", {})
     monkeypatch.setattr(tuning, "_answers", {})
     gpu = torch.device("cuda", 0)
@@ -232,6 +233,44 @@ def test_config_for_remembers_its_answer_until_a_tuning_result_replaces_it(monke
                           save=False)
     assert best == faster and tuning.config_for("shrink", gpu, (4096, 16), torch.bfloat16) == faster
     assert tuning.config_for("shrink", gpu, (2048, 16), torch.bfloat16) == default  # other dims: untouched
+    assert tuning._load()["capabilities"] == {"FakeGPU": [9, 0]}   # what a GPU of the same kind may borrow
+
+
+def test_a_gpu_without_entries_takes_those_of_a_gpu_of_its_compute_capability(monkeypatch, tmp_path):
+    """An H100 has no packaged entry; the H200's (same SMs, same compute capability) fit it better than the space's
+    first configuration. Another capability's entries are not borrowed, and the GPU's own entry (a user's tuning,
+    merged over the packaged table with its capabilities) wins."""
+    import json
+
+    from sits_lora.ops import tuning
+
+    h200 = dict(BLOCK_T=256, BLOCK_N=128, num_warps=8, num_stages=3)
+    packaged = tmp_path / "packaged.json"
+    packaged.write_text(json.dumps({"NVIDIA H200|dy_pass|8192x16|bfloat16": h200,
+                                    "capabilities": {"NVIDIA H200": [9, 0]}}))
+    user = tmp_path / "user.json"
+    monkeypatch.setattr(tuning, "_packaged_path", lambda: str(packaged))
+    monkeypatch.setenv("SITS_LORA_TUNING_CACHE", str(user))
+    monkeypatch.setattr(tuning, "_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    capability = [9, 0]
+    monkeypatch.setattr(tuning, "_capability", lambda device: capability)
+    gpu = torch.device("cuda", 0)
+
+    def fresh(**kw):
+        monkeypatch.setattr(tuning, "_cache", None)
+        monkeypatch.setattr(tuning, "_answers", {})
+        return tuning.config_for("dy_pass", gpu, **kw)
+
+    assert fresh(dims=(8192, 16), dtype=torch.bfloat16) == h200
+    assert fresh(dims=(2048, 16), dtype=torch.bfloat16) == tuning.CONFIG_SPACE["dy_pass"][0]   # no entry anywhere
+    capability = [8, 0]                                                                          # an A100
+    assert fresh(dims=(8192, 16), dtype=torch.bfloat16) == tuning.CONFIG_SPACE["dy_pass"][0]
+    capability = [9, 0]
+    own = dict(BLOCK_T=64, BLOCK_N=32, num_warps=4, num_stages=3)
+    user.write_text(json.dumps({"NVIDIA H100 80GB HBM3|dy_pass|8192x16|bfloat16": own,
+                                "capabilities": {"NVIDIA H100 80GB HBM3": [9, 0]}}))
+    assert fresh(dims=(8192, 16), dtype=torch.bfloat16) == own
+    assert tuning._load()["capabilities"] == {"NVIDIA H200": [9, 0], "NVIDIA H100 80GB HBM3": [9, 0]}
 
 
 def test_an_fp8_layer_past_32_bit_offsets_names_the_way_out(monkeypatch):

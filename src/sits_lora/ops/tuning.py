@@ -5,9 +5,10 @@ warps and pipeline stages. ``tune`` measures them for a layer shape on the curre
 the fastest in a JSON cache keyed by GPU name, kernel, shape and dtype (not the torch / triton
 versions: see config_key), so training starts without tuning and a second tuning run reuses the
 cache. The package ships the
-choices for the GPUs it was tuned on (tuned_configs.json, from bench/tune_kernels.py); without an entry the
-kernels use the first configuration of each space below, and the interpreter uses small blocks that
-keep CPU tests fast.
+choices for the GPUs it was tuned on (tuned_configs.json, from bench/tune_kernels.py). A GPU without an entry of
+its own takes the entry of a GPU of the same compute capability (the same kind of SM and shared memory, which is
+what these block sizes fit); without either the kernels use the first configuration of
+each space below, and the interpreter uses small blocks that keep CPU tests fast.
 """
 
 from __future__ import annotations
@@ -100,7 +101,11 @@ def _load() -> dict:
                 if os.path.exists(path):
                     try:
                         with open(path) as f:
-                            merged.update(json.load(f))
+                            table = json.load(f)
+                        capabilities = {**merged.get(CAPABILITIES_KEY, {}), **table.get(CAPABILITIES_KEY, {})}
+                        merged.update(table)
+                        if capabilities:
+                            merged[CAPABILITIES_KEY] = capabilities
                     except (OSError, json.JSONDecodeError):
                         pass  # a damaged cache must not stop training; defaults apply
             _cache = merged
@@ -119,15 +124,35 @@ def config_key(kernel: str, device: torch.device, dims: tuple, dtype: torch.dtyp
 
 
 def config_for(kernel: str, device: torch.device, dims: tuple, dtype: torch.dtype) -> dict:
-    """The launch configuration for ``kernel`` on ``device`` at ``dims`` (K, N, R-block...)."""
+    """The launch configuration for ``kernel`` on ``device`` at ``dims`` (K, N, R-block...): this GPU's entry, else
+    the entry of a GPU of the same compute capability, else the space's first configuration."""
     if device.type != "cuda" or dtype == torch.float32:
         return INTERPRETER_CONFIG[kernel]
     answer_key = (kernel, device, dims, dtype)
     found = _answers.get(answer_key)
     if found is None:
-        found = _load().get(config_key(kernel, device, dims, dtype)) or CONFIG_SPACE[kernel][0]
+        key = config_key(kernel, device, dims, dtype)
+        found = _load().get(key) or _same_capability_entry(key, device) or CONFIG_SPACE[kernel][0]
         _answers[answer_key] = found
     return found
+
+
+# The table's key naming each tuned GPU's compute capability: {GPU name: [major, minor]}
+CAPABILITIES_KEY = "capabilities"
+
+
+def _capability(device: torch.device) -> list:
+    return list(torch.cuda.get_device_capability(device))
+
+
+def _same_capability_entry(key: str, device: torch.device) -> Optional[dict]:
+    """``key``'s entry as measured on another GPU of ``device``'s compute capability (first by name), or None."""
+    name, rest = key.split("|", 1)
+    capability = _capability(device)
+    for other, other_capability in sorted(_load().get(CAPABILITIES_KEY, {}).items()):
+        if other != name and list(other_capability) == capability and f"{other}|{rest}" in _load():
+            return _load()[f"{other}|{rest}"]
+    return None
 
 
 def measured_config(kernel: str, device: torch.device, dims: tuple, dtype: torch.dtype) -> Optional[dict]:
@@ -175,6 +200,7 @@ def tune(kernel: str, device: torch.device, dims: tuple, dtype: torch.dtype,
     best = min(timings, key=lambda t: t[0])[1]
     key = config_key(kernel, device, dims, dtype)
     _load()[key] = best
+    _load().setdefault(CAPABILITIES_KEY, {})[_device_name(device)] = _capability(device)
     _answers.clear()
     if save:
         save_cache()
