@@ -199,7 +199,7 @@ def _unsloth_model(model_name: str, arm: str, dtype, layers: int, seq: int):
                                                  use_gradient_checkpointing="unsloth" if "gc" in parts else False)
     model = FastLanguageModel.get_peft_model(model, **unsloth_lora_kwargs(arm))
     model.config.use_cache = False
-    with torch.no_grad():  # B = 0 at init, as in build
+    with torch.no_grad():  # B = 0 at init; as in build, the benchmark trains with B != 0
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.02)
@@ -368,6 +368,8 @@ def worker(args) -> None:
     step_s = times[len(times) // 2]
     if args.cprofile:
         _write_host_profile(step, device, os.path.join(args.cprofile, f"{args.model}_{args.arm.replace('+', '_')}.txt"))
+    if args.kernels and device == "cuda":
+        _write_kernel_times(step, os.path.join(args.kernels, f"{args.model}_{args.arm.replace('+', '_')}.json"))
     row = {
         "model": args.model, "arm": args.arm, "layers": args.layers or MODELS[args.model]["num_hidden_layers"],
         "batch": batch, "seq": seq,
@@ -450,10 +452,25 @@ def _write_host_profile(step, device: str, path: str, steps: int = 3) -> None:
         f.write(text.getvalue())
 
 
+def _write_kernel_times(step, path: str, steps: int = 3) -> None:
+    """The GPU time of one step per kernel name (torch.profiler over ``steps`` more steps, after the timed ones):
+    where a step's GPU time goes, to set beside another arm's. Kernels replayed from a CUDA graph are counted where
+    the profiler sees them (CUPTI traces graph kernels one by one); ``kernel_names`` says how many names it saw."""
+    from harness import gpu_kernels_ms
+
+    per_kernel = gpu_kernels_ms(step, steps=steps, warmup=0)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"steps": steps, "gpu_ms_per_step": sum(per_kernel.values()), "kernel_names": len(per_kernel),
+                   "per_kernel_ms": per_kernel}, f, indent=1)
+
+
 def run_arm(model: str, arm: str, *, batch: int = 4, seq: int = 2048, warmup: int = 3, steps: int = 10,
-            smoke: bool = False, layers: int = 0, timeout_s: float | None = None, cprofile: str = "") -> dict:
+            smoke: bool = False, layers: int = 0, timeout_s: float | None = None, cprofile: str = "",
+            kernels: str = "") -> dict:
     """One arm in its own process: its result row, or {"model", "arm", "error"} when it failed. ``cprofile``: a
-    folder for the arm's host profile (see --cprofile)."""
+    folder for the arm's host profile (see --cprofile); ``kernels``: a folder for its GPU time per kernel
+    (see --kernels)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--arm", arm, "--model", model,
            "--batch", str(batch), "--seq", str(seq), "--warmup", str(warmup), "--steps", str(steps),
            "--layers", str(layers)]
@@ -461,6 +478,8 @@ def run_arm(model: str, arm: str, *, batch: int = 4, seq: int = 2048, warmup: in
         cmd.append("--smoke")
     if cprofile:
         cmd += ["--cprofile", cprofile]
+    if kernels:
+        cmd += ["--kernels", kernels]
     t = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
@@ -503,6 +522,9 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=0, help="decoder layers (0: the shape's own count)")
     parser.add_argument("--cprofile", default="", metavar="DIR",
                         help="after the timed steps, profile 3 more with cProfile into DIR/MODEL_ARM.txt (host time)")
+    parser.add_argument("--kernels", default="", metavar="DIR",
+                        help="after the timed steps, profile 3 more with torch.profiler into DIR/MODEL_ARM.json (GPU "
+                             "time per kernel; CUDA only)")
     parser.add_argument("--arm", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -512,7 +534,8 @@ def main(argv=None) -> int:
     rows = []
     for arm in args.arms:
         rows.append(run_arm(args.model, arm, batch=args.batch, seq=args.seq, warmup=args.warmup, steps=args.steps,
-                            smoke=args.smoke, layers=args.layers, cprofile=args.cprofile))
+                            smoke=args.smoke, layers=args.layers, cprofile=args.cprofile,
+                            kernels=args.kernels))
         _finish(rows, args, argv, final=False)  # a run cut short still leaves its finished arms on disk
     _finish(rows, args, argv, final=True)
     return 0

@@ -664,6 +664,7 @@ def tune_layer_kernels(K: int, N: int, R: int, dtype: torch.dtype, device, token
             if (kernel, dims) in skip:
                 continue
             skip.add((kernel, dims))
+        before = tuning.config_for(kernel, torch.device(device), dims, dtype)
         best, timings = tuning.tune(kernel, torch.device(device), dims, dtype, run, save=save)
         default = tuning.CONFIG_SPACE[kernel][0]
         report[kernel] = {
@@ -671,6 +672,9 @@ def tune_layer_kernels(K: int, N: int, R: int, dtype: torch.dtype, device, token
             "best": best,
             "best_ms": min(ms for ms, _ in timings),
             "default_ms": next((ms for ms, cfg in timings if cfg == default), None),
+            # what config_for gave before this run (an entry of a GPU of the same compute capability, say)
+            "before": before,
+            "before_ms": next((ms for ms, cfg in timings if cfg == before), None),
             "configs_tried": len(timings),
         }
     return report
