@@ -293,6 +293,18 @@ def _kept_sibling_output_fake(x: torch.Tensor, base_weight: torch.Tensor) -> tor
     return x.new_empty((*x.shape[:-1], base_weight.shape[0]), dtype=dtype)
 
 
+def sibling_group_members(model: nn.Module) -> list:
+    """The module names of each sibling group's layers (one list a group, in the group's order): the layers whose
+    shrink and x pass run as one launch over their shared input, at their summed rank."""
+    names = {id(module): name for name, module in model.named_modules()}
+    groups: dict = {}
+    for module in model.modules():
+        group = getattr(module, "_sibling_group", None)
+        if isinstance(group, SiblingGroup) and id(group) not in groups:
+            groups[id(group)] = [names[id(layer)] for layer in group.layers if id(layer) in names]
+    return [members for members in groups.values() if len(members) > 1]
+
+
 def assign_sibling_groups(model: nn.Module, layer_cls, enabled: bool = True) -> int:
     """Give sibling layers of ``layer_cls`` a shared SiblingGroup; return the number of groups."""
     groups = 0

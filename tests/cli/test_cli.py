@@ -632,3 +632,41 @@ def test_check_plans_the_int4_base_and_names_what_it_cannot_plan(capsys, tmp_pat
     unfit.write_text("base_quant: int4\n")
     code, _, err = run_cli(capsys, "check", "--model", str(tiny_model_dir), "--config", str(unfit))
     assert code == 2 and "no INT4 group size of 128, 64, 32 divides" in one_line_error(err, "check")
+
+
+def test_compile_tunes_the_sibling_groups_launches_at_their_summed_rank():
+    """q / k / v and gate / up each run one shrink and one x pass over their shared input at the summed rank; the
+    single-rank shrink and x pass of those layers never launch, so compile tunes the group's dims instead; each
+    layer keeps its own expand and dy pass."""
+    from peft import get_peft_model
+
+    from sits_lora import SitsLoraConfig
+    from sits_lora.cli.check import adapted_linear_shapes
+    from sits_lora.cli.compile import kernel_launches
+    from sits_lora.siblings import sibling_group_members
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    with torch.device("meta"):
+        model = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=96, num_hidden_layers=2),
+                               SitsLoraConfig(r=16, target_modules=targets))
+    groups = sibling_group_members(model)
+    assert sorted(name.rsplit(".", 1)[-1] for name in groups[0] + groups[1]) == sorted(targets[:3] + targets[4:6])
+    assert len(groups) == 4   # two a decoder layer
+    wanted = kernel_launches(adapted_linear_shapes(model), groups)
+    h, kv = 64, 64 // 4 * 2
+    assert {dims: e["layers"] for (kernel, dims), e in wanted.items() if kernel == "shrink"} == {
+        (h, 64): 6,      # q / k / v at rank 48, block 64
+        (h, 32): 4,      # gate / up at rank 32
+        (h, 16): 2,      # o_proj alone
+        (96, 16): 2}     # down_proj alone
+    assert {dims for (kernel, dims) in wanted if kernel == "x_pass"} == {(h, 64), (h, 32), (h, 16), (96, 16)}
+    assert {dims: e["layers"] for (kernel, dims), e in wanted.items() if kernel == "dy_pass"} == {
+        (h, 16): 6, (kv, 16): 4, (96, 16): 4}   # q, o, down / k, v / gate, up
+    assert wanted[("shrink", (h, 64))]["shape"] == (h, h, 48)
+    # without sibling fusion every layer launches its own
+    with torch.device("meta"):
+        alone = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=96, num_hidden_layers=2),
+                               SitsLoraConfig(r=16, target_modules=targets, fuse_siblings=False))
+    assert sibling_group_members(alone) == []
+    assert {dims for (kernel, dims) in kernel_launches(adapted_linear_shapes(alone), []) if kernel == "shrink"} == {
+        (h, 16), (96, 16)}

@@ -2,7 +2,9 @@
 
 The model is built on the meta device from its configuration (no weights), its adapted linear
 layers give the shapes, and every side kernel (shrink, expand, dy pass, x pass) is tuned per shape
-by ``sits_lora.ops.fused.tune_layer_kernels`` at the run's token count (batch x seq). The choices go
+by ``sits_lora.ops.fused.tune_layer_kernels`` at the run's token count (batch x seq). Sibling layers
+(q / k / v, gate / up) share one shrink and one x pass at their summed rank: those are tuned at that
+rank, the per-layer ones only where a layer runs alone (``kernel_launches``). The choices go
 to the on-disk cache that training reads (``sits_lora.ops.tuning``; the file is
 ``$SITS_LORA_TUNING_CACHE``, default ``~/.cache/sits_lora/kernel_configs.json``). A kernel and shape
 already in that cache, or among the choices shipped with the package, is reported as "cached"
@@ -99,6 +101,35 @@ def _kernel_dims(K: int, N: int, r: int) -> dict[str, tuple]:
     return {"shrink": (K, block_r), "expand": (N, block_r), "dy_pass": (N, block_r), "x_pass": (K, block_r)}
 
 
+def kernel_launches(rows: list, groups: list) -> dict[tuple, dict]:
+    """{(kernel, dims): {"layers": how many adapted layers use it, "shape": (K, N, r) that tunes it}} for the adapted
+    layers ``rows`` (``adapted_linear_shapes``) and their sibling groups (``sibling_group_members``: lists of layer
+    names). A group's layers share one shrink and one x pass at their summed rank; each keeps its own expand and
+    dy pass."""
+    by_name = {row["name"]: row for row in rows}
+    grouped = {name for members in groups for name in members if name in by_name}
+    wanted: dict[tuple, dict] = {}
+
+    def add(kernel: str, dims: tuple, shape: tuple, layers: int) -> None:
+        entry = wanted.setdefault((kernel, dims), {"layers": 0, "shape": shape})
+        entry["layers"] += layers
+
+    for row in rows:
+        shape = (row["K"], row["N"], row["r"])
+        for kernel, dims in _kernel_dims(*shape).items():
+            if row["name"] not in grouped or kernel in ("expand", "dy_pass"):
+                add(kernel, dims, shape, 1)
+    for members in groups:
+        present = [by_name[name] for name in members if name in by_name]
+        if len(present) < 2:
+            continue
+        K, rank = present[0]["K"], sum(row["r"] for row in present)
+        for kernel, dims in _kernel_dims(K, K, rank).items():
+            if kernel in ("shrink", "x_pass"):
+                add(kernel, dims, (K, K, rank), len(present))
+    return wanted
+
+
 def _read(path: str) -> dict:
     try:
         with open(path) as f:
@@ -165,6 +196,7 @@ class CompileReport:
 def run_compile(model: Optional[str] = None, config: Optional[str] = None, batch_size: Optional[int] = None,
                 seq_len: Optional[int] = None, force: bool = False, cache: Optional[str] = None) -> CompileReport:
     """Tune (or find cached) launch configurations for every adapted layer shape of the recipe's model."""
+    from ..siblings import sibling_group_members
     from ..utils.env import environment
     from .check import adapted_linear_shapes, build_meta_model, load_recipe, model_config, recipe_dtype
 
@@ -187,7 +219,8 @@ def run_compile(model: Optional[str] = None, config: Optional[str] = None, batch
                          f"use fixed launch configurations (kernel auto runs the PyTorch reference); tuning applies to "
                          f"bfloat16 and float16 (dtype: auto is bfloat16 on a GPU)")
     hf_config, source = model_config(recipe.model)
-    shapes = adapted_linear_shapes(build_meta_model(hf_config, recipe, dtype))
+    meta_model = build_meta_model(hf_config, recipe, dtype)
+    shapes = adapted_linear_shapes(meta_model)
     if not shapes:
         raise CheckError(f"target_modules {recipe.target_modules} adapt no linear layer of {source.describe()}")
     device = torch.device("cuda", torch.cuda.current_device())
@@ -196,12 +229,7 @@ def run_compile(model: Optional[str] = None, config: Optional[str] = None, batch
     records = _read(versions_path(tuning.cache_path()))
     running = current_versions()
 
-    # (kernel, dims) -> layers that use it
-    wanted: dict[tuple, dict] = {}
-    for row in shapes:
-        for kernel, dims in _kernel_dims(row["K"], row["N"], row["r"]).items():
-            entry = wanted.setdefault((kernel, dims), {"layers": 0, "shape": (row["K"], row["N"], row["r"])})
-            entry["layers"] += 1
+    wanted = kernel_launches(shapes, sibling_group_members(meta_model))
     sources: dict[tuple, tuple] = {}
     skip: set = set()
     for kernel, dims in wanted:
@@ -211,6 +239,9 @@ def run_compile(model: Optional[str] = None, config: Optional[str] = None, batch
             skip.add((kernel, dims))
     measured: dict[tuple, dict] = {}
     todo = sorted({entry["shape"] for kd, entry in wanted.items() if kd not in skip})
+    # a sibling group's shape also names an expand and a dy pass that no layer launches: not measured
+    skip |= {(kernel, dims) for K, N, r in todo for kernel, dims in _kernel_dims(K, N, r).items()
+             if (kernel, dims) not in wanted}
     from tqdm.auto import tqdm
 
     for K, N, r in tqdm(todo, desc="sits-lora compile", unit="shape", disable=not todo):
