@@ -134,10 +134,7 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0][:200]}" if text else type(error).__name__
 
 
-# ----------------------------------------------------------------------------- results
-
-
-# ----------------------------------------------------------------------------- the runner
+# ----------------------------------------------------------------------------- the runner (its results: bench_result)
 
 
 class BenchmarkRunner:

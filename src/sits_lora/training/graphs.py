@@ -130,7 +130,7 @@ class _AttentionDecisions:
 
         def grouped_query(real, attention_mask, key, *args, **kwargs):
             # asked just before attention call index[0]; the mask's rows are the query's length
-            if (attention_mask is not None and attention_mask.dim() >= 2
+            if (torch.is_tensor(attention_mask) and attention_mask.dim() >= 2
                     and was_plain_causal(index[0], attention_mask.shape[-2], key.shape[-2])):
                 attention_mask = None
             return real(attention_mask, key, *args, **kwargs)
