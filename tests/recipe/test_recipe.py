@@ -257,7 +257,7 @@ def test_yaml_off_is_the_string_off():
 
 
 def test_liger_auto_is_on_where_it_runs_and_says_why_not(monkeypatch):
-    from sits_lora.recipe import train as recipe
+    from sits_lora.recipe import liger as recipe   # the recipe's Liger choice (recipe.train imports it)
 
     monkeypatch.setattr(recipe, "liger_model_types", lambda: frozenset({"llama", "qwen2"}))
     assert recipe.resolve_liger("auto", "qwen2", cuda=True)[0] is True
