@@ -1,0 +1,79 @@
+"""One entry for the benchmarks: ``python -m bench SUITE [SCRIPT] [ARGS...]`` from the repository root.
+
+    python -m bench                          # the suites and their scripts, one line each
+    python -m bench gate --shapes 1b ...     # a suite's first script (here regress.py) with these arguments
+    python -m bench memory memory_plan ...   # another script of the suite
+
+Each script still runs on its own (``python bench/regress.py ...``); this entry finds it by what it measures.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import runpy
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# suite -> its scripts, the first one the default; grouped by what they measure
+SUITES = {
+    "gate": ["regress"],
+    "step": ["bench_model", "graph_breaks", "profile_host"],
+    "layer": ["bench_layer", "bench_parts", "profile_layer", "profile_rebuild", "bench_dynamic_rank_layer",
+              "decode_kernels", "tune_kernels"],
+    "memory": ["longest_context", "memory_plan", "memory_plan_vs_model"],
+    "quantization": ["bench_int4", "base_quant_quality", "fp8_gemms", "fp8_quality", "fp8_summary", "fp8_conv"],
+    "serving": ["serve"],
+    "diffusion": ["diffusion", "profile_diffusion", "diffusion_graph_breaks"],
+    "quality": ["unsloth_quality", "dynamic_rank_eval", "rank_budget_trace"],
+    "multi-gpu": ["multi_gpu"],
+    "tools": ["report", "peft_suite", "cli_suite", "carry_unsloth"],
+}
+# modules the scripts import, not run on their own
+LIBRARIES = ("harness", "dynamic_rank_harness")
+
+
+def summary(script: str) -> str:
+    """The first line of a script's docstring."""
+    with open(os.path.join(HERE, script + ".py")) as f:
+        doc = ast.get_docstring(ast.parse(f.read())) or ""
+    return doc.splitlines()[0] if doc else ""
+
+
+def listing() -> str:
+    lines = ["python -m bench SUITE [SCRIPT] [ARGS...]; a suite without SCRIPT runs its first one", ""]
+    for suite, scripts in SUITES.items():
+        lines.append(suite)
+        lines += [f"  {script:<26} {summary(script)}" for script in scripts]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "list"):
+        print(listing())
+        return 0
+    suite, rest = argv[0], argv[1:]
+    if suite not in SUITES:
+        print(f"python -m bench: unknown suite {suite!r}; the suites: {', '.join(SUITES)} (python -m bench lists "
+              "their scripts)", file=sys.stderr)
+        return 2
+    script = SUITES[suite][0]
+    if rest and not rest[0].startswith("-"):
+        if rest[0] not in SUITES[suite]:
+            print(f"python -m bench {suite}: no script {rest[0]!r} in this suite; its scripts: "
+                  f"{', '.join(SUITES[suite])}", file=sys.stderr)
+            return 2
+        script, rest = rest[0], rest[1:]
+    path = os.path.join(HERE, script + ".py")
+    sys.argv = [path, *rest]
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
