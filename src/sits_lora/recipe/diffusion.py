@@ -522,6 +522,42 @@ def train_steps(unet, params, optimizer, scheduler, cache: Cache, recipe: Diffus
     return outcome
 
 
+def _resume_state(recipe: DiffusionRecipe) -> tuple:
+    """(the latest checkpoint's folder, its training state) when ``--resume`` finds one, else (None, None); a
+    checkpoint the options do not fit raises ResumeError."""
+    import torch
+
+    resume_from = latest_checkpoint(recipe.output_dir) if recipe.resume else None
+    state = torch.load(os.path.join(resume_from, STATE_FILE), map_location="cpu") if resume_from else None
+    if state is not None:
+        recipe.check_resume(state["recipe"])
+        if recipe.steps <= state["step"]:
+            raise ResumeError(f"--steps {recipe.steps}: the checkpoint {resume_from} is at step {state['step']} "
+                              f"already; pass a larger --steps to train on")
+    return resume_from, state
+
+
+def _restore(state: dict, named: dict, optimizer, recipe: DiffusionRecipe, metrics_path: str,
+             resume_from: str) -> tuple:
+    """The adapter and the optimizer as the checkpoint left them, the metrics of the steps after it dropped (they
+    are trained again); (the step to start from, the fixed-noise loss before training)."""
+    import torch
+
+    with torch.no_grad():
+        for n, p in named.items():
+            p.copy_(state["adapter"][n])
+    optimizer.load_state_dict(state["optimizer"])
+    for group in optimizer.param_groups:
+        group["lr"] = recipe.learning_rate     # a resumed run may change it (after a NaN: lower it)
+    start = state["step"]
+    kept = [m for m in read_metrics(recipe.output_dir) if m["step"] <= start]
+    with open(metrics_path + ".tmp", "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in kept)
+    os.replace(metrics_path + ".tmp", metrics_path)
+    print(f"[sits_lora] resuming from {resume_from} (step {start})")
+    return start, state.get("eval_loss_before")
+
+
 def run(recipe: DiffusionRecipe) -> tuple[int, dict]:
     """Train; return (exit status, summary): 0 finished, 1 a non-finite loss or gradient, 130 interrupted."""
     import copy
@@ -529,18 +565,10 @@ def run(recipe: DiffusionRecipe) -> tuple[int, dict]:
     import diffusers
     import torch
 
-    from sits_lora.utils.env import environment
-
     out = recipe.output_dir
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    resume_from = latest_checkpoint(out) if recipe.resume else None
-    state = torch.load(os.path.join(resume_from, STATE_FILE), map_location="cpu") if resume_from else None
-    if state is not None:
-        recipe.check_resume(state["recipe"])
-        if recipe.steps <= state["step"]:
-            raise ResumeError(f"--steps {recipe.steps}: the checkpoint {resume_from} is at step {state['step']} "
-                              f"already; pass a larger --steps to train on")
+    resume_from, state = _resume_state(recipe)
     t_start = time.perf_counter()
     pixels, captions = draw_shapes(recipe.num_images, recipe.size, recipe.seed)
     parts = build_models(recipe.model, recipe.size, recipe.seed, "cpu" if recipe.model == "tiny" else device)
@@ -568,18 +596,7 @@ def run(recipe: DiffusionRecipe) -> tuple[int, dict]:
     start, eval_before = 0, None
     metrics_path = os.path.join(out, "metrics.jsonl")
     if state is not None:
-        with torch.no_grad():
-            for n, p in named.items():
-                p.copy_(state["adapter"][n])
-        optimizer.load_state_dict(state["optimizer"])
-        for group in optimizer.param_groups:
-            group["lr"] = recipe.learning_rate     # a resumed run may change it (after a NaN: lower it)
-        start, eval_before = state["step"], state.get("eval_loss_before")
-        kept = [m for m in read_metrics(out) if m["step"] <= start]   # steps after the checkpoint are done again
-        with open(metrics_path + ".tmp", "w") as f:
-            f.writelines(json.dumps(m) + "\n" for m in kept)
-        os.replace(metrics_path + ".tmp", metrics_path)
-        print(f"[sits_lora] resuming from {resume_from} (step {start})")
+        start, eval_before = _restore(state, named, optimizer, recipe, metrics_path, resume_from)
     if eval_before is None:
         eval_before = fixed_noise_loss(unet, scheduler, cache, recipe, autocast)
 
@@ -607,17 +624,33 @@ def run(recipe: DiffusionRecipe) -> tuple[int, dict]:
     export_check = None
     if recipe.model == "tiny" and loop.status == "finished":
         export_check = check_export(parts, base_unet, unet, lora_dir, cache, recipe, os.path.join(out, "base"))
+    summary = _summary(recipe, loop, start, state is not None, eval_before, eval_after, t_start, trainable, lora_dir,
+                       saved, export_check, diffusers.__version__)
+    write_json_atomically(os.path.join(out, "summary.json"), summary)
+    return _report_end(recipe, loop, summary, saved, loop.done - start), summary
+
+
+def _summary(recipe: DiffusionRecipe, loop, start: int, resumed: bool, eval_before: float,
+             eval_after: Optional[float], t_start: float, trainable: int, lora_dir: str, saved: Optional[str],
+             export_check: Optional[dict], diffusers_version: str) -> dict:
+    """summary.json's content (and loss.png drawn from the metrics on the way)."""
+    import torch
+
+    from sits_lora.utils.env import environment
+
+    out = recipe.output_dir
     metrics = read_metrics(out)
     if metrics:
         plot_losses(metrics, os.path.join(out, "loss.png"), f"{recipe.model} U-Net (random weights), {recipe.adapter} "
                     f"LoRA rank {recipe.rank}, {recipe.num_images} images at {recipe.size} px")
     last = [m["loss"] for m in metrics[-10:]]
     trained = loop.done - start
-    summary = {
+    cuda = torch.cuda.is_available()
+    return {
         "status": loop.status,
         "error": str(loop.error) if loop.error else None,
         "steps_done": loop.done,
-        "resumed_from_step": start if state is not None else None,
+        "resumed_from_step": start if resumed else None,
         "final_loss": metrics[-1]["loss"] if metrics else None,
         "mean_loss_last_10": sum(last) / len(last) if last else None,
         "fixed_noise_loss_before": eval_before,
@@ -631,31 +664,37 @@ def run(recipe: DiffusionRecipe) -> tuple[int, dict]:
         "checkpoint": os.path.abspath(saved) if saved else None,
         "export_check": export_check,
         "config": dataclasses.asdict(recipe),
-        "environment": {**environment(), "diffusers": diffusers.__version__},
+        "environment": {**environment(), "diffusers": diffusers_version},
     }
-    write_json_atomically(os.path.join(out, "summary.json"), summary)
+
+
+def _report_end(recipe: DiffusionRecipe, loop, summary: dict, saved: Optional[str], trained: int) -> int:
+    """The run's last lines, and its exit status: 1 for a non-finite step or an exported LoRA that does not give
+    the trained U-Net's outputs, 130 interrupted, else 0."""
     if loop.status == "nonfinite":
         then = (f"continue with --resume true from {saved}" if saved else
                 "run again with --overwrite true (no step was applied, no checkpoint was saved)")
         print(f"error: {loop.error}; nothing was applied at that step. Fix: lower --lr (now "
               f"{recipe.learning_rate:g}) and {then}", file=sys.stderr)
-        return 1, summary
-    print(f"[sits_lora] fixed-noise loss {eval_before:.4f} -> {eval_after:.4f}; {trained} steps in "
-          f"{loop.seconds:.1f} s ({summary['steps_per_second'] or 0:.2f} steps/s)"
-          + (f", peak {summary['peak_memory_bytes'] / 2**30:.2f} GiB" if cuda else ""))
+        return 1
+    peak = summary["peak_memory_bytes"]
+    print(f"[sits_lora] fixed-noise loss {summary['fixed_noise_loss_before']:.4f} -> "
+          f"{summary['fixed_noise_loss_after']:.4f}; {trained} steps in {loop.seconds:.1f} s "
+          f"({summary['steps_per_second'] or 0:.2f} steps/s)" + (f", peak {peak / 2**30:.2f} GiB" if peak else ""))
     print(f"[sits_lora] LoRA saved to {summary['lora_dir']} (pipe.load_lora_weights reads it)")
     if loop.status == "interrupted":
         print(f"[sits_lora] interrupted after step {loop.done}: checkpoint {saved}; --resume true continues",
               file=sys.stderr)
-        return EXIT_INTERRUPTED, summary
+        return EXIT_INTERRUPTED
+    export_check = summary["export_check"]
     if export_check is not None:
         print(f"[sits_lora] load_lora_weights on the base pipeline ({export_check['base_pipeline']}): relative "
               f"difference {export_check['rel_err_vs_trained_unet']:.1e} from the trained U-Net")
         if not export_check["ok"]:
             print("error: the exported LoRA, loaded with load_lora_weights, does not give the trained U-Net's "
                   "outputs", file=sys.stderr)
-            return 1, summary
-    return 0, summary
+            return 1
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------------- command line
