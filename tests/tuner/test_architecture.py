@@ -27,6 +27,7 @@ DEFERRED_IMPORTS = {
     "sits_lora.recipe.train": "the recipe's option checks answer before torch loads",
     "sits_lora.recipe.diffusion": "the diffusion recipe's option checks answer before torch and diffusers load",
     "sits_lora.recipe.diffusion_models": "the diffusion recipe's models load torch, diffusers and the adapter when built",
+    "sits_lora.recipe.diffusion_files": "the diffusion recipe's export loads the exporter when the run ends",
     "sits_lora.registry": "registration runs when peft is imported, by whoever imports it",
     "sits_lora.model": "a feature (fp8, INT4: Triton; dynamic rank) loads when an adapter asks for it",
     "sits_lora.fp8.model": "the 4-bit layers (bitsandbytes) load only for a model that already holds them",

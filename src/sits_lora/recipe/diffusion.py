@@ -19,9 +19,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 # the recipe's data and models stay reachable here too (sits_lora.recipe.diffusion.draw_shapes, .SHAPES, ...)
+from .diffusion_files import (KEEP_CHECKPOINTS, RUN_FILES, STATE_FILE, checkpoint_dirs, export_lora,  # noqa: F401
+                              latest_checkpoint, plot_losses, read_metrics, replace_folder, run_files, save_checkpoint)
 from .diffusion_models import (ATTENTION, BACKGROUNDS, COLORS, INSTANCE_PROMPT, SHAPES, TEXT_TOKENS,  # noqa: F401
-                               Components, add_lora, build_models, caption_tokenizer, draw_shapes, encode_captions,
-                               predict_noise, text_configs, tiny_pipeline, unet_config, vae_config)
+                               Cache, Components, add_lora, build_models, caption_tokenizer, draw_shapes,
+                               encode_captions, encode_dataset, predict_noise, sample_batch, step_generator,
+                               text_configs, tiny_pipeline, unet_config, vae_config)
 from .train import KERNELS, true_or_false, write_json_atomically   # none of them imports torch
 
 MODELS = ("tiny", "sd15", "sdxl")
@@ -175,98 +178,7 @@ class ResumeError(ValueError):
     """The checkpoint --resume would continue from does not fit this run's options."""
 
 
-# ---------------------------------------------------------------------------------------------------- run files
-
-# what a run writes into its output_dir: a folder holding any of these is another run's
-RUN_FILES = ("metrics.jsonl", "summary.json", "loss.png", "lora", "base")
-STATE_FILE = "training_state.pt"
-KEEP_CHECKPOINTS = 2
-
-
-def run_files(output_dir: str) -> list[str]:
-    if not os.path.isdir(output_dir):
-        return []
-    return sorted(n for n in os.listdir(output_dir) if n in RUN_FILES or n.startswith("checkpoint-"))
-
-
-def checkpoint_dirs(output_dir: str) -> list[tuple[int, str]]:
-    """(step, folder) of every checkpoint-N in output_dir, oldest first."""
-    found = [(int(n.split("-", 1)[1]), os.path.join(output_dir, n)) for n in run_files(output_dir)
-             if n.startswith("checkpoint-") and n.split("-", 1)[1].isdigit()
-             and os.path.isfile(os.path.join(output_dir, n, STATE_FILE))]
-    return sorted(found)
-
-
-def latest_checkpoint(output_dir: str) -> Optional[str]:
-    found = checkpoint_dirs(output_dir)
-    return found[-1][1] if found else None
-
-
-def _replace_folder(tmp: str, final: str) -> None:
-    if os.path.isdir(final):
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-
-
-def read_metrics(output_dir: str) -> list[dict]:
-    path = os.path.join(output_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 # ---------------------------------------------------------------------------------------------------- training
-
-@dataclass
-class Cache:
-    """What the frozen models give once: the images' latent mean and std (N, 4, h, w) and text states."""
-
-    mean: object
-    std: object
-    text: object           # (N, L, D)
-    pooled: object         # (N, 1280) or None
-    scaling: float
-
-
-def encode_dataset(parts: Components, pixels, captions: list[str], device) -> Cache:
-    """Run the frozen VAE and text encoder(s) once on ``device``; they go back to the CPU after."""
-    import torch
-
-    parts.vae.to(device)
-    for encoder in parts.text_encoders:
-        encoder.to(device)
-    means, stds = [], []
-    with torch.no_grad():
-        for image in pixels.split(1):           # one at a time: the VAE's activations at 1024 px are GBs
-            dist = parts.vae.encode(image.to(device)).latent_dist
-            means.append(dist.mean.float())
-            stds.append(dist.std.float())
-    text, pooled = encode_captions(parts, captions)
-    parts.vae.to("cpu")
-    for encoder in parts.text_encoders:
-        encoder.to("cpu")
-    return Cache(torch.cat(means), torch.cat(stds), text, pooled, float(parts.vae.config.scaling_factor))
-
-
-def step_generator(seed: int, step: int):
-    """The generator of one step's draws: a resumed run draws what an uninterrupted one would have."""
-    import torch
-
-    return torch.Generator().manual_seed(seed * 1_000_003 + step)
-
-
-def sample_batch(cache: Cache, step: int, recipe: DiffusionRecipe, num_train_timesteps: int):
-    """(image indices (B,), latent draw (B, 4, h, w), noise (B, 4, h, w), timesteps (B,)) of ``step``, on the CPU."""
-    import torch
-
-    gen = step_generator(recipe.seed, step)
-    n = cache.mean.shape[0]
-    shape = (recipe.batch_size, *cache.mean.shape[1:])
-    index = torch.randint(n, (recipe.batch_size,), generator=gen)
-    return (index, torch.randn(shape, generator=gen), torch.randn(shape, generator=gen),
-            torch.randint(num_train_timesteps, (recipe.batch_size,), generator=gen))
-
 
 def diffusion_loss(unet, scheduler, cache: Cache, index, draw, noise, timesteps, size: int, autocast):
     """MSE between the noise and the U-Net's prediction of it from the noised latents."""
@@ -333,36 +245,6 @@ class _StopRequest:
         return False
 
 
-def save_checkpoint(output_dir: str, step: int, params: dict, optimizer, recipe: DiffusionRecipe,
-                    extra: dict) -> str:
-    """checkpoint-<step>/training_state.pt: the adapter's weights, the optimizer, the step; keeps the last two."""
-    import torch
-
-    final = os.path.join(output_dir, f"checkpoint-{step}")
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    torch.save({"step": step, "adapter": {n: p.detach().cpu() for n, p in params.items()},
-                "optimizer": optimizer.state_dict(), "recipe": dataclasses.asdict(recipe), **extra},
-               os.path.join(tmp, STATE_FILE))
-    _replace_folder(tmp, final)
-    for _, old in checkpoint_dirs(output_dir)[:-KEEP_CHECKPOINTS]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def export_lora(unet, output_dir: str) -> str:
-    """lora/pytorch_lora_weights.safetensors, written whole or not at all."""
-    from sits_lora import export_diffusers_lora
-
-    final = os.path.join(output_dir, "lora")
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    export_diffusers_lora(unet, tmp)
-    _replace_folder(tmp, final)
-    return final
-
-
 def check_export(parts: Components, base_unet, trained_unet, lora_dir: str, cache: Cache, recipe: DiffusionRecipe,
                  base_dir: str) -> dict:
     """Save the tiny base pipeline to base_dir, load lora_dir into it with load_lora_weights (stock diffusers,
@@ -377,7 +259,7 @@ def check_export(parts: Components, base_unet, trained_unet, lora_dir: str, cach
     tmp = base_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.save_pretrained(tmp)
-    _replace_folder(tmp, base_dir)
+    replace_folder(tmp, base_dir)
     verbosity = diffusers.utils.logging.get_verbosity()
     diffusers.utils.logging.set_verbosity_error()    # not "No LoRA keys ... for CLIPTextModel": only the U-Net has one
     try:
@@ -394,27 +276,6 @@ def check_export(parts: Components, base_unet, trained_unet, lora_dir: str, cach
     rel_err = ((out - ref).norm() / ref.norm()).item()
     return {"loads_with_load_lora_weights": True, "rel_err_vs_trained_unet": rel_err, "ok": rel_err < 1e-4,
             "base_pipeline": os.path.abspath(base_dir)}
-
-
-def plot_losses(metrics: list[dict], path: str, title: str) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    steps = [m["step"] for m in metrics]
-    losses = [m["loss"] for m in metrics]
-    window = max(1, len(losses) // 10)
-    smooth = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
-              for i in range(len(losses))]
-    fig = Figure(figsize=(6, 3.5), tight_layout=True)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    ax.plot(steps, losses, lw=0.8, alpha=0.5, label="step loss")
-    ax.plot(steps, smooth, lw=1.6, label=f"mean of {window}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("noise-prediction MSE")
-    ax.set_title(title, fontsize=10)
-    ax.legend()
-    fig.savefig(path, dpi=100)
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The diffusion recipe's data and models: the drawn shapes and their captions, the tiny / SD1.5 / SDXL-shaped
-components built from configurations (random weights, offline), and the LoRA attached. torch, diffusers and
+components built from configurations (random weights, offline), the LoRA attached, and the data as the frozen
+encoders give it once (latents' mean and std, text states) with each step's batch drawn from it. torch, diffusers and
 transformers load inside the functions (the recipe checks its options first)."""
 
 from __future__ import annotations
@@ -217,3 +218,55 @@ def tiny_pipeline(parts: Components, unet):
                                              tokenizer=parts.tokenizer, unet=unet, scheduler=scheduler,
                                              safety_checker=None, feature_extractor=None,
                                              requires_safety_checker=False)
+
+
+# ---------------------------------------------------------------------------------------------------- encoded data
+
+@dataclass
+class Cache:
+    """What the frozen models give once: the images' latent mean and std (N, 4, h, w) and text states."""
+
+    mean: object
+    std: object
+    text: object           # (N, L, D)
+    pooled: object         # (N, 1280) or None
+    scaling: float
+
+
+def encode_dataset(parts: Components, pixels, captions: list[str], device) -> Cache:
+    """Run the frozen VAE and text encoder(s) once on ``device``; they go back to the CPU after."""
+    import torch
+
+    parts.vae.to(device)
+    for encoder in parts.text_encoders:
+        encoder.to(device)
+    means, stds = [], []
+    with torch.no_grad():
+        for image in pixels.split(1):           # one at a time: the VAE's activations at 1024 px are GBs
+            dist = parts.vae.encode(image.to(device)).latent_dist
+            means.append(dist.mean.float())
+            stds.append(dist.std.float())
+    text, pooled = encode_captions(parts, captions)
+    parts.vae.to("cpu")
+    for encoder in parts.text_encoders:
+        encoder.to("cpu")
+    return Cache(torch.cat(means), torch.cat(stds), text, pooled, float(parts.vae.config.scaling_factor))
+
+
+def step_generator(seed: int, step: int):
+    """The generator of one step's draws: a resumed run draws what an uninterrupted one would have."""
+    import torch
+
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+def sample_batch(cache: Cache, step: int, recipe, num_train_timesteps: int):
+    """(image indices (B,), latent draw (B, 4, h, w), noise (B, 4, h, w), timesteps (B,)) of ``step``, on the CPU."""
+    import torch
+
+    gen = step_generator(recipe.seed, step)
+    n = cache.mean.shape[0]
+    shape = (recipe.batch_size, *cache.mean.shape[1:])
+    index = torch.randint(n, (recipe.batch_size,), generator=gen)
+    return (index, torch.randn(shape, generator=gen), torch.randn(shape, generator=gen),
+            torch.randint(num_train_timesteps, (recipe.batch_size,), generator=gen))
