@@ -93,7 +93,8 @@ class BenchmarkResult:
     def table(self) -> str:
         rows = [("section", "item", "status", "value", "summary")]
         for i in self.items:
-            rows.append((i.section, i.name, i.status, rate_text(i.value, i.unit) if i.value is not None else "", i.summary))
+            value = rate_text(i.value, i.unit) if i.value is not None else ""
+            rows.append((i.section, i.name, i.status, value, i.summary))
         widths = [max(len(r[c]) for r in rows) for c in range(4)]
         lines = [f"sits-lora bench: {self.device} ({self.backend}), {self.seconds:.1f} s, "
                  f"git {self.environment.get('git_revision')}"]

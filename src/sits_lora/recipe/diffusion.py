@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-# the recipe's data and models stay reachable here too (sits_lora.recipe.diffusion.draw_shapes, .SHAPES, ...)
+# the recipe's run files, data and models stay reachable here too (sits_lora.recipe.diffusion.draw_shapes, ...)
 from .diffusion_files import (KEEP_CHECKPOINTS, RUN_FILES, STATE_FILE, checkpoint_dirs, export_lora,  # noqa: F401
                               latest_checkpoint, plot_losses, read_metrics, replace_folder, run_files, save_checkpoint)
 from .diffusion_models import (ATTENTION, BACKGROUNDS, COLORS, INSTANCE_PROMPT, SHAPES, TEXT_TOKENS,  # noqa: F401
