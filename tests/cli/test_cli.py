@@ -559,7 +559,16 @@ def test_compile_report_names_the_versions_that_measured_each_entry(tmp_path):
 def test_gpu_bench_measures_every_part(tmp_path):
     result = BenchmarkRunner(backend="auto", progress=False).run()
     assert result.backend in ("cuda", "rocm")
-    assert result.passed, [(i.name, i.status, i.summary) for i in result.items if i.status in ("violated", "error")]
+    # The alignment rule's verdict is what this GPU measured (a 32-byte offset can cost a few per cent where the
+    # loads straddle more 128-byte lines): either verdict is a result, as long as it follows from its measurements.
+    # Every other part must hold.
+    verdict = next(i for i in result.items if i.section == "int4 alignment" and i.name.startswith("rule "))
+    assert verdict.status in ("ok", "violated", "warning"), verdict
+    if verdict.status != "warning":
+        assert (verdict.status == "violated") == (not verdict.details["rule_holds"]), verdict
+        assert result.passed == (verdict.status == "ok")
+    failed = [(i.name, i.status, i.summary) for i in result.items if i.status in ("violated", "error") and i is not verdict]
+    assert not failed, failed
     names = {(i.section, i.name): i for i in result.items}
     assert names[("device memory", "copy bandwidth")].value > 1e11
     assert names[("device memory", "bf16 matmul")].value > 1e13

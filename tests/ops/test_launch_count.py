@@ -9,6 +9,7 @@ today's count; lower it when a change removes launches.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import pytest
@@ -21,8 +22,10 @@ from sits_lora import SitsLoraConfig, ops
 
 pytestmark = pytest.mark.skipif(not ops.triton_interpreter_on(), reason="counts launches under TRITON_INTERPRET=1")
 
+# torch ops that allocate memory without running a kernel: counted apart (each is host time on the caching allocator)
+ALLOCATIONS = {"aten.empty.memory_format", "aten.empty_strided.default"}
 # torch ops that allocate, alias or re-view memory without running a kernel
-NO_KERNEL = {"aten.empty.memory_format", "aten.empty_strided.default", "aten.view.default", "aten._unsafe_view.default",
+NO_KERNEL = {*ALLOCATIONS, "aten.view.default", "aten._unsafe_view.default",
              "aten.detach.default", "aten.t.default", "aten.transpose.int", "aten.as_strided.default",
              "aten.expand.default", "aten.slice.Tensor", "aten.select.int", "aten.alias.default",
              "aten.permute.default", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.split.Tensor",
@@ -35,11 +38,16 @@ class _Counting(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.counts: Counter = Counter()
+        self.allocations = 0
         self.in_triton = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.in_triton and str(func) not in NO_KERNEL:  # the interpreter's own tensor ops are not launches
-            self.counts[str(func)] += 1
+        name = str(func)
+        if not self.in_triton:  # the interpreter's own tensor ops are not launches
+            if name in ALLOCATIONS:
+                self.allocations += 1
+            elif name not in NO_KERNEL:
+                self.counts[name] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -65,7 +73,26 @@ def _count_step(monkeypatch, layer_step) -> Counter:
     monkeypatch.setattr(interpreter.InterpretedFunction, "__getitem__", counted)
     with mode:
         layer_step()
+    mode.counts["allocations"] = mode.allocations
     return mode.counts
+
+
+def _own_python_calls(monkeypatch, layer_step) -> int:
+    """Calls of sits_lora's Python functions in one steady-state step, the kernels' launches stubbed out (their
+    bodies under the interpreter are not host work on a GPU): each is host time before the next launch."""
+    import cProfile
+    import pstats
+
+    import triton.runtime.interpreter as interpreter
+
+    layer_step()
+    monkeypatch.setattr(interpreter.InterpretedFunction, "__getitem__", lambda self, grid: lambda *a, **k: None)
+    profile = cProfile.Profile()
+    profile.enable()
+    layer_step()
+    profile.disable()
+    return sum(calls for (path, _, _), (_, calls, *_) in pstats.Stats(profile).stats.items()
+               if f"sits_lora{os.sep}" in path)
 
 
 class _One(nn.Module):
@@ -85,6 +112,11 @@ CASES = [
     ("one layer", False, 7),
     ("one layer with bias", True, 7),
 ]
+# h, the output, g's and dB's partials, dA's partials, dx, and the dA and dB sums
+LAYER_ALLOCATIONS = 8
+# sits_lora's Python calls in one layer step (the forward's choice of path, the op, five launchers and their launch
+# geometry): lower it when a change removes some
+LAYER_PYTHON_CALLS = 53
 
 
 @pytest.mark.parametrize("name,bias,limit", CASES, ids=[c[0] for c in CASES])
@@ -101,9 +133,13 @@ def test_layer_step_launches_do_not_grow(monkeypatch, name, bias, limit):
         model(x).backward(dy)
 
     counts = _count_step(monkeypatch, step)
+    allocations = counts.pop("allocations")
     triton_launches = sum(v for k, v in counts.items() if k.startswith("triton "))
     assert triton_launches == 5, counts
     assert sum(counts.values()) <= limit, f"{sum(counts.values())} launches > {limit}: {dict(counts)}"
+    assert allocations <= LAYER_ALLOCATIONS, allocations
+    calls = _own_python_calls(monkeypatch, step)
+    assert calls <= LAYER_PYTHON_CALLS, f"{calls} calls of sits_lora functions in a layer step > {LAYER_PYTHON_CALLS}"
 
 
 # ours: the concatenated A (forward only: the backward reuses it), 3 x Wᵀ and 3 dy W (addmm); the toy
@@ -133,6 +169,7 @@ def test_siblings_step_launches_do_not_grow(monkeypatch):
         model(x).sum().backward()
 
     counts = _count_step(monkeypatch, step)
+    counts.pop("allocations")
     lora = {k: v for k, v in counts.items() if k.startswith("triton ")}
     assert lora == {"triton _lora_shrink_kernel": 1, "triton _lora_expand_kernel": 3,
                     "triton _lora_dy_pass_kernel": 3, "triton _lora_x_pass_kernel": 1,

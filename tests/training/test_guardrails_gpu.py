@@ -88,7 +88,10 @@ def test_plan_within_15_percent_of_cuda_peak(tmp_path, gc, record_step):
     plan = callback.memory_plan                  # the recorded step's loss is the fused one, and so is its plan
     assert plan.loss == ("fused" if trainer.step_recording.on else "model")
     peak = max(peaks) - before
-    assert abs(plan.total / peak - 1) < 0.15, (plan.table(), peak / 2**30, before / 2**30)
+    # each step's peak so far, less what was held before: where a miss happens (warm-up steps, the recording, the
+    # replays) shows which part of the plan is off
+    step_peaks = [round((p - before) / 2**30, 3) for p in peaks]
+    assert abs(plan.total / peak - 1) < 0.15, (plan.table(), peak / 2**30, before / 2**30, step_peaks)
     rank = next(r for r in callback.results if r.name == "rank")
     assert rank.status != "skipped" and all(row["fused"] and row["ceiling"] > 0 for row in rank.details["layers"])
     print("\n" + plan.table() + f"\nmeasured peak {peak / 2**30:.2f} GiB ({before / 2**30:.2f} GiB held before it); "

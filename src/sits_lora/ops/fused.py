@@ -68,6 +68,50 @@ def _split(length: int, block: int, other_programs: int, target_programs: int) -
     return cdiv(length, per_split), per_split
 
 
+# The launch geometry of each kernel at a shape is remembered (tuning.remember): a layer launches at the same few
+# shapes step after step, and recomputing blocks, grids and splits is host time on the path that issues its kernels.
+# A configuration passed in (tests, tuning) is used as given and not remembered.
+
+def _grid_geometry(kernel: str, device, T: int, width: int, R: int, dtype, config: Optional[dict]) -> tuple:
+    """(config, grid, BLOCK_R, dot precision) of the shrink (width K) or the expand (width N)."""
+    key = (kernel, device, T, width, R, dtype)
+    found = None if config else tuning.remembered(key)
+    if found is None:
+        BLOCK_R = block_rank(R)
+        cfg = config or tuning.config_for(kernel, device, (width, BLOCK_R), dtype)
+        t_blocks = cdiv(T, cfg["BLOCK_T"])
+        grid = (t_blocks,) if kernel == "shrink" else (t_blocks, cdiv(width, cfg["BLOCK_N"]))
+        found = (cfg, grid, BLOCK_R, dot_precision(dtype))
+        if not config:
+            tuning.remember(key, found)
+    return found
+
+
+def _split_geometry(kernel: str, device, T: int, width: int, R: int, dtype, config: Optional[dict]) -> tuple:
+    """(config, grid, BLOCK_R, dot precision, per split) of the dy pass (width N, split along N) or the x pass
+    (width K, split along T)."""
+    key = (kernel, device, T, width, R, dtype)
+    found = None if config else tuning.remembered(key)
+    if found is None:
+        BLOCK_R = block_rank(R)
+        cfg = config or tuning.config_for(kernel, device, (width, BLOCK_R), dtype)
+        if kernel == "dy_pass":
+            # About two programs per SM of a Hopper GPU (132 SMs): split N when there are few token blocks.
+            t_blocks = cdiv(T, cfg["BLOCK_T"])
+            splits, per_split = _split(width, cfg["BLOCK_N"], t_blocks, 264)
+            grid = (t_blocks, splits)
+        else:
+            # About four programs per SM in all, each summing its own token range: a few partial sums of dA instead
+            # of one per token block.
+            k_blocks = cdiv(width, cfg["BLOCK_K"])
+            splits, per_split = _split(T, cfg["BLOCK_T"], k_blocks, 528)
+            grid = (splits, k_blocks)
+        found = (cfg, grid, BLOCK_R, dot_precision(dtype), per_split)
+        if not config:
+            tuning.remember(key, found)
+    return found
+
+
 # ----------------------------------------------------------------------------- shrink: h = x Aᵀ
 
 
@@ -124,13 +168,12 @@ def _shrink(x, lora_A, config, rank_limit, keep_full):
     R = lora_A.shape[0]
     h = torch.empty((T, R), device=x.device, dtype=torch.float32)
     h_full = torch.empty_like(h) if rank_limit is not None and keep_full else None
-    BLOCK_R = block_rank(R)
-    cfg = config or tuning.config_for("shrink", x.device, (K, BLOCK_R), x.dtype)
-    _SHRINK((cdiv(T, cfg["BLOCK_T"]),),
+    cfg, grid, BLOCK_R, precision = _grid_geometry("shrink", x.device, T, K, R, x.dtype, config)
+    _SHRINK(grid,
         x, lora_A, h, h_full if h_full is not None else h, rank_limit if rank_limit is not None else h, T, K, R,
-        x.stride(0), x.stride(1), lora_A.stride(0), lora_A.stride(1), h.stride(0), h.stride(1),
+        *x.stride(), *lora_A.stride(), R, 1,  # h is fresh: contiguous
         HAS_LIMIT=rank_limit is not None, WRITE_FULL=h_full is not None,
-        BLOCK_R=BLOCK_R, DOT_PRECISION=dot_precision(x.dtype), **cfg,
+        BLOCK_R=BLOCK_R, DOT_PRECISION=precision, **cfg,
     )
     return h, h_full
 
@@ -224,18 +267,15 @@ def lora_expand(h: torch.Tensor, lora_B: torch.Tensor, scale: float, bias: Optio
     T, R = h.shape[-2:]
     N = lora_B.shape[0]
     c = torch.empty((T, N), device=h.device, dtype=out_dtype) if add_to is None else add_to
-    BLOCK_R = block_rank(R)
-    cfg = config or tuning.config_for("expand", h.device, (N, BLOCK_R), out_dtype)
-    grid = (cdiv(T, cfg["BLOCK_T"]), cdiv(N, cfg["BLOCK_N"]))
+    cfg, grid, BLOCK_R, precision = _grid_geometry("expand", h.device, T, N, R, out_dtype, config)
     _EXPAND(grid,
         h, lora_B, bias if bias is not None else h, c,
         rank_limit if rank_limit is not None else h, token_order if token_order is not None else h,
         T, N, R, scale, h_parts,
-        h.stride(-2), h.stride(-1), h.stride(0) if h_parts > 1 else 0, lora_B.stride(0), lora_B.stride(1),
-        c.stride(0), c.stride(1),
+        *h.stride()[-2:], h.stride(0) if h_parts > 1 else 0, *lora_B.stride(), *c.stride(),
         HAS_BIAS=bias is not None, ACCUMULATE=add_to is not None, HAS_LIMIT=rank_limit is not None,
         GROUPED=token_order is not None, BLOCK_R=BLOCK_R,
-        DOT_PRECISION=dot_precision(out_dtype), **cfg,
+        DOT_PRECISION=precision, **cfg,
     )
     return c
 
@@ -376,15 +416,10 @@ def _lora_dy_pass_kernel(
 _DY_PASS = TritonLauncher(_lora_dy_pass_kernel)
 
 
-def _dy_pass_config(dy: torch.Tensor, R: int, config: Optional[dict]) -> dict:
-    return config or tuning.config_for("dy_pass", dy.device, (dy.shape[1], block_rank(R)), dy.dtype)
-
-
 def dy_pass_splits(dy: torch.Tensor, R: int, config: Optional[dict] = None) -> int:
     """How many N splits (g partials) the dy pass makes for dy (T, N) at rank R."""
-    cfg = _dy_pass_config(dy, R, config)
-    # About two programs per SM of a Hopper GPU (132 SMs): split N when there are few token blocks.
-    return _split(dy.shape[1], cfg["BLOCK_N"], cdiv(dy.shape[0], cfg["BLOCK_T"]), 264)[0]
+    T, N = dy.shape
+    return _split_geometry("dy_pass", dy.device, T, N, R, dy.dtype, config)[1][1]
 
 
 def lora_dy_pass_parts(dy: torch.Tensor, lora_B: torch.Tensor, h: torch.Tensor, scale: float,
@@ -398,22 +433,19 @@ def lora_dy_pass_parts(dy: torch.Tensor, lora_B: torch.Tensor, h: torch.Tensor, 
     columns of one shared buffer), S splits whatever dy_pass_splits says, each scaled by ``g_scale``."""
     T, N = dy.shape
     R = h.shape[1]
-    cfg = _dy_pass_config(dy, R, config)
-    BLOCK_T, BLOCK_N = cfg["BLOCK_T"], cfg["BLOCK_N"]
-    t_blocks = cdiv(T, BLOCK_T)
+    cfg, (t_blocks, splits), BLOCK_R, precision, n_per_split = _split_geometry("dy_pass", dy.device, T, N, R,
+                                                                               dy.dtype, config)
     if g_part is None:
-        splits, n_per_split = _split(N, BLOCK_N, t_blocks, 264)
         g_part = torch.empty((splits, T, R), device=dy.device, dtype=torch.float32)
     else:
         splits = g_part.shape[0]
-        n_per_split = cdiv(cdiv(N, splits), BLOCK_N) * BLOCK_N
+        n_per_split = cdiv(cdiv(N, splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     # dB partials cost (T / BLOCK_T)·N·R·4 bytes: a tall token block keeps them small against dy.
     db_part = torch.empty((t_blocks, N, R), device=dy.device, dtype=torch.float32)
     _DY_PASS((t_blocks, splits),
              dy, lora_B, h, g_part, db_part, T, N, R, n_per_split, scale, g_scale,
-             dy.stride(0), dy.stride(1), lora_B.stride(0), lora_B.stride(1), h.stride(0), h.stride(1),
-             g_part.stride(0), g_part.stride(1),
-             BLOCK_R=block_rank(R), DOT_PRECISION=dot_precision(dy.dtype), **cfg)
+             *dy.stride(), *lora_B.stride(), *h.stride(), *g_part.stride()[:2],
+             BLOCK_R=BLOCK_R, DOT_PRECISION=precision, **cfg)
     return g_part, db_part
 
 
@@ -486,22 +518,17 @@ def lora_x_pass_parts(x: torch.Tensor, lora_A: torch.Tensor, g: torch.Tensor, sc
     T, K = x.shape
     g_parts = g.shape[0] if g.dim() == 3 else 1
     R = g.shape[-1]
-    BLOCK_R = block_rank(R)
-    cfg = config or tuning.config_for("x_pass", x.device, (K, BLOCK_R), x.dtype)
-    BLOCK_T, BLOCK_K = cfg["BLOCK_T"], cfg["BLOCK_K"]
-    k_blocks = cdiv(K, BLOCK_K)
-    # About four programs per SM in all, each summing its own token range: a few partial sums of
-    # dA instead of one per token block.
-    splits, t_per_split = _split(T, BLOCK_T, k_blocks, 528)
+    cfg, (splits, k_blocks), BLOCK_R, precision, t_per_split = _split_geometry("x_pass", x.device, T, K, R, x.dtype,
+                                                                              config)
     da_part = torch.empty((splits, R, K), device=x.device, dtype=torch.float32)
     dx = torch.empty((T, K), device=x.device, dtype=x.dtype) if write_dx else None
-    stride_gs = g.stride(0) if g_parts > 1 else 0
+    g_strides = g.stride()
     _X_PASS((splits, k_blocks),
             x, lora_A, g, da_part, dx if write_dx else x,
             T, K, R, t_per_split, g_parts, scale,
-            x.stride(0), x.stride(1), lora_A.stride(0), lora_A.stride(1), stride_gs, g.stride(-2), g.stride(-1),
-            dx.stride(0) if write_dx else 0, dx.stride(1) if write_dx else 0,
-            WRITE_DX=write_dx, BLOCK_R=BLOCK_R, DOT_PRECISION=dot_precision(x.dtype), **cfg)
+            *x.stride(), *lora_A.stride(), g_strides[0] if g_parts > 1 else 0, *g_strides[-2:],
+            K if write_dx else 0, 1 if write_dx else 0,  # dx is fresh: contiguous
+            WRITE_DX=write_dx, BLOCK_R=BLOCK_R, DOT_PRECISION=precision, **cfg)
     return da_part, dx
 
 
@@ -553,24 +580,20 @@ _SUM_BLOCK = 256
 def sum_partials(*stacks: torch.Tensor) -> list:
     """[Σ_p stack[p] for each stack]: contiguous fp32 stacks of partial sums (the dA and dB partials of a
     layer's backward, or of several siblings'), four per launch; a one-part stack is a view, no work."""
-    sums: list = [None] * len(stacks)
-    pending = []
-    for i, parts in enumerate(stacks):
-        if parts.shape[0] == 1:
-            sums[i] = parts[0]
-        else:
-            sums[i] = torch.empty(parts.shape[1:], device=parts.device, dtype=torch.float32)
-            pending.append((parts, sums[i]))
+    sums = [parts[0] if parts.shape[0] == 1 else torch.empty(parts.shape[1:], device=parts.device,
+                                                              dtype=torch.float32) for parts in stacks]
+    pending = [(parts, out) for parts, out in zip(stacks, sums) if parts.shape[0] > 1]
     for first in range(0, len(pending), 4):
         group = pending[first:first + 4]
         args, ends, programs = [], [], 0
         for parts, out in group:
-            args += [parts, out, parts.shape[0], out.numel()]
-            programs += cdiv(out.numel(), _SUM_BLOCK)
+            size = out.numel()
+            args += (parts, out, parts.shape[0], size)
+            programs += -(-size // _SUM_BLOCK)
             ends.append(programs)
-        while len(ends) < 4:  # unused slots: no programs reach them
-            args += [group[0][0], group[0][1], 0, 0]
-            ends.append(programs)
+        # unused slots: no programs reach them
+        args += (group[0][0], group[0][1], 0, 0) * (4 - len(group))
+        ends += [programs] * (3 - len(ends))
         _SUM_PARTIALS((programs,), *args, *ends[:3], BLOCK=_SUM_BLOCK, num_warps=4, num_stages=1)
     return sums
 

@@ -20,13 +20,25 @@ from .aten import lora_linear_aten
 from .choice import KernelUnavailableError, gemm_backend
 from .reference import lora_linear_torch
 
+_fused = None
+
+
+def _kernels():
+    """ops.fused, imported on first use (it imports Triton, which is optional) and kept: an import statement in the
+    launch path costs the import machinery's lookups on every call."""
+    global _fused
+    if _fused is None:
+        from . import fused
+        _fused = fused
+    return _fused
+
 
 def lora_linear_forward(x, x_lora, weight, bias, lora_A, lora_B, scale: float, gemm: str):
     """(y, h) for 2-D x (T, K): y = x Wᵀ + b + s·(x_lora Aᵀ) Bᵀ, h = x_lora Aᵀ (fp32).
 
     x_lora None means the LoRA input is x itself (no dropout).
     """
-    from . import fused as kernels
+    kernels = _fused or _kernels()
 
     h = kernels.lora_shrink(x if x_lora is None else x_lora, lora_A)
     if gemm == "triton":
@@ -42,7 +54,7 @@ def lora_linear_backward(dy, x, x_lora, weight, lora_A, lora_B, h, scale: float,
 
     Launches, cuBLAS path without dropout: the dy pass, the x pass (which sums g's partials and writes
     s·g A into dx), one launch summing dA's and dB's partials, and cuBLAS adding dy W into dx."""
-    from . import fused as kernels
+    kernels = _fused or _kernels()
 
     g_part, db_part = kernels.lora_dy_pass_parts(dy, lora_B, h, scale)
     if gemm == "triton" and x_lora is None:
@@ -155,9 +167,14 @@ def lora_input_grads(ctx, lead, K: int, dx, dx_lora, dA, dB, lora_A, lora_B) -> 
         dx.view(*lead, K) if ctx.needs_input_grad[0] else None,
         dx_lora.view(*lead, K) if dx_lora is not None else None,
         None, None,
-        dA.to(lora_A.dtype) if ctx.needs_input_grad[4] else None,
-        dB.to(lora_B.dtype) if ctx.needs_input_grad[5] else None,
+        _as_dtype(dA, lora_A.dtype) if ctx.needs_input_grad[4] else None,
+        _as_dtype(dB, lora_B.dtype) if ctx.needs_input_grad[5] else None,
     )
+
+
+def _as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
+    # .to with the dtype it already has still goes through the dispatcher: skipped for fp32 adapters, the common case
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _forward_2d(x, x_lora, weight, bias, lora_A, lora_B, scaling: float, gemm: str):

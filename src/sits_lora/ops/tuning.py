@@ -155,6 +155,24 @@ def _same_capability_entry(key: str, device: torch.device) -> Optional[dict]:
     return None
 
 
+# Bounds _answers where the derived values' keys take many token counts (variable-length batches): past it the
+# answers are recomputed, which is cheap, rather than kept without limit.
+_MAX_ANSWERS = 4096
+
+
+def remembered(key: tuple):
+    """A value derived from the configurations (a launch's grid and splits at one shape: ops.fused) stored by
+    :func:`remember`, or None. Forgotten, with config_for's answers, whenever a tuning result is stored."""
+    return _answers.get(key)
+
+
+def remember(key: tuple, value):
+    if len(_answers) > _MAX_ANSWERS:
+        _answers.clear()
+    _answers[key] = value
+    return value
+
+
 def measured_config(kernel: str, device: torch.device, dims: tuple, dtype: torch.dtype) -> Optional[dict]:
     """The configuration stored for ``kernel`` on this GPU at ``dims`` (measured: the tuning cache or the packaged
     table), or None where none is: for a kernel that runs only where it was measured to win."""
