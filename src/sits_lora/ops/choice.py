@@ -29,6 +29,19 @@ INT32_ELEMENTS = 2**31
 _warned_large = False
 
 
+_fused = None
+
+
+def fused_kernels():
+    """ops.fused, imported on first use (it imports Triton, which is optional) and kept: an import statement in a
+    launch path costs the import machinery's lookups on every call."""
+    global _fused
+    if _fused is None:
+        from . import fused
+        _fused = fused
+    return _fused
+
+
 def tensor_too_large(x: Tensor, out_features: int) -> bool:
     """Whether x (tokens x features) or the output of out_features reaches 2**31 elements (INT32_ELEMENTS)."""
     tokens = x.numel() // max(x.shape[-1], 1) if x.dim() else 1

@@ -22,6 +22,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from .choice import fused_kernels
+
 _buffers: dict[tuple, Tensor] = {}
 _views: dict[tuple, Tensor] = {}   # (device, dtype, shape) -> a view of the current buffer: two aten calls saved a call
 
@@ -63,7 +65,7 @@ class DequantLoraLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, x_lora, lora_A, lora_B, bias, products: Any, out_features: int, scaling: float):
-        from . import fused as kernels
+        kernels = fused_kernels()
 
         lead, K = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, K)
@@ -83,7 +85,7 @@ class DequantLoraLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        from . import fused as kernels
+        kernels = fused_kernels()
 
         x, x_lora, lora_A, lora_B, h = ctx.saved_tensors
         K, N, products = ctx.in_features, ctx.out_features, ctx.products

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .choice import fused_kernels
 from .linear import lora_input_grads
 from .reference import check_dynamic_rank_inputs, device_constant, dynamic_rank_lora_linear_reference
 
@@ -81,7 +82,7 @@ def dynamic_rank_forward(x, x_lora, weight, bias, lora_A, lora_B, scale: float, 
     sorted by limit) the expand takes its blocks in that order and skips the rank tiles above each
     block's largest limit (see lora_expand). The frozen GEMM is cuBLAS.
     """
-    from . import fused as kernels
+    kernels = fused_kernels()
 
     h, h_full = kernels.lora_shrink_limited(x if x_lora is None else x_lora, lora_A, rank_limit, keep_full)
     grouped = token_order is not None
@@ -95,7 +96,7 @@ def dynamic_rank_backward(dy, x, x_lora, weight, lora_A, lora_B, h, scale: float
                           h_full=None, bucket_ends=None):
     """(dx, dx_lora, dA, dB, bucket-weight gradient or None) for dynamic_rank_forward's outputs: the
     static dy and x passes around one limit_grad (g limited, and the router's gradient from h_full)."""
-    from . import fused as kernels
+    kernels = fused_kernels()
 
     g, dB = kernels.lora_dy_pass(dy, lora_B, h, scale)
     g, d_weights = kernels.limit_grad(g, rank_limit, scale, h_full, bucket_ends)

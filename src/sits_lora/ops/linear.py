@@ -17,20 +17,8 @@ import torch
 from torch import Tensor
 
 from .aten import lora_linear_aten
-from .choice import KernelUnavailableError, gemm_backend
+from .choice import KernelUnavailableError, fused_kernels, gemm_backend
 from .reference import lora_linear_torch
-
-_fused = None
-
-
-def _kernels():
-    """ops.fused, imported on first use (it imports Triton, which is optional) and kept: an import statement in the
-    launch path costs the import machinery's lookups on every call."""
-    global _fused
-    if _fused is None:
-        from . import fused
-        _fused = fused
-    return _fused
 
 
 def lora_linear_forward(x, x_lora, weight, bias, lora_A, lora_B, scale: float, gemm: str):
@@ -38,7 +26,7 @@ def lora_linear_forward(x, x_lora, weight, bias, lora_A, lora_B, scale: float, g
 
     x_lora None means the LoRA input is x itself (no dropout).
     """
-    kernels = _fused or _kernels()
+    kernels = fused_kernels()
 
     h = kernels.lora_shrink(x if x_lora is None else x_lora, lora_A)
     if gemm == "triton":
@@ -54,7 +42,7 @@ def lora_linear_backward(dy, x, x_lora, weight, lora_A, lora_B, h, scale: float,
 
     Launches, cuBLAS path without dropout: the dy pass, the x pass (which sums g's partials and writes
     s·g A into dx), one launch summing dA's and dB's partials, and cuBLAS adding dy W into dx."""
-    kernels = _fused or _kernels()
+    kernels = fused_kernels()
 
     g_part, db_part = kernels.lora_dy_pass_parts(dy, lora_B, h, scale)
     if gemm == "triton" and x_lora is None:

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from .choice import gemm_backend
+from .choice import fused_kernels, gemm_backend
 
 
 def lora_siblings_forward(x, weights, biases, lora_As, lora_Bs, scales, gemm: str):
@@ -16,7 +16,7 @@ def lora_siblings_forward(x, weights, biases, lora_As, lora_Bs, scales, gemm: st
     Returns (outputs, h, A) with A = [A_1; A_2; ...] (ΣR, K) and h = x Aᵀ (T, ΣR) in fp32 (A is kept for
     the backward: one concatenation per step, not two).
     """
-    from . import fused as kernels
+    kernels = fused_kernels()
 
     ranks = [a.shape[0] for a in lora_As]
     A_all = torch.cat(lora_As) if len(lora_As) > 1 else lora_As[0]
@@ -43,7 +43,7 @@ def lora_siblings_backward(grads, x, weights, lora_As, lora_Bs, h, scales, gemm:
     so the one x pass reads every g with s = 1. dA's and every dB's partials are summed in one launch
     (four stacks per launch). ``grads`` may hold None for an output that received no gradient.
     """
-    from . import fused as kernels
+    kernels = fused_kernels()
 
     ranks = [a.shape[0] for a in lora_As]
     T = x.shape[0]
