@@ -57,8 +57,13 @@ def test_hardware_is_measured_and_cached(tmp_path):
 
 @pytest.mark.parametrize("gc, record_step", [
     (False, False),
-    pytest.param(False, "auto", marks=pytest.mark.xfail(strict=True, reason=(
-        "the recorded step peaks above its plan (the fused loss planned, the recording's own memory not): "
+    # Not strict: alone in a process the recorded step peaks above its plan; after earlier tests it can land within
+    # 15 %, because each CUDA stream that first runs a cuBLAS GEMM allocates that stream's workspace (tracked by the
+    # allocator and never freed), the recording uses two streams, and the side streams come from torch's pool, so an
+    # earlier test may have paid for them
+    pytest.param(False, "auto", marks=pytest.mark.xfail(strict=False, reason=(
+        "the recorded step peaks above its plan (the fused loss planned; the recording's own memory, its streams' "
+        "cuBLAS workspaces among it, not): "
         "docs/training-step.md, 'Not done yet'"))),
     (True, "auto")], ids=["eager", "recorded", "gc"])
 def test_plan_within_15_percent_of_cuda_peak(tmp_path, gc, record_step):
