@@ -219,6 +219,40 @@ def test_plan_of_the_fused_loss_holds_one_chunk_of_logits_and_the_input_gradient
     assert "fp32 cross-entropy buffers" in plan.table()
 
 
+def test_plan_of_a_recorded_step_adds_its_two_streams_cublas_workspaces(monkeypatch):
+    """A recording warms up on one side stream and captures on another; each gets a cuBLAS workspace at its first
+    GEMM. A model off CUDA has no workspaces: no term. With one (its size faked: this machine has no GPU) the term is
+    two workspaces, in the total and the table."""
+    from sits_lora.training import memory
+
+    model = llama("sits", False)
+    eager = plan_memory(model, 2, 128, fused_loss=True)
+    on_cpu = plan_memory(model, 2, 128, fused_loss=True, recorded=True)
+    assert on_cpu.recording == 0 and on_cpu.total == eager.total and "recording" not in on_cpu.table()
+
+    monkeypatch.setattr(memory, "cublas_workspace_bytes", lambda device: 32 * 2**20)
+    recorded = plan_memory(model, 2, 128, fused_loss=True, recorded=True)
+    assert recorded.recording == 2 * 32 * 2**20
+    assert recorded.total == eager.total + recorded.recording
+    assert "recording" in recorded.table() and "cuBLAS workspaces" in recorded.table()
+
+
+@pytest.mark.parametrize("config, capability, expected", [
+    ("", (9, 0), 32 * 2**20),                            # Hopper: cuBLAS's recommended 32 MiB, which torch uses
+    ("", (8, 0), 4096 * 1024 * 2 + 16 * 1024 * 8),       # before Hopper: torch's own default
+    (":4096:8", (8, 0), 4096 * 1024 * 8),                # the environment's sizes win
+    (":16:8", (9, 0), 16 * 1024 * 8),
+    ("nonsense", (9, 0), 32 * 2**20),                    # unreadable: the default
+])
+def test_cublas_workspace_bytes_reads_the_environment_else_the_capability(monkeypatch, config, capability, expected):
+    from sits_lora.utils import cuda_graphs
+
+    assert cuda_graphs.cublas_workspace_bytes(torch.device("cpu")) == 0
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", config)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert cuda_graphs.cublas_workspace_bytes(torch.device("cuda", 0)) == expected
+
+
 def test_plan_on_meta_device_for_full_size_shapes():
     """A plan needs no memory: Llama-3-8B shapes on the meta device (the probes run on meta tensors too)."""
     from peft import get_peft_model

@@ -58,6 +58,7 @@ from ..activations.selective import is_selective
 from ..activations.tiled_mlp import mlp_tile_tokens as mlp_tile_tokens_of
 from ..bases.int4 import Int4BaseLinear
 from ..ops.cross_entropy import chunk_rows_for
+from ..utils.cuda_graphs import cublas_workspace_bytes
 from ..utils.model_structure import decoder_layers, stored_bytes, text_config, unwrap_model  # noqa: F401 (re-exported)
 
 
@@ -118,6 +119,8 @@ class MemoryPlan:
     host_offload: int = 0
     # which cross-entropy the plan holds: "model" (the logits in fp32), "liger" or "fused" (sits_lora's)
     loss: str = "model"
+    # what recording the step as CUDA graphs adds (its streams' cuBLAS workspaces): part of ``total``
+    recording: int = 0
 
     @property
     def loss_note(self) -> str:
@@ -144,6 +147,8 @@ class MemoryPlan:
              f"  ({self.layers} layers, {format_bytes(self.activations_per_layer)} each without checkpointing; "
              f"checkpointing: {self.gradient_checkpointing})"),
             ("logits and loss", self.logits_and_loss, self.loss_note),
+            *([("recording", self.recording, "  (cuBLAS workspaces of its warm-up and capture streams)")]
+              if self.recording else []),
             ("total at peak", self.total, ""),
         ]
         if self.host_offload:
@@ -486,6 +491,7 @@ def plan_memory(
     mlp_tile_tokens: Optional[int] = None,
     offloaded_layers: Optional[Sequence[int]] = None,
     fused_loss: bool = False,
+    recorded: bool = False,
 ) -> MemoryPlan:
     """Predict the peak device memory of one LoRA training step of ``model`` (see the module docstring).
 
@@ -513,6 +519,9 @@ def plan_memory(
             (``enable_activation_offload``); a list of decoder layer indices plans those instead.
         fused_loss: True plans the loss as sits_lora's fused linear cross-entropy (what NativeLoraTrainer's
             recorded step runs: ``trainer.step_recording``); False as the model computes it.
+        recorded: True adds what recording the step as CUDA graphs holds beyond the eager step: the cuBLAS
+            workspaces of the stream its warm-up runs on and of the stream it captures on
+            (:func:`sits_lora.utils.cuda_graphs.cublas_workspace_bytes` each; none for a model off CUDA).
 
     Raises:
         UnsupportedModelError: the model has no decoder blocks with self_attn.{q,k,v,o}_proj and
@@ -733,7 +742,11 @@ def plan_memory(
     if not grads_at_peak and grads > activations + loss:
         peak_dynamic = grads + max(per_block_full)
         grads_at_peak = True
-    total = frozen + adapters + opt_bytes + peak_dynamic
+    # Each CUDA stream that first runs a cuBLAS GEMM gets a workspace of its own, which the allocator counts and keeps:
+    # a recording warms up on one side stream and captures on another. Counted in full: a stream an earlier recording
+    # used already has its workspace, and then the plan is that much above the step.
+    recording = 2 * cublas_workspace_bytes(probe_device) if recorded else 0
+    total = frozen + adapters + opt_bytes + peak_dynamic + recording
 
     return MemoryPlan(
         batch_size=batch_size, seq_len=seq_len,
@@ -744,7 +757,7 @@ def plan_memory(
         activations_per_layer=int(max(per_block_full)), grads_at_peak=grads_at_peak, notes=notes,
         host_offload=int(resid * T * h * n_offloaded
                          + sum(full for full, off in zip(per_block_full, host_blocks) if off)),
-        loss="fused" if fused_loss else ("liger" if liger_loss else "model"),
+        loss="fused" if fused_loss else ("liger" if liger_loss else "model"), recording=int(recording),
     )
 
 

@@ -9,6 +9,8 @@ the call's tensors into the recorded inputs, replays, and returns a copy of the 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import weakref
 from typing import Any, Callable, Iterator, Optional
 
@@ -136,6 +138,21 @@ def first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0][:300]}" if lines else type(error).__name__
 
 
+def cublas_workspace_bytes(device: torch.device) -> int:
+    """Bytes of the cuBLAS workspace torch gives each CUDA stream on ``device`` at its first GEMM (the caching
+    allocator counts it and never frees it, so every new stream a recording runs on adds it): the sizes of
+    CUBLAS_WORKSPACE_CONFIG (``:KiB:count`` pairs) when it is set, else cuBLAS's recommended size, which torch
+    uses: 32 MiB from compute capability 9 (Hopper), 4096 KiB x 2 + 16 KiB x 8 before. 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")
+    numbers = [int(n) for n in re.findall(r":(\d+)", config)]
+    if numbers and len(numbers) % 2 == 0:
+        return sum(kib * 1024 * count for kib, count in zip(numbers[::2], numbers[1::2]))
+    major, _ = torch.cuda.get_device_capability(device)
+    return 32 * 2**20 if major >= 9 else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
 def run_on_side_stream(fn: Callable, args: tuple, kwargs: dict, times: int = 1) -> Any:
     """``fn(*args, **kwargs)`` ``times`` times on a side stream ordered with the current one both ways, as PyTorch
     asks of the calls before a recording (lazy initialization and autotuning then happen off the recorded stream);
@@ -187,5 +204,5 @@ def capture_or_undo(graph: "torch.cuda.CUDAGraph", pool: Optional[tuple] = None)
         raise
 
 
-__all__ = ["AdapterState", "NotGraphable", "adapter_state", "capture_or_undo", "copy_output", "describe_call",
-           "first_line", "run_on_side_stream", "substitute"]
+__all__ = ["AdapterState", "NotGraphable", "adapter_state", "capture_or_undo", "copy_output", "cublas_workspace_bytes",
+           "describe_call", "first_line", "run_on_side_stream", "substitute"]
