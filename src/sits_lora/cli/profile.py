@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ..recipe.loading import load_model
-from ..training.memory import decoder_layers
+from ..utils.model_structure import decoder_layers
 
 OP_TYPES = ("norm", "attn_proj", "attn_core", "mlp_proj", "mlp_act", "lora")
 _ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention")

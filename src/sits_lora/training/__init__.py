@@ -14,7 +14,8 @@ from .constraints import HardwareConstraintError, choose_offloaded_layers
 from .graphs import GraphCaptureError, GraphedTrainStep, graph_train_step
 from .guards import NonFiniteActivationError, NonFiniteGradientError
 from .hardware import HardwareReport, probe_hardware
-from .memory import MemoryPlan, PeakMemoryMeter, UnsupportedModelError, plan_memory
+from .memory import MemoryPlan, UnsupportedModelError, plan_memory
+from .memory_meter import PeakMemoryMeter
 from .step import StepOutcome, TrainStep, default_train_step
 
 __all__ = [

@@ -39,8 +39,9 @@ from .guards import (
 from .alternatives import memory_alternatives
 from .hardware import HardwareReport, probe_hardware
 from ..activations.offload import offloads_checkpoints
-from .memory import (GIB, MemoryPlan, UnsupportedModelError, checkpointed_layers, decoder_layers, plan_memory,
-                     text_config, unwrap_model)
+from ..utils.model_structure import checkpointed_layers, decoder_layers, text_config, unwrap_model
+from ..utils.units import GIB
+from .memory import MemoryPlan, UnsupportedModelError, plan_memory
 from .run_shape import batch_bytes, infer_seq_len, optimizer_kind, weight_bytes
 
 logger = logging.getLogger("sits_lora")

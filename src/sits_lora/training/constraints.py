@@ -34,8 +34,9 @@ import torch
 from torch import nn
 
 from ..bases.int4 import Int4BaseLinear
-from .memory import (MemoryPlan, base_layer_of, decoder_layers, format_bytes, is_adapted, linear_dims, plan_memory,
-                     unwrap_model)
+from ..utils.model_structure import base_layer_of, decoder_layers, is_adapted, linear_dims, unwrap_model
+from ..utils.units import format_bytes
+from .memory import MemoryPlan, plan_memory
 
 logger = logging.getLogger("sits_lora")
 

@@ -73,3 +73,26 @@ def _quant_state_bytes(state) -> int:
     own = sum(_tensor_bytes(getattr(state, name, None)) for name in ("absmax", "code", "offset"))
     return own + _quant_state_bytes(getattr(state, "state2", None))
 
+
+def base_layer_of(module: nn.Module) -> nn.Module:
+    get = getattr(module, "get_base_layer", None)
+    return get() if callable(get) else module
+
+
+def linear_dims(module: nn.Module) -> tuple[int, int]:
+    base = base_layer_of(module)
+    if hasattr(base, "in_features"):
+        return int(base.in_features), int(base.out_features)
+    weight = base.weight
+    return int(weight.shape[1]), int(weight.shape[0])
+
+
+def is_adapted(module: nn.Module) -> bool:
+    """A PEFT tuner layer (it has a base layer) with trainable parameters."""
+    return callable(getattr(module, "get_base_layer", None)) and any(p.requires_grad for p in module.parameters())
+
+
+def checkpointed_layers(model: nn.Module) -> int:
+    """How many decoder blocks of ``model`` run under gradient checkpointing now."""
+    _, blocks = decoder_layers(unwrap_model(model))
+    return sum(1 for b in blocks if getattr(b, "gradient_checkpointing", False) is True)

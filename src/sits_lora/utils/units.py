@@ -16,3 +16,8 @@ def format_rate(value: Optional[float], unit: str, missing: str = "not measured"
         if abs(value) >= scale:
             return f"{value / scale:.2f} {prefix}{unit}"
     return f"{value:.3g} {unit}"
+
+
+def format_bytes(n: float) -> str:
+    """GiB above 1 GiB, MiB below (the tiny test models plan a few MiB)."""
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / 2**20:.2f} MiB"
