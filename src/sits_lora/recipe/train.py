@@ -468,20 +468,14 @@ def _metrics(recipe: TrainRecipe, trainer, train_output, source, ppl_before: flo
     }
 
 
-def run(recipe: TrainRecipe) -> dict:
-    """Run the recipe; return (and write to output_dir/metrics.json) what it measured."""
+def _process_setup(recipe: TrainRecipe) -> tuple:
+    """(world size, whether this is the main process, its print, CPU threads set or None), the seed set, and under
+    several processes each rank on its own GPU."""
     import torch
-    from peft import get_peft_model
-    from transformers import default_data_collator, set_seed
+    from transformers import set_seed
 
-    from ..config import SitsLoraConfig
-    from .data import load_text_splits, pack_into_blocks
-    from .loading import load_model_and_tokenizer
-    from ..training import NativeLoraTrainer
-
-    t_start = time.perf_counter()
-    # Under `accelerate launch` / torchrun with several processes each rank runs this function; rank 0 alone
-    # clears the output folder, prints and writes the adapter and metrics.json (the Trainer saves the checkpoints).
+    # Under `accelerate launch` / torchrun with several processes each rank runs the recipe; rank 0 alone clears
+    # the output folder, prints and writes the adapter and metrics.json (the Trainer saves the checkpoints).
     world = int(os.environ.get("WORLD_SIZE", "1"))
     main_process = int(os.environ.get("RANK", "0")) == 0
     say = print if main_process else (lambda *args, **kwargs: None)
@@ -491,6 +485,14 @@ def run(recipe: TrainRecipe) -> dict:
         # would otherwise put every rank's model on GPU 0 until the Trainer moves it
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     threads = _set_cpu_threads(recipe.cpu_threads) if not torch.cuda.is_available() else None
+    return world, main_process, say, threads
+
+
+def _load(recipe: TrainRecipe, say, threads) -> tuple:
+    """(model, tokenizer, source, dtype, INT4 config fields, whether Liger runs, its Trainer config): the model
+    loaded as the recipe asks, its inputs checked first, refusals before any slow work."""
+    from .loading import load_model_and_tokenizer
+
     dtype = torch_dtype_named(recipe.dtype)
     recipe.check_inputs()
     model, tokenizer, source = load_model_and_tokenizer(recipe.model, dtype=dtype,
@@ -509,11 +511,34 @@ def run(recipe: TrainRecipe) -> dict:
     say(f"[sits_lora] Liger-Kernel: {liger_note}{fsdp_note}")
     say(f"[sits_lora] model: {source.describe()} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
           f"parameters, {dtype})" + (f", {threads} CPU threads" if threads else ""))
+    return model, tokenizer, source, dtype, int4, use_liger, liger_config
+
+
+def _blocks(recipe: TrainRecipe, tokenizer, world: int, say) -> tuple:
+    """(train blocks, held-out blocks) of recipe.seq_len tokens: as many training blocks as the run takes."""
+    from .data import load_text_splits, pack_into_blocks
+
     train_text, heldout_text = load_text_splits(recipe.dataset)
     needed = recipe.max_steps * recipe.batch_size * recipe.grad_accum * world   # each rank takes its own batches
     train_blocks = pack_into_blocks(train_text, tokenizer, recipe.seq_len, max_blocks=max(needed, 1))
     heldout_blocks = pack_into_blocks(heldout_text, tokenizer, recipe.seq_len, max_blocks=recipe.eval_blocks)
     say(f"[sits_lora] data: {len(train_blocks)} train blocks, {len(heldout_blocks)} held-out blocks of {recipe.seq_len} tokens")
+    return train_blocks, heldout_blocks
+
+
+def run(recipe: TrainRecipe) -> dict:
+    """Run the recipe; return (and write to output_dir/metrics.json) what it measured."""
+    import torch
+    from peft import get_peft_model
+    from transformers import default_data_collator
+
+    from ..config import SitsLoraConfig
+    from ..training import NativeLoraTrainer
+
+    t_start = time.perf_counter()
+    world, main_process, say, threads = _process_setup(recipe)
+    model, tokenizer, source, dtype, int4, use_liger, liger_config = _load(recipe, say, threads)
+    train_blocks, heldout_blocks = _blocks(recipe, tokenizer, world, say)
     config = SitsLoraConfig(
         r=recipe.r, lora_alpha=recipe.lora_alpha, lora_dropout=recipe.lora_dropout,
         target_modules=list(recipe.target_modules), kernel=recipe.kernel, task_type="CAUSAL_LM",
