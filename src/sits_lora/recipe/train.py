@@ -224,6 +224,8 @@ def true_or_false(text: str) -> bool:
     if text.lower() in ("false", "0", "no"):
         return False
     raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+
+
 BASE_QUANTS = ("off", "int4", "nf4")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 

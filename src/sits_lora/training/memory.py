@@ -63,6 +63,7 @@ OPTIMIZERS = ("adamw", "adamw_8bit", "adafactor", "sgd", "sgd_momentum", "lion",
 # (4-byte) parameter).
 _STATE_PER_PARAM_BYTE = {"adamw": 2.0, "adamw_8bit": 0.5, "sgd": 0.0, "sgd_momentum": 1.0, "lion": 1.0, "none": 0.0}
 
+
 class UnsupportedModelError(ValueError):
     """plan_memory has no activation model for this architecture."""
 
