@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         parser.error("--rank and --replays must be >= 1")
     from sits_lora import ops
     from sits_lora.ops.decode import rows_block
-    from sits_lora.ops.fused import block_rank
+    from sits_lora.ops.geometry import block_rank
     from sits_lora.ops.tuning import CONFIG_SPACE, config_key
 
     device = torch.device("cuda")

@@ -83,7 +83,7 @@ def breakdown(T: int, K: int, N: int, R: int, calls: int) -> tuple[dict, str]:
     adapted layer alone (without PeftModel's wrapper, which a model pays once per step, not per layer)."""
     from torch.nn import functional as F
 
-    from sits_lora.ops import fused
+    from sits_lora.ops import fused, fused_backward
 
     dev = "cuda"
     x = torch.randn(T, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -128,7 +128,7 @@ def breakdown(T: int, K: int, N: int, R: int, calls: int) -> tuple[dict, str]:
         "current_stream": lambda: driver.active.get_current_stream(driver.active.get_current_device()),
     }
     results = {name: _host_us(fn_, calls) for name, fn_ in pieces.items()}
-    direct = [fused._SHRINK, fused._EXPAND, fused._DY_PASS, fused._X_PASS, fused._SUM_PARTIALS]
+    direct = [fused._SHRINK, fused._EXPAND, fused_backward._DY_PASS, fused_backward._X_PASS, fused_backward._SUM_PARTIALS]
     before = [launcher.direct_launches for launcher in direct]
     text = io.StringIO()
     for arm in ("frozen", "sits:cublas"):

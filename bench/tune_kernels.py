@@ -43,7 +43,7 @@ def _layer_shapes(models: list, ranks: list) -> list:
         return [(K, N, r, ()) for K, N in SHAPES for r in ranks]
     from bench_model import MODELS
 
-    from sits_lora.ops.fused import block_rank
+    from sits_lora.ops.geometry import block_rank
 
     rows = []
     for name in models:

@@ -120,13 +120,29 @@ def test_input_grads_on_rebuild_the_first_block_too():
     assert not any(_inputs_alive_after_forward(model, ids).values())
 
 
-def test_triton_path_under_the_interpreter_matches():
-    """The fused kernels (siblings q/k/v and gate/up in one op each) with rebuilt inputs, fp32."""
+def _x_pass_inputs(monkeypatch) -> list:
+    """The type of x in each x pass the fused kernels run from now on."""
+    from sits_lora.ops import fused
+
+    seen, run = [], fused.lora_x_pass_parts
+    monkeypatch.setattr(fused, "lora_x_pass_parts", lambda x, *a, **k: seen.append(x) or run(x, *a, **k))
+    return seen
+
+
+def test_triton_path_under_the_interpreter_matches(monkeypatch):
+    """The fused kernels (siblings q/k/v and gate/up in one op each) with rebuilt inputs, fp32; down_proj's x pass
+    reads act(gate) and up, which the multiply keeps, instead of its input."""
+    from sits_lora.ops import ProductInput
+
     base, targets = _family("llama")
     ids = torch.randint(0, SHAPE["vocab_size"], (2, 7))
     saved = _peft(base, targets, recompute=False, kernel="triton")
     rebuilt = _peft(base, targets, recompute=True, kernel="triton")
-    _assert_same_grads(_grads(saved, ids), _grads(rebuilt, ids), rtol=1e-5, atol=1e-6)
+    expected = _grads(saved, ids)
+    x_passes = _x_pass_inputs(monkeypatch)
+    _assert_same_grads(expected, _grads(rebuilt, ids), rtol=1e-5, atol=1e-6)
+    products = [x for x in x_passes if isinstance(x, ProductInput)]
+    assert len(products) == SHAPE["num_hidden_layers"] and not any(p.silu for p in products)
     alive = _inputs_alive_after_forward(rebuilt, ids)
     assert not alive["layers.1.self_attn.q_proj"] and not alive["layers.1.mlp.down_proj"]
 
@@ -246,6 +262,33 @@ def test_a_fused_gated_product_is_rebuilt_through_its_function():
     _assert_same_grads(_grads(saved, ids), _grads(rebuilt, ids), rtol=0, atol=0)
     alive = _inputs_alive_after_forward(rebuilt, ids)
     assert not alive["layers.0.mlp.down_proj"] and not alive["layers.1.mlp.down_proj"]
+
+
+@pytest.mark.parametrize("down_multiplier", [1.0, 0.5])
+def test_liger_swiglu_factors_reach_the_x_pass_when_it_can_form_them(monkeypatch, down_multiplier):
+    """Liger's SiLU·mul without multipliers: down_proj's x pass reads (gate, up) and forms silu(gate)·up itself; with
+    a multiplier it cannot (the product is no longer silu(gate)·up), and the input is rebuilt through the Function."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from sits_lora.ops import ProductInput
+
+    class FusedMLP(LlamaMLP):
+        def forward(self, x):
+            return self.down_proj(LigerSiLUMulFunction.apply(self.gate_proj(x), self.up_proj(x), 1.0, down_multiplier))
+
+    base, targets = _family("llama")
+    for layer in base.model.layers:
+        layer.mlp.__class__ = FusedMLP
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, 7))
+    saved = _peft(base, targets, recompute=False, kernel="triton")
+    rebuilt = _peft(base, targets, recompute=True, kernel="triton")
+    expected = _grads(saved, ids)
+    x_passes = _x_pass_inputs(monkeypatch)
+    _assert_same_grads(expected, _grads(rebuilt, ids), rtol=1e-5, atol=1e-6)
+    products = [x for x in x_passes if isinstance(x, ProductInput)]
+    assert len(products) == (SHAPE["num_hidden_layers"] if down_multiplier == 1.0 else 0)
+    assert all(p.silu for p in products)
+    assert not _inputs_alive_after_forward(rebuilt, ids)["layers.1.mlp.down_proj"]
 
 
 def test_a_norm_that_keeps_a_copy_is_not_worth_rebuilding():

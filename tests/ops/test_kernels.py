@@ -111,6 +111,32 @@ def test_building_blocks_against_torch(dtype):
     assert rel_err(dx, 0.5 * g.double() @ A.double()) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("silu", [False, True], ids=["gate*up", "silu(gate)*up"])
+def test_x_pass_reads_a_product_input_as_the_formed_input(dtype, silu):
+    """The x pass on x's two factors (formed as it loads them) gives what it gives on x formed in memory."""
+    from sits_lora.ops.fused import lora_x_pass_parts
+    from sits_lora.ops.reference import ProductInput
+
+    T, K, r = 45, 80, 7
+    gen = torch.Generator().manual_seed(3)
+    gate, up = (torch.randn(T, K, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    A = (torch.randn(r, K, generator=gen) / K**0.5).to(DEVICE)
+    g_parts = torch.randn(2, T, r, generator=gen).to(DEVICE)   # g as the dy pass leaves it: two partial sums
+    product = ProductInput(gate, up, silu)
+    x = product.value()
+    da_p, dx_p = lora_x_pass_parts(product, A, g_parts, 0.5, write_dx=True)
+    da_x, dx_x = lora_x_pass_parts(x, A, g_parts, 0.5, write_dx=True)
+    assert torch.equal(dx_p, dx_x) and dx_p.dtype == dtype
+    if silu:   # the kernel's sigmoid and torch's may differ in the last fp32 bit before x is rounded
+        torch.testing.assert_close(da_p, da_x, rtol=1e-5 if dtype == torch.float32 else 2e-3, atol=1e-5)
+    else:
+        assert torch.equal(da_p, da_x)
+    assert rel_err(da_p.sum(0), 0.5 * g_parts.sum(0).double().t() @ x.double()) < TOL[dtype]
+    with pytest.raises(ValueError, match="strides differ"):
+        lora_x_pass_parts(ProductInput(gate, up.t().contiguous().t(), silu), A, g_parts, 0.5, write_dx=False)
+
+
 def test_kernel_selection():
     cpu = torch.zeros(2, 3)
     assert ops.resolve_kernel("torch", cpu) == "torch"

@@ -45,7 +45,7 @@ def compile_for_hopper(kernel, pointers: dict, constexprs: dict, options: dict):
 
 LORA = {"x": "*bf16", "h": "*fp32", "h_full": "*fp32", "a": "*fp32", "b": "*fp32", "bias": "*bf16", "c": "*bf16",
         "limit": "*i32", "order": "*i32", "dy": "*bf16", "g": "*fp32", "g_part": "*fp32", "db_part": "*fp32",
-        "da_part": "*fp32", "dx": "*bf16", "g_out": "*fp32", "ends": "*i64", "dw": "*fp32"}
+        "da_part": "*fp32", "dx": "*bf16", "g_out": "*fp32", "ends": "*i64", "dw": "*fp32", "up": "*bf16"}
 POINTERS = {f"{k}_ptr": v for k, v in LORA.items()}
 
 VARIANTS = [
@@ -63,8 +63,10 @@ VARIANTS = [
                                            BLOCK_R=64, DOT_PRECISION="tf32")),
     ("_lora_dy_pass_kernel", "dy_pass", dict(BLOCK_R=16, DOT_PRECISION="tf32")),
     ("_lora_dy_pass_kernel", "dy_pass", dict(BLOCK_R=64, DOT_PRECISION="tf32")),
-    ("_lora_x_pass_kernel", "x_pass", dict(WRITE_DX=True, BLOCK_R=16, DOT_PRECISION="tf32")),
-    ("_lora_x_pass_kernel", "x_pass", dict(WRITE_DX=False, BLOCK_R=64, DOT_PRECISION="tf32")),
+    ("_lora_x_pass_kernel", "x_pass", dict(WRITE_DX=True, X_FORM=0, BLOCK_R=16, DOT_PRECISION="tf32")),
+    ("_lora_x_pass_kernel", "x_pass", dict(WRITE_DX=False, X_FORM=0, BLOCK_R=64, DOT_PRECISION="tf32")),
+    ("_lora_x_pass_kernel", "x_pass", dict(WRITE_DX=True, X_FORM=1, BLOCK_R=16, DOT_PRECISION="tf32")),
+    ("_lora_x_pass_kernel", "x_pass", dict(WRITE_DX=True, X_FORM=2, BLOCK_R=16, DOT_PRECISION="tf32")),
     ("_limit_grad_kernel", None, dict(BUCKET_GRAD=False, BLOCK_T=64, BLOCK_R=64)),
     ("_limit_grad_kernel", None, dict(BUCKET_GRAD=True, BLOCK_T=64, BLOCK_R=64)),
 ]
@@ -75,7 +77,7 @@ FP8_VARIANTS = [("*fp8e4nv", 448.0), ("*fp8e5", 57344.0)]
 
 def _variant_ids() -> list[str]:
     lora = [f"{v[0].strip('_')}-" + "-".join(f"{k}={x}" for k, x in v[2].items()
-                                            if k.startswith(("HAS", "ACC", "GROUP", "WRITE", "BUCKET"))) for v in VARIANTS]
+                                            if k.startswith(("HAS", "ACC", "GROUP", "WRITE", "BUCKET", "X_FORM"))) for v in VARIANTS]
     return (lora + [f"fp8_cast-{t.strip('*')}" for t, _ in FP8_VARIANTS] + ["transpose_bytes"]
             + ["fp8_matmul-forward-e4m3", "fp8_matmul-dX-e5m2"])
 
@@ -83,14 +85,14 @@ def _variant_ids() -> list[str]:
 def compile_all() -> dict:
     """{variant id: "ok" or the error}: run in a process without TRITON_INTERPRET."""
     from sits_lora.ops import fp8 as fp8_ops
-    from sits_lora.ops import fused, tuning
+    from sits_lora.ops import fused, fused_backward, tuning
 
     jobs = []
     for kernel, space, constexprs in VARIANTS:
         config = tuning.CONFIG_SPACE[space][0] if space is not None else {"num_warps": 4}
         blocks = {k: v for k, v in config.items() if k.startswith("BLOCK")}
         options = {k: v for k, v in config.items() if not k.startswith("BLOCK")}
-        jobs.append((getattr(fused, kernel), POINTERS, {**constexprs, **blocks}, options))
+        jobs.append((getattr(fused, kernel, None) or getattr(fused_backward, kernel), POINTERS, {**constexprs, **blocks}, options))
     for out_type, fp8_max in FP8_VARIANTS:
         pointers = {"x_ptr": "*bf16", "out_ptr": out_type, "scale_ptr": "*fp32", "amax_ptr": "*fp32",
                     "colscale_ptr": "*fp32"}

@@ -75,3 +75,24 @@ def test_tiny_llama_on_gpu_matches_peft(dtype):
 def test_auto_selects_triton_on_gpu():
     assert ops.resolve_kernel("auto", torch.zeros(2, 2, device="cuda", dtype=torch.bfloat16)) == "triton"
     assert ops.resolve_kernel("auto", torch.zeros(2, 2, device="cuda")) == "torch"
+
+
+@pytest.mark.parametrize("T,K", [(1000, 328), (8192, 8192)], ids=["odd", "1B down_proj"])
+def test_x_pass_on_liger_swiglu_factors_is_bit_identical_to_its_output(T, K):
+    """down_proj's x pass reading Liger's kept (gate, up) forms the very x Liger's SiLU·mul wrote: the same dA and
+    dx, bit for bit, as the pass over that x (and likewise for gate·up, the multiply transformers' MLP runs)."""
+    liger_swiglu = pytest.importorskip("liger_kernel.ops.swiglu")
+    from sits_lora.ops.fused import lora_x_pass_parts
+    from sits_lora.ops.reference import ProductInput
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    gate, up = (torch.randn(T, K, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
+    A = torch.randn(16, K, device="cuda", generator=gen) / K**0.5
+    g_parts = torch.randn(3, T, 16, device="cuda", generator=gen)
+    for product, x in ((ProductInput(gate, up, True), liger_swiglu.swiglu_forward(gate, up)[2]),
+                       (ProductInput(gate, up, False), gate * up)):
+        # torch's SiLU and the kernels' x·sigmoid(x) may part in fp32's last bit, now and then one bf16 step apart
+        torch.testing.assert_close(product.value(), x, rtol=1e-2, atol=1e-2)
+        da_p, dx_p = lora_x_pass_parts(product, A, g_parts, 2.0, write_dx=True)
+        da_x, dx_x = lora_x_pass_parts(x, A, g_parts, 2.0, write_dx=True)
+        assert torch.equal(da_p, da_x) and torch.equal(dx_p, dx_x)

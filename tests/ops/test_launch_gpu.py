@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sits_lora.ops import fused
+from sits_lora.ops import fused, fused_backward
 
 pytestmark = pytest.mark.gpu
 
@@ -40,7 +40,7 @@ def _inputs(T, K, N, R, misaligned: bool, strided: bool):
 
 @pytest.mark.parametrize("misaligned,strided", [(False, False), (True, False), (False, True), (True, True)])
 def test_direct_launch_matches_jit_launch(misaligned, strided):
-    launchers = [fused._SHRINK, fused._EXPAND, fused._DY_PASS, fused._X_PASS, fused._SUM_PARTIALS]
+    launchers = [fused._SHRINK, fused._EXPAND, fused_backward._DY_PASS, fused_backward._X_PASS, fused_backward._SUM_PARTIALS]
     assert all(launcher.direct for launcher in launchers), "the direct path is off on this Triton"
     before = [launcher.direct_launches for launcher in launchers]
     # token counts of every class, run in an order that puts a new class after a cached one

@@ -8,7 +8,8 @@ decoder layer saves none of these inputs as such, but it does save what they are
 * o_proj reads the attention output in (batch, seq, heads·dim) layout, a transposed copy of the
   tensor that scaled_dot_product_attention keeps for its own backward: x = out.transpose(1, 2);
 * down_proj reads act(gate)·up, whose multiply (or Liger's fused SiLU·mul) keeps its two factors:
-  x = a·b again.
+  x = a·b again. The fused kernels' x pass goes further: it reads the two factors and multiplies them as it
+  loads (``InputRecompute.product_of``, ops.ProductInput), so that x is neither saved nor rebuilt in memory.
 
 While an adapted layer runs, a ``saved_tensors_hooks`` pair swaps x, wherever an op saves it, for a
 ``RebuiltInput`` that holds references to those kept tensors (no new memory) and recomputes x when
@@ -30,6 +31,8 @@ from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
+
+from ..ops import ProductInput
 
 logger = logging.getLogger("sits_lora")
 
@@ -217,25 +220,33 @@ def _apply_function(function, a: Tensor, b: Tensor, extra: tuple, shape: torch.S
     return function.apply(a, b, *extra).view(shape)
 
 
-def _from_product(x: Tensor) -> Optional[RebuiltInput]:
-    """x = a·b where the multiply keeps a and b (act(gate)·up), or Liger's fused act·mul of (gate, up)."""
+def _factors(a: Tensor, b: Tensor, silu: bool) -> Optional[ProductInput]:
+    """The factors as the x pass reads them (two contiguous tensors of one layout), or None."""
+    return ProductInput(a, b, silu) if a.is_contiguous() and b.is_contiguous() and a.shape == b.shape else None
+
+
+def _from_product(x: Tensor) -> tuple[Optional[RebuiltInput], Optional[ProductInput]]:
+    """(rebuild, factors) for x = a·b where the multiply keeps a and b (act(gate)·up), or Liger's fused act·mul of
+    (gate, up); factors None where the x pass cannot read them (Liger's multipliers other than 1, strided factors)."""
     node = x.grad_fn
     if node is None:
-        return None
+        return None, None
     name = type(node).__name__
     if name == "MulBackward0":
         a, b = node._saved_self, node._saved_other
         if a is None or b is None or a.shape != x.shape or b.shape != x.shape or a.dtype != x.dtype:
-            return None  # a factor that needs no gradient is not kept: x would be kept as two tensors
-        return RebuiltInput(_mul, (a, b))
+            return None, None  # a factor that needs no gradient is not kept: x would be kept as two tensors
+        return RebuiltInput(_mul, (a, b)), _factors(a, b, silu=False)
     if name in _FUSED_PRODUCTS:
         saved = node.saved_tensors  # (a, b) flattened to 2-D by the kernel
         if len(saved) != 2 or saved[0].numel() != x.numel() or saved[0].dtype != x.dtype:
-            return None
+            return None, None
         # LigerSiLUMulFunction's optional multipliers, kept on its context
         extra = tuple(float(getattr(node, k)) for k in ("gate_multiplier", "down_multiplier") if hasattr(node, k))
-        return RebuiltInput(_apply_function, (node._forward_cls, saved[0], saved[1], extra, x.shape))
-    return None
+        rebuilt = RebuiltInput(_apply_function, (node._forward_cls, saved[0], saved[1], extra, x.shape))
+        plain_silu = name == "LigerSiLUMulFunctionBackward" and all(m == 1.0 for m in extra)
+        return rebuilt, _factors(saved[0], saved[1], silu=True) if plain_silu else None
+    return None, None
 
 
 # ----------------------------------------------------------------------------- per layer
@@ -256,9 +267,13 @@ class InputRecompute:
         # frozen model keeps (no hooks needed)
         self.rebuilt_calls = 0
         self._reported = False
+        # (x, its two factors, silu), all weakly: the last forward's input if it is a product, what product_of hands
+        # the op (weakly: a forward whose path does not ask must not keep the factors alive past its backward)
+        self._product: Optional[tuple] = None
 
     def saving(self, x: Tensor) -> Optional[torch.autograd.graph.saved_tensors_hooks]:
         """The hooks to run the layer's forward under, or None to run it as is."""
+        self._product = None
         if not torch.is_grad_enabled() or torch.compiler.is_compiling() or _top_hooks is None:
             return None
         if _top_hooks(False) is not None:
@@ -268,7 +283,11 @@ class InputRecompute:
         self.calls += 1
         if x.grad_fn is None:
             return None  # x is a leaf (or needs no gradient): nothing upstream kept what it is made from
-        rebuilt = (_from_norm(x, self.norms) if self.norms else None) or _from_attention(x) or _from_product(x)
+        rebuilt = (_from_norm(x, self.norms) if self.norms else None) or _from_attention(x)
+        if rebuilt is None:
+            rebuilt, factors = _from_product(x)
+            if factors is not None:
+                self._product = (weakref.ref(x), weakref.ref(factors.gate), weakref.ref(factors.up), factors.silu)
         if rebuilt is None:
             if not self._reported:
                 self._reported = True
@@ -278,6 +297,15 @@ class InputRecompute:
             return None
         self.rebuilt_calls += 1
         return None if rebuilt is ALREADY_KEPT else _saving_rebuilt(x, rebuilt)
+
+    def product_of(self, x: Tensor) -> Optional[ProductInput]:
+        """x's two factors when this forward's input (the x ``saving`` just saw) is a product whose factors the
+        frozen model keeps, else None. The hooks ``saving`` returned still cover anything else that saves x."""
+        product, self._product = self._product, None
+        if product is None or product[0]() is not x:
+            return None
+        gate, up = product[1](), product[2]()
+        return None if gate is None or up is None else ProductInput(gate, up, product[3])
 
     def __repr__(self) -> str:
         return f"InputRecompute({self.name!r}, norms={len(self.norms)})"

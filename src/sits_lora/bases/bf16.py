@@ -73,10 +73,12 @@ class Bf16Base:
         x, weight, bias, autocast_off = autocast_inputs(x, base.weight, base.bias)
         dropout = layer.lora_dropout[adapter]
         x_lora = dropout(x) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else x
+        recompute = layer.input_recompute
+        product = recompute.product_of(x) if recompute is not None and x_lora is x and kernel == "triton" else None
         with autocast_off:
             return ops.lora_linear(
                 x, x_lora, weight, bias, layer.lora_A[adapter].weight, layer.lora_B[adapter].weight,
-                layer.scaling[adapter], kernel,
+                layer.scaling[adapter], kernel, product,
             )
 
     def _decode_forward(self, layer, adapter: str, x: torch.Tensor) -> Optional[torch.Tensor]:

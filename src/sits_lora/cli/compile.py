@@ -94,7 +94,7 @@ def _versions_text(versions: Optional[dict]) -> str:
 
 
 def _kernel_dims(K: int, N: int, r: int) -> dict[str, tuple]:
-    from ..ops.fused import block_rank
+    from ..ops.geometry import block_rank
 
     block_r = block_rank(r)
     # the dims each launcher passes to tuning.config_for (see ops/fused.py)

@@ -19,7 +19,7 @@ from .choice import (DECODE_MAX_ROWS, KERNELS, KernelUnavailableError, aten_belo
                      tensor_too_large, triton_interpreter_on)
 from .dynamic_rank import lora_linear_dynamic_rank_triton
 from .linear import lora_linear, lora_linear_triton
-from .reference import lora_linear_reference, lora_linear_torch
+from .reference import ProductInput, lora_linear_reference, lora_linear_torch
 from .siblings import lora_siblings_triton
 
 
@@ -74,6 +74,7 @@ __all__ = [
     "DECODE_MAX_ROWS",
     "KERNELS",
     "KernelUnavailableError",
+    "ProductInput",
     "aten_below_flops",
     "decode_call",
     "decode_siblings_fuse",

@@ -57,7 +57,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .choice import DECODE_MAX_ROWS as MAX_ROWS   # above it the training kernels' split pays (prefill, training)
-from .fused import block_rank, cdiv, dot_precision
+from .geometry import block_rank, cdiv, dot_precision
 from .launch import TritonLauncher
 from .tuning import config_for, measured_config
 

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .aten import lora_linear_aten
 from .choice import KernelUnavailableError, fused_kernels, gemm_backend
-from .reference import lora_linear_torch
+from .reference import ProductInput, lora_linear_torch
 
 
 def lora_linear_forward(x, x_lora, weight, bias, lora_A, lora_B, scale: float, gemm: str):
@@ -39,6 +39,7 @@ def lora_linear_forward(x, x_lora, weight, bias, lora_A, lora_B, scale: float, g
 
 def lora_linear_backward(dy, x, x_lora, weight, lora_A, lora_B, h, scale: float, gemm: str, need_dx: bool):
     """(dx, dx_lora, dA, dB) for 2-D tensors; dx_lora is None unless x_lora is given, dx None unless needed.
+    ``x`` may be a ProductInput (x is read only by the x pass, which forms it from the factors).
 
     Launches, cuBLAS path without dropout: the dy pass, the x pass (which sums g's partials and writes
     s·g A into dx), one launch summing dA's and dB's partials, and cuBLAS adding dy W into dx."""
@@ -193,37 +194,55 @@ class LoraLinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, x_lora, weight, bias, lora_A, lora_B, scaling, gemm):
+    def forward(ctx, x, x_lora, weight, bias, lora_A, lora_B, scaling, gemm, product=None):
         y, h = _forward_2d(x, x_lora, weight, bias, lora_A, lora_B, scaling, gemm)
-        _setup_context(ctx, (x, x_lora, weight, bias, lora_A, lora_B, scaling, gemm), (None, h))
+        if product is None:
+            _setup_context(ctx, (x, x_lora, weight, bias, lora_A, lora_B, scaling, gemm), (None, h))
+            ctx.product_silu = None
+        else:
+            # x is the product of two tensors that the frozen model keeps for its own backward: saving those costs
+            # no memory, and the x pass forms x from them as it reads (no rebuilt x written and read back)
+            ctx.save_for_backward(product.gate, product.up, weight, lora_A, lora_B, h)
+            ctx.scaling, ctx.gemm, ctx.product_silu = scaling, gemm, product.silu
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, x_lora, weight, lora_A, lora_B, h = ctx.saved_tensors
+        if ctx.product_silu is None:
+            x, x_lora, weight, lora_A, lora_B, h = ctx.saved_tensors
+        else:
+            gate, up, weight, lora_A, lora_B, h = ctx.saved_tensors
+            x, x_lora = ProductInput(gate, up, ctx.product_silu), None
         grads = _backward_2d(ctx, grad_y, x, x_lora, weight, lora_A, lora_B, h, ctx.gemm)
-        return (*grads, None, None)
+        return (*grads, None, None, None)
 
 
-def lora_linear_triton(x, x_lora, weight, bias, lora_A, lora_B, scaling: float, gemm: Optional[str] = None) -> Tensor:
-    """The fused Triton path. x_lora None: the LoRA input is x (no dropout)."""
+def lora_linear_triton(x, x_lora, weight, bias, lora_A, lora_B, scaling: float, gemm: Optional[str] = None,
+                       product: Optional[ProductInput] = None) -> Tensor:
+    """The fused Triton path. x_lora None: the LoRA input is x (no dropout); ``product``: see lora_linear."""
     gemm = gemm or gemm_backend()
     if torch.compiler.is_compiling():
         y, _ = _lora_linear_op(x, x_lora, weight, bias, lora_A, lora_B, float(scaling), gemm)
         return y
-    return LoraLinearFunction.apply(x, x_lora, weight, bias, lora_A, lora_B, float(scaling), gemm)
+    if x_lora is not None:
+        product = None
+    return LoraLinearFunction.apply(x, x_lora, weight, bias, lora_A, lora_B, float(scaling), gemm, product)
 
 
-def lora_linear(x, x_lora, weight, bias, lora_A, lora_B, scaling: float, kernel: str = "torch") -> Tensor:
+def lora_linear(x, x_lora, weight, bias, lora_A, lora_B, scaling: float, kernel: str = "torch",
+                product: Optional[ProductInput] = None) -> Tensor:
     """y = x Wᵀ + b + s·(x_lora Aᵀ) Bᵀ with the resolved kernel ("torch", "triton" or "aten", ops.aten).
 
     Pass ``x_lora=x`` (the same tensor) when there is no dropout; the Triton path then fuses the
-    LoRA gradient into dx and keeps one saved activation.
+    LoRA gradient into dx and keeps one saved activation. ``product``: x's value as two factors that the frozen
+    model keeps (sits_lora.activations finds them); the eager Triton path without dropout then saves the factors
+    instead of x and its x pass reads them. The other paths ignore it and save x.
     """
     if kernel == "torch":
         return lora_linear_torch(x, x_lora, weight, bias, lora_A, lora_B, scaling)
     if kernel == "aten":
         return lora_linear_aten(x, x_lora, weight, bias, lora_A, lora_B, scaling)
     if kernel == "triton":
-        return lora_linear_triton(x, None if x_lora is x else x_lora, weight, bias, lora_A, lora_B, scaling)
+        return lora_linear_triton(x, None if x_lora is x else x_lora, weight, bias, lora_A, lora_B, scaling,
+                                  product=product)
     raise KernelUnavailableError(f"unknown kernel {kernel!r}")

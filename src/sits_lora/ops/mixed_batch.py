@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused import block_rank, cdiv, dot_precision
+from .geometry import block_rank, cdiv, dot_precision
 from .launch import TritonLauncher
 
 BLOCK_ROWS = 16   # rows per block: tl.dot needs 16; a decode batch has one row per sample, so blocks of one adapter's

@@ -22,11 +22,33 @@ Backward, with g = dy B (T, r):
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+
+class ProductInput(NamedTuple):
+    """A LoRA input that the frozen model keeps as two factors: x = act(gate)·up, both (..., d_in) in x's dtype.
+
+    The MLP's down projection reads such an x, and the multiply that made it keeps its factors for its own
+    backward. The x pass reads the factors and forms x while loading them (ops.fused_backward), instead of a
+    rebuilt x written to memory and read back. ``silu``: x = silu(gate)·up with the SiLU computed in fp32 and
+    rounded to x's dtype before the multiply (Liger's fused SwiGLU); otherwise x = gate·up.
+    """
+
+    gate: Tensor
+    up: Tensor
+    silu: bool
+
+    def value(self) -> Tensor:
+        """x itself (the reference the kernels are tested against)."""
+        gate = F.silu(self.gate.float()).to(self.gate.dtype) if self.silu else self.gate
+        return gate * self.up
+
+    def reshape(self, *shape) -> "ProductInput":
+        return ProductInput(self.gate.reshape(*shape), self.up.reshape(*shape), self.silu)
 
 
 def lora_linear_reference(
