@@ -84,7 +84,7 @@ def _variant_ids() -> list[str]:
 
 def compile_all() -> dict:
     """{variant id: "ok" or the error}: run in a process without TRITON_INTERPRET."""
-    from sits_lora.ops import fp8 as fp8_ops
+    from sits_lora.ops import fp8_cast as fp8_ops
     from sits_lora.ops import fused, fused_backward, tuning
 
     jobs = []
