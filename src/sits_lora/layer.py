@@ -83,12 +83,12 @@ class FusedAdapterChoice:
     # ops then save a rebuild of the input instead of the input (SitsLoraConfig.recompute_lora_inputs).
     input_recompute = None
     # Set by SitsLoraModel for layers that read the same input as others (sits_lora.siblings).
-    _sibling_group = None
+    sibling_group = None
 
     def _input_rebuild_hooks(self, x: torch.Tensor):
         """Saved-tensor hooks that save a rebuild of x instead of x, or None to run the forward as is."""
         recompute = self.input_recompute
-        group = self._sibling_group
+        group = self.sibling_group
         if recompute is None or (group is not None and group.holds_output(self, x)):
             return None
         return recompute.saving(x)
@@ -101,7 +101,7 @@ class FusedAdapterChoice:
         variant = self._sits_variant(adapter_name)
         return variant is not None and variant.runs_plain(self, adapter_name)
 
-    def _fused_adapter(self, args: tuple, kwargs: dict) -> str | None:
+    def fused_adapter(self, args: tuple, kwargs: dict) -> str | None:
         """The single active adapter the frozen base's fused path can run, or None to use another path."""
         if self.disable_adapters or self.merged or args:
             return None
@@ -183,7 +183,7 @@ class SitsLoraLinear(FusedAdapterChoice, LoraLinear):
         return self._forward(x, *args, **kwargs)
 
     def _forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        adapter = self._fused_adapter(args, kwargs)
+        adapter = self.fused_adapter(args, kwargs)
         if adapter is not None:
             return self.frozen_base.fused_forward(self, adapter, x)
         adapter_names = kwargs.get("adapter_names")

@@ -39,7 +39,7 @@ class SitsLoraLinear4bit(FusedAdapterChoice, Linear4bit):
         self.sits_kernel[adapter_name] = getattr(config, "kernel", "auto")
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        adapter = self._fused_adapter(args, kwargs)
+        adapter = self.fused_adapter(args, kwargs)
         if adapter is None:
             return super().forward(x, *args, **kwargs)
         hooks = self._input_rebuild_hooks(x)  # the input rebuilt in backward, as SitsLoraLinear's

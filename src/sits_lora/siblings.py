@@ -123,6 +123,12 @@ class SiblingGroup:
         """Drop what the group keeps across calls (it holds x and the outputs until x changes)."""
         self._kept = None
 
+    @property
+    def kept(self) -> Optional[tuple]:
+        """What the group keeps across calls (x first, then what its outputs were computed from, and the outputs), or
+        None: a recording compares it by identity to see whether a call gave the kept outputs back."""
+        return self._kept
+
     def _keep(self, x: torch.Tensor, plan, adapters: list, outputs) -> None:
         weights, biases, As, Bs, scalings = plan
         tensors = tuple(t for t in (*weights, *biases, *As, *Bs) if t is not None)
@@ -190,7 +196,7 @@ class SiblingGroup:
             return out
         operands = []
         for other in self.layers:
-            adapter = other._fused_adapter((), {})
+            adapter = other.fused_adapter((), {})
             if adapter is None or not other.frozen_base.fuses_siblings:
                 return None
             found = other.frozen_base.decode_operands(other, adapter, x)
@@ -259,7 +265,7 @@ class SiblingGroup:
             if not layer.frozen_base.fuses_siblings:
                 return None  # a quantized base (sits_lora.bases.fp8) runs its own fused path
             # None also for a dynamic-rank adapter that routes (a per-token rank is not the static product here)
-            adapter = layer._fused_adapter((), {})
+            adapter = layer.fused_adapter((), {})
             if adapter is None or ops.resolve_kernel(layer.sits_kernel[adapter], x, self.out_features) != "triton":
                 return None
             base = layer.base_layer
@@ -299,7 +305,7 @@ def sibling_group_members(model: nn.Module) -> list:
     names = {id(module): name for name, module in model.named_modules()}
     groups: dict = {}
     for module in model.modules():
-        group = getattr(module, "_sibling_group", None)
+        group = getattr(module, "sibling_group", None)
         if isinstance(group, SiblingGroup) and id(group) not in groups:
             groups[id(group)] = [names[id(layer)] for layer in group.layers if id(layer) in names]
     return [members for members in groups.values() if len(members) > 1]
@@ -316,11 +322,11 @@ def assign_sibling_groups(model: nn.Module, layer_cls, enabled: bool = True) -> 
                 names = CROSS_ATTENTION_NAMES
             layers = [children[n] for n in names if isinstance(children.get(n), layer_cls)]
             for layer in layers:
-                layer._sibling_group = None
+                layer.sibling_group = None
             if not enabled or len(layers) < 2 or len({layer.in_features for layer in layers}) != 1:
                 continue
             group = SiblingGroup(layers, reuse_across_calls=cross and names == CROSS_ATTENTION_NAMES)
             for layer in layers:
-                layer._sibling_group = group
+                layer.sibling_group = group
             groups += 1
     return groups

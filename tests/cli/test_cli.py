@@ -417,8 +417,8 @@ def test_profile_keeps_sibling_fusion_and_removes_its_hooks():
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = get_peft_model(tiny_llama(dtype=dtype).to(device), sits_lora.SitsLoraConfig(
         r=4, kernel="triton", target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-    groups = {id(m._sibling_group): m._sibling_group for m in model.modules()
-              if isinstance(getattr(m, "_sibling_group", None), SiblingGroup)}
+    groups = {id(m.sibling_group): m.sibling_group for m in model.modules()
+              if isinstance(getattr(m, "sibling_group", None), SiblingGroup)}
     assert len(groups) == 4  # q/k/v and gate/up in each of 2 layers
     ids = torch.randint(0, 97, (1, 8), generator=torch.Generator().manual_seed(0)).to(device)
 

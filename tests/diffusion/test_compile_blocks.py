@@ -129,7 +129,7 @@ def test_compiled_blocks_keep_cross_attention_kv_across_calls():
     groups = cross_attention_groups(unet)
     assert groups and all(g.keep_under_compile for g in groups)
     text = _guided_calls(unet, eager, 3)
-    assert all(g._kept is not None and g._kept[0] is text for g in groups)
+    assert all(g.kept is not None and g.kept[0] is text for g in groups)
 
 
 @pytest.mark.gpu

@@ -52,7 +52,7 @@ def generate(pipe, text):
 
 
 def cross_groups(unet):
-    return {id(m.to_k._sibling_group): m.to_k._sibling_group for m in unet.modules()
+    return {id(m.to_k.sibling_group): m.to_k.sibling_group for m in unet.modules()
             if getattr(m, "is_cross_attention", False) is True}
 
 
@@ -112,11 +112,11 @@ def test_nothing_is_kept_with_autograd_or_under_inference_mode(sibling_calls):
     text = torch.randn(2, 7, 24, generator=torch.Generator().manual_seed(4))
     for _ in range(2):
         unet_call(unet, torch.Generator().manual_seed(3))
-    assert all(g._kept is None for g in groups.values())
+    assert all(g.kept is None for g in groups.values())
     with torch.inference_mode():
         for _ in range(2):
             unet(torch.randn(2, 4, 8, 8), torch.tensor([1, 2]), encoder_hidden_states=text)
-    assert all(g._kept is None for g in groups.values())
+    assert all(g.kept is None for g in groups.values())
     assert sibling_calls.count(2) == 2 * len(groups) * 2
 
 
@@ -134,7 +134,7 @@ def test_a_mode_change_turning_dropout_on_is_not_answered_from_the_kept_outputs(
         unet.train()   # dropout on: the layers must run PEFT's way, not hand back the eval-mode outputs
         unet(sample, t, encoder_hidden_states=text)
     assert kept_calls == len(cross_groups(unet)) and sibling_calls.count(2) == kept_calls
-    assert all(g._kept is None for g in cross_groups(unet).values())
+    assert all(g.kept is None for g in cross_groups(unet).values())
 
 
 @pytest.mark.parametrize("keep", [True, False], ids=["kept_under_compile", "compiled_into_the_graph"])
@@ -174,9 +174,9 @@ def test_compiled_denoiser_keeps_cross_attention_kv_without_a_graph_break(siblin
     assert len(kept_ops) == (2 * len(groups) if keep else 0)
     if keep:   # one fused call per group, on the first call; the others answered from what it kept
         assert sibling_calls == [2] * len(groups)
-        assert all(g._kept is not None for g in groups.values())
+        assert all(g.kept is not None for g in groups.values())
     else:
-        assert sibling_calls == [] and all(g._kept is None for g in groups.values())
+        assert sibling_calls == [] and all(g.kept is None for g in groups.values())
 
 
 def test_blocks_of_one_shape_share_one_compilation_with_kept_cross_attention_kv(sibling_calls):

@@ -126,15 +126,15 @@ def test_siblings_group_what_reads_one_tensor():
     ours, _ = adapted_pair("unet", "triton")
     attentions = [m for m in ours.modules() if type(m).__name__ == "Attention"]
     for attn in attentions:
-        group = attn.to_k._sibling_group
+        group = attn.to_k.sibling_group
         expected = [attn.to_k, attn.to_v] if attn.is_cross_attention else [attn.to_q, attn.to_k, attn.to_v]
         assert group is not None and group.layers == expected
     assert {a.is_cross_attention for a in attentions} == {True, False}
     step(ours, MODELS["unet"][1])
-    assert all(a.to_k._sibling_group.enabled for a in attentions)  # each group saw one tensor: it ran fused
+    assert all(a.to_k.sibling_group.enabled for a in attentions)  # each group saw one tensor: it ran fused
     sd3, _ = adapted_pair("sd3", "triton")
     joint = [m for m in sd3.modules() if type(m).__name__ == "Attention" and hasattr(m, "add_k_proj")]
-    assert joint and all(a.add_k_proj._sibling_group.layers == [a.add_q_proj, a.add_k_proj, a.add_v_proj]
+    assert joint and all(a.add_k_proj.sibling_group.layers == [a.add_q_proj, a.add_k_proj, a.add_v_proj]
                          for a in joint if a.add_q_proj is not None and hasattr(a.add_q_proj, "lora_A"))
 
 

@@ -79,7 +79,7 @@ def _ddp_rank(rank: int, world: int):
 
     counts = _count_fused_calls()   # a forked rank: the patch dies with it
     model = _model()
-    groups = {id(m._sibling_group) for m in model.modules() if isinstance(getattr(m, "_sibling_group", None),
+    groups = {id(m.sibling_group) for m in model.modules() if isinstance(getattr(m, "sibling_group", None),
                                                                         SiblingGroup)}
     ddp = DistributedDataParallel(model)
     share = GLOBAL_BATCH // world

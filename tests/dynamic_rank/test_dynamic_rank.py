@@ -226,7 +226,7 @@ def test_a_deep_copy_draws_with_its_own_seed():
     for step in range(4):
         torch.manual_seed(step)
         twin(input_ids=ids(8, 8)).logits.sum().backward()
-        kept = [m._nested_ids["default"] for m in layers(twin)]
+        kept = [m.nested_ids["default"] for m in layers(twin)]
         assert all(torch.equal(k, kept[0]) for k in kept)
         draws.append(kept[0].clone())
     assert len({tuple(d.tolist()) for d in draws}) > 1

@@ -479,7 +479,7 @@ def test_state_is_one_stacked_module_found_by_the_callback():
     assert hooks == [state] and state.amax.shape == (14, 2) and state.amax_history.shape == (1024, 14, 2)
     assert "sits_fp8" not in str(list(model.state_dict()))  # not saved with the model
     q = model.base_model.model.model.layers[0].self_attn.q_proj
-    assert q._sibling_group is not None and q._sibling_group._plan(torch.randn(2, 64)) is None
+    assert q.sibling_group is not None and q.sibling_group._plan(torch.randn(2, 64)) is None
 
 
 def test_training_runs_and_first_step_uses_current_scaling():

@@ -564,7 +564,7 @@ def test_probe_calls_sibling_layers_together_and_leaves_their_group_as_it_was():
 
     group = RecordingGroup([attn.q_proj, attn.k_proj, attn.v_proj])
     for layer in group.layers:
-        layer._sibling_group = group
+        layer.sibling_group = group
     plan_memory(model, 2, 64)
     assert group.enabled is True and group._pending == {}
     probe_calls = [c for c in calls if c[1].shape[1] in (16, 32)]
@@ -582,7 +582,7 @@ def test_activation_watch_keeps_the_fused_path():
     watch.attach(model)
     layers = [m for m in model.modules() if isinstance(m, sits_lora.SitsLoraLinear)]
     assert layers and all(not m.base_layer._forward_hooks and m._forward_hooks for m in layers)
-    assert all(m._fused_adapter((), {}) is not None for m in layers)
+    assert all(m.fused_adapter((), {}) is not None for m in layers)
     watch.detach()
     # what stays is the model's own: the norms' hooks of sits_lora.activations (recompute_lora_inputs)
     assert all(h is remember_norm_io for m in model.modules() for h in m._forward_hooks.values())

@@ -1,5 +1,6 @@
 """The package's import graph: no cycles (function-local imports included), no private name imported from
-another module, and the layers depend downwards only (utils <- ops <- bases <- layers and features <- tooling)."""
+another module, no private attribute of the package's own objects read or written from another module, and the
+layers depend downwards only (utils <- ops <- bases <- layers and features <- tooling)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,11 @@ DEFERRED_IMPORTS = {
     "sits_lora.training.trainer": "the dynamic-rank callback loads only for a dynamic-rank adapter",
 }
 ENTRY_POINTS = ("sits_lora.__main__",)  # ``python -m sits_lora`` is the command line
+# private attributes that are another library's, which the package sets in one module and reads in another
+FOREIGN_PRIVATE_ATTRIBUTES = {
+    "_gradient_checkpointing_func": "transformers' own: the function its layers checkpoint with, which the "
+                                    "offload replaces and the selective checkpointing calls",
+}
 
 
 def _modules() -> dict[str, str]:
@@ -150,6 +156,53 @@ def test_function_local_imports_only_defer_a_dependency():
     assert unexplained == []
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_attribute_crossings(modules: dict[str, str]) -> list[str]:
+    """Uses of ``obj._name`` (or getattr / hasattr / setattr with "_name") in a module other than the ones that define
+    ``_name`` (assign it to an object, or hold it as a class attribute or a method), other than on self or cls."""
+    trees = {module: ast.parse(open(path).read()) for module, path in modules.items()}
+    defined: dict[str, set] = {}
+    for module, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    # on self, or state a module attaches to another object (a layer): the writer owns it
+                    if isinstance(target, ast.Attribute) and _private(target.attr):
+                        defined.setdefault(target.attr, set()).add(module)
+            elif isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    names = ([item.name] if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) else
+                             [t.id for t in getattr(item, "targets", [getattr(item, "target", None)])
+                              if isinstance(t, ast.Name)])
+                    for name in names:
+                        if _private(name):
+                            defined.setdefault(name, set()).add(module)
+    crossings = []
+    for module, tree in trees.items():
+        for node in ast.walk(tree):
+            name = None
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    name = node.attr
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) >= 2
+                  and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+                  and _private(node.args[1].value)):
+                name = node.args[1].value
+            if name in defined and module not in defined[name] and name not in FOREIGN_PRIVATE_ATTRIBUTES:
+                crossings.append(f"{module}:{node.lineno} uses {name} of {sorted(defined[name])}")
+    return crossings
+
+
+def test_no_private_attribute_is_used_across_modules():
+    """A module's private state stays its own: another module goes through a public name (an attribute set by the
+    injection pass, a property, a method), so that a reader finds every user of the state by its name."""
+    assert _private_attribute_crossings(_modules()) == []
+
+
 def test_the_checker_sees_a_cycle_and_a_private_import(tmp_path):
     """The two checks above are not vacuous: a planted cycle and a planted private import are found."""
     modules = {"sits_lora.a": str(tmp_path / "a.py"), "sits_lora.b": str(tmp_path / "b.py")}
@@ -159,6 +212,16 @@ def test_the_checker_sees_a_cycle_and_a_private_import(tmp_path):
     assert _cycles(modules, edges) == [["sits_lora.a", "sits_lora.b"]]
     assert ("sits_lora.a", "sits_lora.b", "_helper") in edges
     assert _imports(modules, local_only=True) == [("sits_lora.a", "sits_lora.b", "_helper")]
+
+
+def test_the_checker_sees_a_private_attribute_used_from_another_module(tmp_path):
+    modules = {"sits_lora.a": str(tmp_path / "a.py"), "sits_lora.b": str(tmp_path / "b.py")}
+    (tmp_path / "a.py").write_text("class Group:\n    def __init__(self):\n        self._kept = None\n"
+                                   "    def _plan(self):\n        return self._kept\n")
+    (tmp_path / "b.py").write_text("def f(group, layer):\n    layer._own = 1\n    return group._kept, "
+                                   "getattr(group, '_plan', None), group._unknown_elsewhere\n")
+    assert _private_attribute_crossings(modules) == ["sits_lora.b:3 uses _kept of ['sits_lora.a']",
+                                                     "sits_lora.b:3 uses _plan of ['sits_lora.a']"]
 
 
 def test_the_top_level_api_is_the_users():

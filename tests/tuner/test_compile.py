@@ -94,7 +94,7 @@ def test_dynamic_rank_compiles_without_breaks_and_keeps_its_statistics(scheduler
     compiled = torch.compile(model, backend="eager", fullgraph=True)
     for run in (model, compiled):
         for _, layer in dynamic_rank_layers(model):
-            layer._nested_ids.clear()
+            layer.nested_ids.clear()
         if budget is not None:
             budget.read_stats(reset=True)
         run(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
@@ -102,6 +102,6 @@ def test_dynamic_rank_compiles_without_breaks_and_keeps_its_statistics(scheduler
             stats = budget.read_stats(reset=True)
             assert stats["token_layer_pairs"] == 23 * len(dynamic_rank_layers(model)), (run is compiled, stats)
         if scheduler == "static":
-            drawn = [layer._nested_ids["default"].view(3, 9) for _, layer in dynamic_rank_layers(model)]
+            drawn = [layer.nested_ids["default"].view(3, 9) for _, layer in dynamic_rank_layers(model)]
             assert all(torch.equal(d, drawn[0]) for d in drawn)             # one draw shared by every layer
             assert torch.equal(drawn[0], drawn[0][:, :1].expand(3, 9))       # one bucket per sequence

@@ -48,11 +48,11 @@ def test_groups_are_assigned_by_name():
     model = _model(True)
     attn = model.base_model.model.model.layers[0].self_attn
     mlp = model.base_model.model.model.layers[0].mlp
-    assert isinstance(attn.q_proj._sibling_group, SiblingGroup)
-    assert attn.q_proj._sibling_group is attn.k_proj._sibling_group is attn.v_proj._sibling_group
-    assert mlp.gate_proj._sibling_group is mlp.up_proj._sibling_group
-    assert attn.o_proj._sibling_group is None and mlp.down_proj._sibling_group is None
-    assert _model(False).base_model.model.model.layers[0].self_attn.q_proj._sibling_group is None
+    assert isinstance(attn.q_proj.sibling_group, SiblingGroup)
+    assert attn.q_proj.sibling_group is attn.k_proj.sibling_group is attn.v_proj.sibling_group
+    assert mlp.gate_proj.sibling_group is mlp.up_proj.sibling_group
+    assert attn.o_proj.sibling_group is None and mlp.down_proj.sibling_group is None
+    assert _model(False).base_model.model.model.layers[0].self_attn.q_proj.sibling_group is None
 
 
 def test_x_saved_once_for_a_group():
@@ -77,7 +77,7 @@ def test_sibling_called_with_another_input_falls_back_correctly():
     out_p = [a_p.q_proj(x1), a_p.k_proj(x2), a_p.v_proj(x2)]
     for f, p in zip(out_f, out_p):
         assert rel_err(f, p) < 1e-6
-    assert a_f.q_proj._sibling_group.enabled is False
+    assert a_f.q_proj.sibling_group.enabled is False
 
 
 def test_dropout_and_reference_kernel_skip_fusion(monkeypatch):

@@ -73,7 +73,7 @@ def input_recompute_report(model: nn.Module) -> list[dict]:
         if recompute is None:
             continue
         source, via = recompute, None
-        group = getattr(module, "_sibling_group", None)
+        group = getattr(module, "sibling_group", None)
         if recompute.calls == 0 and group is not None:
             ran = [vars(m).get("input_recompute") for m in group.layers]
             ran = [r for r in ran if r is not None and r.calls]

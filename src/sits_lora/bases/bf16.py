@@ -59,8 +59,8 @@ class Bf16Base:
         out = self._decode_forward(layer, adapter, x)
         if out is not None:
             return out
-        if layer._sibling_group is not None:
-            out = layer._sibling_group.forward(layer, x)
+        if layer.sibling_group is not None:
+            out = layer.sibling_group.forward(layer, x)
             if out is not None:
                 return out
         base = layer.base_layer
@@ -89,7 +89,7 @@ class Bf16Base:
         what it kept costs nothing): the group's own path runs."""
         if not ops.decode_call(x, layer.in_features):
             return None
-        group = layer._sibling_group
+        group = layer.sibling_group
         if group is not None:
             if group.reuse_across_calls:
                 return None

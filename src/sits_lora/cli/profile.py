@@ -175,7 +175,7 @@ class _Recorder:
         if known is not None and known[0]() is x:
             self.backward_end.setdefault(key, []).append(known[1])
             return None
-        if getattr(module, "_sibling_group", None) is not None:
+        if getattr(module, "sibling_group", None) is not None:
             return None  # a new tensor here would split the siblings' shared input; a parent marks it
         slot: list = []
         marked = _Mark.apply(x, lambda slot=slot: slot.append(self.clock.stamp()))

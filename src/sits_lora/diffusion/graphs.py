@@ -160,14 +160,14 @@ class DenoiserGraphs:
             with capture_or_undo(graph):
                 static_output = self._eager_forward(*static_args, **static_kwargs)
             recording = _Recording(graph, static_inputs, static_output)
-            kept = [group._kept for group in groups]
+            kept = [group.kept for group in groups]
             if any(k is not None for k in kept):
                 kept_graph = torch.cuda.CUDAGraph()
                 with capture_or_undo(kept_graph, pool=graph.pool()):
                     kept_output = self._eager_forward(*static_args, **static_kwargs)
                 # a group that gave its kept outputs back still holds the same record; one that computed again
                 # (its input was not the text states themselves) made a new one, inside this recording
-                read = [k for group, k in zip(groups, kept) if k is not None and group._kept is k]
+                read = [k for group, k in zip(groups, kept) if k is not None and group.kept is k]
                 if read:
                     recording.add_kept(kept_graph, kept_output, read)
         finally:

@@ -39,7 +39,7 @@ def cross_attention_groups(model: nn.Module) -> list:
         if getattr(parent, "is_cross_attention", False) is not True:
             continue
         for name in CROSS_ATTENTION_NAMES:
-            group = getattr(getattr(parent, name, None), "_sibling_group", None)
+            group = getattr(getattr(parent, name, None), "sibling_group", None)
             if group is not None:
                 groups[id(group)] = group
     return list(groups.values())

@@ -109,5 +109,5 @@ def attach_forward_draw(model: nn.Module) -> None:
         setattr(model, _HOOKS_ATTR, (model.register_forward_pre_hook(enter),
                                      model.register_forward_hook(leave, always_call=True)))
     for module in model.modules():
-        if hasattr(module, "_nested_ids"):  # a layer holding a dynamic-rank adapter
+        if hasattr(module, "nested_ids"):  # a layer holding a dynamic-rank adapter
             setattr(module, _SEED_ATTR, seed)

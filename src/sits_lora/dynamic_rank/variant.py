@@ -148,7 +148,7 @@ class DynamicRankVariant(SitsLoraVariant):
             # per adapter, the last training forward's (valid-token mask, counted at recompute): _token_accounting
             module._forward_tokens = {}
             # per adapter, a nested adapter's shared bucket draw of the last training forward (for its recompute)
-            module._nested_ids = {}
+            module.nested_ids = {}
             module.rank_budget_attached = False
             module.lora_router = nn.ModuleDict()
             module.lora_entropy_probe = nn.ModuleDict()
@@ -159,7 +159,7 @@ class DynamicRankVariant(SitsLoraVariant):
         module.rank_spec[adapter_name] = spec
         module.rank_lambda[adapter_name] = 0.0
         module._forward_tokens.pop(adapter_name, None)
-        module._nested_ids.pop(adapter_name, None)
+        module.nested_ids.pop(adapter_name, None)
         device = module.get_base_layer().weight.device
         # allocated here and zeroed in place by rank_counts(reset=True), never replaced in a forward: under
         # torch.compile an in-place add to an existing tensor is traced, a tensor stored from the graph was lost
@@ -294,7 +294,7 @@ class DynamicRankVariant(SitsLoraVariant):
             del module.lora_entropy_probe[adapter_name]
         module._rank_counts.pop(adapter_name, None)
         module._forward_tokens.pop(adapter_name, None)
-        module._nested_ids.pop(adapter_name, None)
+        module.nested_ids.pop(adapter_name, None)
 
     @staticmethod
     def follow_layer(module: nn.Module, adapter_name: str) -> None:
@@ -361,14 +361,14 @@ class DynamicRankVariant(SitsLoraVariant):
     def _nested_bucket_ids(module: nn.Module, adapter_name: str, leading_shape: tuple, k: int,
                            device: torch.device) -> Tensor:
         if _recomputing():
-            kept = module._nested_ids.get(adapter_name)
+            kept = module.nested_ids.get(adapter_name)
             if kept is not None and kept.numel() == math.prod(leading_shape):
                 return kept  # the shared draw of its forward (a layer's own draw replays from the restored RNG)
         ids, shared = forward_bucket_ids(leading_shape, k, device, layer_draw_seed(module))
         if shared and module.training:
-            module._nested_ids[adapter_name] = ids
+            module.nested_ids[adapter_name] = ids
         else:
-            module._nested_ids.pop(adapter_name, None)
+            module.nested_ids.pop(adapter_name, None)
         return ids
 
     @staticmethod

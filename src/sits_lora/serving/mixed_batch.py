@@ -119,7 +119,7 @@ def _route(layer, x: torch.Tensor, adapter_names: list) -> Optional[tuple]:
 def _decode_siblings(layer, x: torch.Tensor, adapter_names: list, route: tuple) -> Optional[torch.Tensor]:
     """layer's output of a mixed decode step with its sibling group's (q / k / v, gate / up) from one kernel
     (``ops.lora_linear_decode_mixed_siblings``), or None when a sibling cannot share it."""
-    group = layer._sibling_group
+    group = layer.sibling_group
     if group is None or group.reuse_across_calls or not group.enabled or torch.compiler.is_compiling():
         return None
     tag = tuple(adapter_names)
@@ -142,7 +142,7 @@ def mixed_batch_forward(layer, x: torch.Tensor, adapter_names: list) -> Optional
     """The layer's output for samples x[b] taking adapter ``adapter_names[b]`` ("__base__": none), or None when
     PEFT's loop must run it (module docstring). A decode step runs the layer's sibling group (q / k / v, gate / up)
     as one kernel where every sibling can take it."""
-    group = layer._sibling_group
+    group = layer.sibling_group
     if group is not None and group.enabled and not group.reuse_across_calls:
         out = group.handed_over(layer, x, tuple(adapter_names))   # a sibling's call computed it: nothing to route
         if out is not None:

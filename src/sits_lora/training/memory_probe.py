@@ -36,7 +36,7 @@ def autocast_available(device_type: str) -> bool:
 
 def _sibling_layers(module: nn.Module) -> list[nn.Module]:
     """The layers that run together with ``module`` (sits_lora's sibling fusion), or just ``module``."""
-    group = getattr(module, "_sibling_group", None)
+    group = getattr(module, "sibling_group", None)
     layers = list(getattr(group, "layers", None) or [])
     return layers if module in layers else [module]
 
@@ -54,7 +54,7 @@ def probe_layer(module: nn.Module, input_dtype: torch.dtype, autocast_dtype: Opt
     autocast the layer gets fp32, so sits_lora runs its reference path and each of q / k / v makes its
     own bf16 copy of the input; a probe fed bf16 would show neither."""
     layers = _sibling_layers(module)
-    group = getattr(module, "_sibling_group", None) if len(layers) > 1 else None
+    group = getattr(module, "sibling_group", None) if len(layers) > 1 else None
     group_state = _snapshot(group) if group is not None else None  # the probe must leave the group as it was
     # and the running amax an fp8 base records in training mode (the model's fp8 scaling state)
     states = {id(s): s for s in (getattr(getattr(layer, "frozen_base", None), "state", None) for layer in layers)
