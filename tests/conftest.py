@@ -15,6 +15,22 @@ from torch import nn
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _share_the_cores_among_workers() -> None:
+    """Under pytest-xdist each worker gets its share of the cores, for its own ops and the processes it starts
+    (notebook kernels, ranks, recipes). Every worker's thread pool sized to all the cores makes OpenMP threads of
+    several processes contend for each core: tests that take seconds alone then took minutes in the whole suite.
+    A thread count the caller set is kept."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers < 2 or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+_share_the_cores_among_workers()
+
 import sits_lora  # noqa: E402,F401  (registers SITS_LORA with PEFT)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
