@@ -125,12 +125,15 @@ def write_plugins(out: str) -> str:
     return folder
 
 
-def pytest_command(mode: str, files: list[str], keyword: str, junit: str | None) -> list[str]:
-    command = [sys.executable, "-m", "pytest", *[os.path.join("tests", f) for f in files], "-q", "-p",
-               "no:cacheprovider", "-o", "addopts=", "-W", "ignore::DeprecationWarning"]
+def pytest_command(mode: str, files: list[str], keyword: str, junit: str | None,
+                   node_ids: list[str] | None = None) -> list[str]:
+    """The pytest command of one mode: the files with the keyword, or only the tests ``node_ids`` names."""
+    targets = node_ids if node_ids is not None else [os.path.join("tests", f) for f in files]
+    command = [sys.executable, "-m", "pytest", *targets, "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-W",
+               "ignore::DeprecationWarning"]
     for plugin in MODE_PLUGINS[mode]:
         command += ["-p", plugin]
-    if keyword:
+    if keyword and node_ids is None:
         command += ["-k", keyword]
     if junit:
         command += ["--junitxml", junit]
@@ -178,9 +181,10 @@ def read_junit(path: str) -> dict[str, tuple[str, str]]:
     return outcomes
 
 
-def run_mode(mode: str, source: str, files: list[str], keyword: str, env: dict, out: str) -> dict:
+def run_mode(mode: str, source: str, files: list[str], keyword: str, env: dict, out: str,
+             node_ids: list[str] | None = None) -> dict:
     junit = os.path.join(out, f"junit_{mode}.xml")
-    command = pytest_command(mode, files, keyword, junit)
+    command = pytest_command(mode, files, keyword, junit, node_ids)
     started = time.perf_counter()
     with open(os.path.join(out, f"{mode}.log"), "w") as log:
         process = subprocess.Popen(command, cwd=source, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -200,6 +204,26 @@ def plain_id(test_id: str) -> str:
     """The id the same test has under plain PEFT: parametrized ids name the config class (SitsLoraConfig, or
     'SitsLora' in names made from it)."""
     return test_id.replace("SitsLora", "Lora")
+
+
+def node_id(test_id: str, source: str) -> str:
+    """pytest's node id of a JUnit test id ("tests.test_file.TestClass::test_name[params]" ->
+    "tests/test_file.py::TestClass::test_name[params]"): the longest dotted prefix that is a file of the source."""
+    dotted, name = test_id.split("::", 1)
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        path = "/".join(parts[:cut]) + ".py"
+        if os.path.isfile(os.path.join(source, path)):
+            return "::".join([path, *parts[cut:], name])
+    return "::".join(["/".join(parts) + ".py", name])
+
+
+def failed_elsewhere(results: dict, source: str) -> list[str]:
+    """Node ids, as plain PEFT names them, of the tests that failed under import or swap: the only plain outcomes
+    a difference can depend on."""
+    failed = {plain_id(test_id) for mode in ("import", "swap") if mode in results
+              for test_id, (outcome, _) in results[mode]["outcomes"].items() if outcome in ("failed", "error")}
+    return sorted(node_id(test_id, source) for test_id in failed)
 
 
 def differences(results: dict) -> list[dict]:
@@ -243,7 +267,8 @@ def draw(path: str, summary: dict) -> None:
                 if tally[outcome] > 0.06 * total:  # a number only where it fits; every count is in the row's label
                     ax.text(left + tally[outcome] / 2, row, str(tally[outcome]), ha="center", va="center", fontsize=8)
                 left += tally[outcome]
-            labels.append(f"{mode}\n" + ", ".join(f"{tally[o]} {o}" for o in colours if tally[o]))
+            name = "plain (those failing elsewhere)" if mode == "plain" and summary.get("plain") == "failures" else mode
+            labels.append(f"{name}\n" + ", ".join(f"{tally[o]} {o}" for o in colours if tally[o]))
         ax.set_yticks(range(len(modes)), labels, fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel("tests")
@@ -264,11 +289,16 @@ def main(argv=None) -> int:
     parser.add_argument("-k", dest="keyword", default="LoRA", help="pytest -k expression (default: LoRA; '' for all)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
                         help="plain is always run: the others are compared with it")
+    parser.add_argument("--plain", choices=("all", "failures"), default="all",
+                        help="all: run every selected test as PEFT ships it (its counts are the baseline the plot "
+                             "shows); failures: run plain last, only on the tests that failed under import or swap "
+                             "(a third of the time; the same differences)")
     parser.add_argument("--peft-src", help="an unpacked PEFT source tree with tests/ (default: download the sdist "
                                            "of the installed version)")
     args = parser.parse_args(argv)
     out = os.path.abspath(args.out)
-    modes = ["plain"] + [m for m in args.modes if m != "plain"]
+    others = [m for m in args.modes if m != "plain"]
+    modes = others + ["plain"] if args.plain == "failures" else ["plain"] + others
     try:
         if os.path.exists(out) and not os.path.isdir(out):
             raise SuiteError(f"--out {args.out}: a file of that name exists; give a folder")
@@ -280,7 +310,11 @@ def main(argv=None) -> int:
               f"{', '.join(modes)}", flush=True)
         results = {}
         for mode in modes:
-            results[mode] = run_mode(mode, source, args.files, args.keyword, env, out)
+            rerun = failed_elsewhere(results, source) if mode == "plain" and args.plain == "failures" else None
+            if rerun == []:  # nothing failed: no plain outcome can matter
+                results[mode] = {"command": "(nothing to run)", "exit_code": 0, "seconds": 0.0, "outcomes": {}}
+                continue
+            results[mode] = run_mode(mode, source, args.files, args.keyword, env, out, rerun)
             print(f"{mode:6} {counts(results[mode]['outcomes'])}  {results[mode]['seconds']:.0f} s", flush=True)
     except SuiteError as error:
         print(f"peft_suite: {error}", file=sys.stderr)
@@ -288,7 +322,8 @@ def main(argv=None) -> int:
     from sits_lora.utils.env import environment
 
     found = differences(results)
-    summary = {"environment": environment(), "files": args.files, "keyword": args.keyword, "peft_source": source,
+    summary = {"environment": environment(), "files": args.files, "keyword": args.keyword, "plain": args.plain,
+               "peft_source": source,
                "modes": {m: {"command": r["command"], "exit_code": r["exit_code"], "seconds": r["seconds"],
                              "counts": counts(r["outcomes"])} for m, r in results.items()},
                "differences": found, "known_differences": KNOWN_DIFFERENCES}

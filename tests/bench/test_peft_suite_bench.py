@@ -74,10 +74,23 @@ def test_known_differences_are_excused_with_their_reason(tmp_path, monkeypatch):
                                                           r"::test_peft_types_are_peft_own$": "registered type"})
     source, out = _fake_source(tmp_path), tmp_path / "out"
     assert peft_suite.main(["--out", str(out), "--peft-src", str(source), "--files", "test_fake.py", "-k", "",
-                            "--modes", "swap"]) == 0
+                            "--modes", "swap", "--plain", "failures"]) == 0
     summary = json.loads((out / "peft_suite.json").read_text())
     assert set(summary["modes"]) == {"plain", "swap"}   # plain always runs: the others are read against it
     assert {d["known"] for d in summary["differences"]} == {"on purpose", "registered type"}
+    assert all(d["plain"] == "passed" for d in summary["differences"])
+    # plain ran last and only on what failed under swap: the two differences and the test failing everywhere
+    assert summary["modes"]["plain"]["counts"] == {"passed": 2, "failed": 1, "error": 0, "skipped": 0}
+
+
+def test_junit_ids_become_the_node_ids_pytest_takes(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_custom_models.py").write_text("")
+    junit_id = "tests.test_custom_models.TestPeftCustomModel::test_merge[SitsLora-Conv2d 1]"
+    assert peft_suite.node_id(junit_id, str(tmp_path)) == \
+        "tests/test_custom_models.py::TestPeftCustomModel::test_merge[SitsLora-Conv2d 1]"
+    assert peft_suite.node_id("tests.test_custom_models::test_plain", str(tmp_path)) == \
+        "tests/test_custom_models.py::test_plain"
 
 
 def test_missing_test_dependency_and_wrong_file_are_refused_first(tmp_path, capsys):
