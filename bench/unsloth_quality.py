@@ -116,6 +116,8 @@ def worker(arm: str, size: str, seed: int, lr: float) -> dict:
 
 
 def run_one(arm: str, size: str, seed: int, lr: float, timeout_s: float) -> dict:
+    if arm == "unsloth" and not torch.cuda.is_available():   # the worker's own refusal, without starting it
+        return {"arm": arm, "seed": seed, "error": f"arm {arm}: skipped: Unsloth runs on a CUDA GPU only"}
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", arm, "--size", size, "--seed", str(seed),
            "--lr", str(lr)]
     try:

@@ -29,30 +29,22 @@ def test_smoke_run_measures_one_process_and_both_strategies(tmp_path):
 
 
 @pytest.mark.slow
-def test_world_one_runs_each_wrapper_on_a_process_group_of_one_rank(tmp_path):
-    """--world 1 (a machine with one GPU): each strategy's wrapper over one rank, against the unwrapped process."""
+def test_wrappers_on_one_rank_and_the_fp8_base_train_as_one_process_does(tmp_path):
+    """--world 1 (a machine with one GPU): each strategy's wrapper over a process group of one rank, against the
+    unwrapped process; "ddp+static" (DDP with static_graph and gradient_as_bucket_view) changes no arithmetic either.
+    --arm sits+fp8 (emulated on the CPU) advances the fp8 scales each step on every run; on 2 ranks every rank takes
+    the same scales, so its first loss is the one process's."""
     bench = bench_module("multi_gpu")
-    assert bench.main(["--smoke", "--world", "1", "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "multi_gpu.json").read_text())["rows"]
-    assert [(r["strategy"], r["processes"]) for r in rows] == [("one process", 1), ("ddp", 1), ("fsdp2", 1)]
-    one, ddp, fsdp2 = rows
-    for row in (ddp, fsdp2):   # one rank, the same batch: the wrappers change no arithmetic
+    assert bench.main(["--smoke", "--world", "1", "--settings", "tiny:ddp", "tiny:fsdp2", "tiny:ddp+static",
+                       "--out", str(tmp_path / "static")]) == 0
+    rows = json.loads((tmp_path / "static" / "multi_gpu.json").read_text())["rows"]
+    assert [(r["strategy"], r["processes"]) for r in rows] == [("one process", 1), ("ddp", 1), ("fsdp2", 1),
+                                                               ("ddp+static", 1)]
+    one, ddp, fsdp2, static = rows
+    for row in (ddp, fsdp2, static):   # one rank, the same batch: the wrappers change no arithmetic
         assert row["loss_first"] == pytest.approx(one["loss_first"], rel=1e-6)
         assert row["loss_last"] == pytest.approx(one["loss_last"], rel=1e-4)
         assert row["scaling_efficiency"] == pytest.approx(row["tokens_per_s"] / one["tokens_per_s"])
-
-
-@pytest.mark.slow
-def test_ddp_static_and_the_fp8_base_train_as_plain_ddp_and_one_process_do(tmp_path):
-    """"ddp+static" (DDP with static_graph and gradient_as_bucket_view) changes no arithmetic: on one rank its losses
-    are plain DDP's and the unwrapped process's. --arm sits+fp8 (emulated on the CPU) advances the fp8 scales each
-    step on every run; on 2 ranks every rank takes the same scales, so its first loss is the one process's."""
-    bench = bench_module("multi_gpu")
-    assert bench.main(["--smoke", "--world", "1", "--settings", "tiny:ddp", "tiny:ddp+static",
-                       "--out", str(tmp_path / "static")]) == 0
-    one, ddp, static = json.loads((tmp_path / "static" / "multi_gpu.json").read_text())["rows"]
-    assert (ddp["strategy"], static["strategy"]) == ("ddp", "ddp+static")
-    assert static["loss_first"] == pytest.approx(one["loss_first"], rel=1e-6)
     assert static["loss_last"] == pytest.approx(ddp["loss_last"], rel=1e-6)
     assert bench.main(["--smoke", "--arm", "sits+fp8", "--steps", "3", "--settings", "tiny:ddp", "tiny:fsdp2",
                        "--out", str(tmp_path / "fp8")]) == 0

@@ -10,6 +10,8 @@ import datetime
 import os
 import platform
 import subprocess
+import sys
+from importlib import metadata
 from typing import Optional
 
 import torch
@@ -19,10 +21,16 @@ from .. import __version__
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # src/sits_lora
 
 
-def _version(module: str) -> Optional[str]:
+def _version(distribution: str) -> Optional[str]:
+    """The installed version, read from the package's metadata: importing peft or transformers to ask would
+    cost seconds in a process that does not otherwise load them. A module already imported answers itself (a
+    build installed under another distribution name, such as pytorch-triton, included)."""
+    loaded = sys.modules.get(distribution)
+    if loaded is not None and getattr(loaded, "__version__", None):
+        return loaded.__version__
     try:
-        return __import__(module).__version__
-    except ImportError:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
         return None
 
 
