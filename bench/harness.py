@@ -4,6 +4,11 @@ Timing: medians from ``sits_lora.utils.timing`` (on a GPU ``triton.testing.do_be
 warm-up first, many repeats), for forward, backward and full (forward + backward); peak memory from
 the CUDA allocator. Results: rows of dicts written as JSON and CSV with the GPU name, versions and
 git revision, so a number in the README can always be traced to a file and the command that made it.
+
+Every script's rows also go, appended, to one file of one schema in the output folder, ``results.jsonl``
+(``RESULTS_SCHEMA``): a line per row with the script and its suite, the machine, the versions, the revision
+and the row's host share, so runs of several scripts, machines and revisions read as one table
+(``python -m bench tools report OUT/results.jsonl``).
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import contextlib
 import csv
 import json
 import os
+import sys
+import uuid
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -20,6 +27,11 @@ from sits_lora.utils.timing import median_seconds
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+RESULTS_LOG = "results.jsonl"
+RESULTS_SCHEMA = 1
+MACHINE_KEYS = ("gpu", "cpu", "cpu_cores")
+RUN_ID = uuid.uuid4().hex[:12]   # one process's lines in results.jsonl
+VERSION_KEYS = ("torch", "cuda", "hip", "triton", "transformers", "peft", "sits_lora", "python")
 
 
 def environment() -> dict:
@@ -79,8 +91,83 @@ def peak_memory_gib(fn: Callable[[], object]) -> Optional[float]:
     return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
+def host_share(row: dict) -> Optional[float]:
+    """The host's time to issue the step over the step's time (each the median of the repeats): near 1, the arm
+    waits on its host, not its GPU, and its ratios follow the host's speed. None where the host was not timed."""
+    host, step = row.get("host_s"), row.get("step_s")
+    return host / step if host and step else None
+
+
+def suite_of(script: str) -> Optional[str]:
+    """The suite ``python -m bench`` lists the script under (bench/suites.py), or None."""
+    if HERE not in sys.path:   # harness is loaded by path in the tests, beside the scripts that add bench/
+        sys.path.insert(0, HERE)
+    from suites import SUITES
+
+    return next((suite for suite, scripts in SUITES.items() if script in scripts), None)
+
+
+def log_rows(script: str, result: str, rows: list[dict], out_dir: str, env: dict) -> str:
+    """Put ``rows`` in <out_dir>/results.jsonl, one line each in the one schema every script shares; return the
+    path. Lines of other runs (scripts, machines, revisions) stay; this process's earlier lines for ``result`` are
+    replaced, so a script that rewrites its results as rows come in (progress kept on interruption) leaves its
+    latest rows once. A lock on the folder orders processes writing to it."""
+    import fcntl
+
+    path = os.path.join(out_dir, RESULTS_LOG)
+    stamp = {"schema": RESULTS_SCHEMA, "run": RUN_ID, "script": script, "suite": suite_of(script), "result": result,
+             "date": env.get("date"), "revision": env.get("git_revision"),
+             "machine": {k: env.get(k) for k in MACHINE_KEYS}, "versions": {k: env.get(k) for k in VERSION_KEYS}}
+    folder = os.open(out_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        kept = []
+        if os.path.exists(path):
+            with open(path) as f:
+                kept = [text for text in f if text.strip() and not _same_run_and_result(text, result)]
+        fresh = [json.dumps({**stamp, "host_share": host_share(row), "row": row}, default=str) + "\n" for row in rows]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept + fresh)
+        os.replace(path + ".tmp", path)
+    finally:
+        os.close(folder)   # closing the descriptor releases the lock
+    return path
+
+
+def _same_run_and_result(text: str, result: str) -> bool:
+    try:
+        line = json.loads(text)
+    except ValueError:
+        return False
+    return line.get("run") == RUN_ID and line.get("result") == result
+
+
+def read_log(path: str) -> list[dict]:
+    """The lines of a results.jsonl, oldest first; a line of another schema version is refused by name."""
+    lines = []
+    with open(path) as f:
+        for number, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            line = json.loads(text)
+            if line.get("schema") != RESULTS_SCHEMA:
+                raise ValueError(f"{path}:{number}: schema {line.get('schema')!r}, this reader knows "
+                                 f"{RESULTS_SCHEMA}")
+            lines.append(line)
+    return lines
+
+
+def _calling_script() -> str:
+    """The bench script that called write_results (its file, not sys.argv: tests call scripts' main in process)."""
+    frame = sys._getframe(2)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename) == os.path.abspath(__file__):
+        frame = frame.f_back
+    return os.path.splitext(os.path.basename(frame.f_code.co_filename))[0] if frame else "unknown"
+
+
 def write_results(name: str, rows: list[dict], out_dir: str, extra: Optional[dict] = None) -> tuple[str, str]:
-    """Write rows to <out_dir>/<name>.json (with the environment) and <name>.csv; return the paths."""
+    """Write rows to <out_dir>/<name>.json (with the environment) and <name>.csv, and put them in
+    <out_dir>/results.jsonl (``log_rows``); return the JSON and CSV paths."""
     os.makedirs(out_dir, exist_ok=True)
     env = environment()
     json_path = os.path.join(out_dir, f"{name}.json")
@@ -95,6 +182,7 @@ def write_results(name: str, rows: list[dict], out_dir: str, extra: Optional[dic
         writer.writeheader()
         for row in rows:
             writer.writerow({**row, **{k: env[k] for k in ("gpu", "torch", "triton", "git_revision")}})
+    log_rows(_calling_script(), name, rows, out_dir, env)
     return json_path, csv_path
 
 

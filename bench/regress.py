@@ -58,7 +58,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_model import FLOOR_ARMS, add_floor_ratios, run_arm  # noqa: E402
-from harness import environment, png, print_table, write_results  # noqa: E402
+from harness import environment, host_share, png, print_table, write_results  # noqa: E402
 
 DEFAULT_BASELINE = os.path.join(HERE, "baseline", "h200.json")
 SHAPES = {"1b": dict(model="1b", layers=16), "8b": dict(model="8b", layers=4),
@@ -100,13 +100,6 @@ UNSLOTH_NF4 = ("unsloth+nf4", "unsloth+nf4+gc")
 GATED_COMPILE_CONFIGS = ("static", "static, no siblings", "static, fp32 model under bf16 autocast", "fp8 hybrid",
                          "dynamic rank, nested (static)", "dynamic rank, random router")
 TOLERANCE = 1.05
-
-
-def host_share(row: dict) -> Optional[float]:
-    """The host's time to issue the step over the step's time (each the median of the repeats): near 1, the arm
-    waits on its host, not its GPU, and its ratios follow the host's speed."""
-    host, step = row.get("host_s"), row.get("step_s")
-    return host / step if host and step else None
 
 
 def _host_note(rows: list[dict], arm: str) -> str:

@@ -1,0 +1,18 @@
+"""The suites of ``python -m bench``: every script in bench/ under the one thing it measures."""
+
+# suite -> its scripts, the first one the default; grouped by what they measure
+SUITES = {
+    "gate": ["regress"],
+    "step": ["bench_model", "graph_breaks", "profile_host"],
+    "layer": ["bench_layer", "bench_parts", "profile_layer", "profile_rebuild", "bench_dynamic_rank_layer",
+              "decode_kernels", "tune_kernels"],
+    "memory": ["longest_context", "memory_plan", "memory_plan_vs_model"],
+    "quantization": ["bench_int4", "base_quant_quality", "fp8_gemms", "fp8_quality", "fp8_summary", "fp8_conv"],
+    "serving": ["serve"],
+    "diffusion": ["diffusion", "profile_diffusion", "diffusion_graph_breaks"],
+    "quality": ["unsloth_quality", "dynamic_rank_eval", "rank_budget_trace"],
+    "multi-gpu": ["multi_gpu"],
+    "tools": ["report", "peft_suite", "cli_suite", "carry_unsloth"],
+}
+# modules the scripts import, not run on their own
+LIBRARIES = ("harness", "dynamic_rank_harness", "suites")
