@@ -9,7 +9,7 @@ larger than a layer, a target module that matches nothing) run when the adapter 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from peft import LoraConfig
 
@@ -17,81 +17,34 @@ from .dynamic_rank import checks as dynamic_rank_checks
 from .fp8 import checks as fp8_checks
 from .int4 import checks as int4_checks
 from .peft_type import sits_lora_peft_type
+from .utils import validation
 
 KERNEL_CHOICES = ("auto", "triton", "torch")
 
 
-def _require_choice(allowed: tuple[str, ...]) -> Callable[[Any], str | None]:
-    def check(value: Any) -> str | None:
-        if value not in allowed:
-            return f"allowed values are {', '.join(repr(a) for a in allowed)}"
-        return None
-
-    return check
-
-
-def _require_bool(value: Any) -> str | None:
-    if not isinstance(value, bool):
-        return "it must be True or False"
-    return None
-
-
-def _require_positive_int(value: Any) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        return "it must be a positive integer (the LoRA rank), e.g. r=16"
-    return None
-
-
-def _require_number(value: Any) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return "it must be a number, e.g. lora_alpha=32"
-    return None
-
-
-def _require_probability(value: Any) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        return "it must be a probability in [0, 1), e.g. lora_dropout=0.05"
-    return None
-
-
-def _require_pattern_of_positive_ints(value: Any) -> str | None:
+def _pattern_of_ranks(value: Any) -> Optional[str]:
     if not isinstance(value, dict):
         return "it must be a dict mapping a module name or regex to a rank, e.g. {'down_proj': 8}"
     for key, rank in value.items():
-        if _require_positive_int(rank) is not None:
+        if validation.positive_int()(rank) is not None:
             return f"the rank for {key!r} is {rank!r}; every rank must be a positive integer"
     return None
 
 
-# Field name -> check returning None when the value is valid, else what is allowed.
+# Field name -> check (sits_lora.utils.validation: None when the value is valid, else what is allowed).
 # LoraConfig's own fields are listed where PEFT does not already reject a bad value with a clear message.
-_VALIDATORS: dict[str, Callable[[Any], str | None]] = {
-    "r": _require_positive_int,
-    "lora_alpha": _require_number,
-    "lora_dropout": _require_probability,
-    "rank_pattern": _require_pattern_of_positive_ints,
-    "kernel": _require_choice(KERNEL_CHOICES),
-    "fuse_siblings": _require_bool,
-    "recompute_lora_inputs": _require_bool,
-    "bias": _require_choice(("none", "all", "lora_only")),
-    "use_dynamic_rank": dynamic_rank_checks.require_bool,
-    "rank_scheduler": _require_choice(dynamic_rank_checks.RANK_SCHEDULERS),
-    "rank_buckets": dynamic_rank_checks.require_buckets,
-    "target_mean_rank": dynamic_rank_checks.require_optional_positive_number("target_mean_rank=24"),
-    "rank_histogram": dynamic_rank_checks.require_histogram,
-    "router_temperature": dynamic_rank_checks.require_positive_number("router_temperature=1.0"),
-    "rank_budget_step_size": dynamic_rank_checks.require_positive_number("rank_budget_step_size=0.5", allow_none=True),
-    "rank_budget_mode": _require_choice(dynamic_rank_checks.RANK_BUDGET_MODES),
-    "fp8": _require_choice(fp8_checks.FP8_RECIPES),
-    "fp8_amax_history_len": fp8_checks.require_positive_int("fp8_amax_history_len=1024"),
-    "fp8_amax_compute_algo": _require_choice(fp8_checks.AMAX_COMPUTE_ALGOS),
-    "fp8_margin": fp8_checks.require_non_negative_int,
-    "fp8_weight_scale": _require_choice(fp8_checks.WEIGHT_SCALES),
-    "fp8_keep_bf16_weight": _require_bool,
-    "fp8_emulate": _require_bool,
-    "fp8_layers": _require_choice(fp8_checks.FP8_LAYER_CHOICES),
-    "base_quant": _require_choice(int4_checks.BASE_QUANTS),
-    "int4_group_size": int4_checks.require_group_size,
+_VALIDATORS: dict[str, validation.Check] = {
+    "r": validation.positive_int(" (the LoRA rank), e.g. r=16"),
+    "lora_alpha": validation.number(", e.g. lora_alpha=32"),
+    "lora_dropout": validation.probability(", e.g. lora_dropout=0.05"),
+    "rank_pattern": _pattern_of_ranks,
+    "kernel": validation.choice(KERNEL_CHOICES),
+    "fuse_siblings": validation.boolean,
+    "recompute_lora_inputs": validation.boolean,
+    "bias": validation.choice(("none", "all", "lora_only")),
+    **dynamic_rank_checks.FIELD_CHECKS,
+    **fp8_checks.FIELD_CHECKS,
+    **int4_checks.FIELD_CHECKS,
 }
 
 
@@ -329,10 +282,8 @@ class SitsLoraConfig(LoraConfig):
     )
 
     def __post_init__(self) -> None:
-        for name, check in _VALIDATORS.items():
-            problem = check(getattr(self, name))
-            if problem is not None:
-                raise ValueError(f"SitsLoraConfig.{name}={getattr(self, name)!r} is invalid: {problem}.")
+        validation.validate(_VALIDATORS, lambda name: getattr(self, name),
+                            lambda name, value: f"SitsLoraConfig.{name}={value!r}")
         dynamic_rank_checks.check_dynamic_rank_config(self)
         fp8_checks.check_fp8_config(self)
         int4_checks.check_base_quant_config(self)

@@ -721,7 +721,8 @@ def test_bad_dynamic_rank_configs_name_field_value_and_fix(kwargs, needle):
 
 def test_config_loads_the_checks_and_not_the_layers():
     """config.py validates the dynamic-rank fields with sits_lora.dynamic_rank.checks, which imports nothing
-    from sits_lora; the package loads its layers, routers and budget on first use, not with the config."""
+    from sits_lora but the validation helpers (themselves standard library only); the package loads its layers,
+    routers and budget on first use, not with the config."""
     import subprocess
     import sys
 
@@ -730,9 +731,16 @@ def test_config_loads_the_checks_and_not_the_layers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "['sits_lora.dynamic_rank', 'sits_lora.dynamic_rank.checks']"
-    with open(os.path.join(os.path.dirname(sits_lora.__file__), "dynamic_rank", "checks.py")) as f:
-        tree = ast.parse(f.read())
-    assert not [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.level or "sits_lora" in (n.module or ""))]
+    package = os.path.dirname(sits_lora.__file__)
+
+    def own_imports(*path):
+        with open(os.path.join(package, *path)) as f:
+            tree = ast.parse(f.read())
+        return [(n.level, n.module, [a.name for a in n.names]) for n in ast.walk(tree)
+                if isinstance(n, ast.ImportFrom) and (n.level or "sits_lora" in (n.module or ""))]
+
+    assert own_imports("dynamic_rank", "checks.py") == [(2, "utils", ["validation"])]
+    assert own_imports("utils", "validation.py") == []
 
 
 def test_config_defaults_and_derived_values():

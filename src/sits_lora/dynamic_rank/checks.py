@@ -2,14 +2,17 @@
 
 Kept apart from config.py so that the dynamic-rank rules stay in one place; config.py calls
 :func:`check_dynamic_rank_config` from ``__post_init__`` and lists the per-field checks below in its
-validator table. It imports nothing from sits_lora, and the package's ``__init__`` loads its layers on
-first use only, so config.py can import this module without pulling in the layers, ops and Triton.
+table of checks (``FIELD_CHECKS``, in sits_lora.utils.validation's style). It imports nothing from sits_lora but
+that module, and the package's ``__init__`` loads its layers on first use only, so config.py can import this
+module without pulling in the layers, ops and Triton.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any, Optional, Sequence
+
+from ..utils import validation
 
 RANK_SCHEDULERS = ("entropy-gated", "learned", "random", "static")
 RANK_BUDGET_MODES = ("target", "ceiling", "price")
@@ -28,58 +31,39 @@ _HISTOGRAM_SUM_TOLERANCE = 1e-3
 _MEAN_RANK_TOLERANCE = 0.5
 
 
-def _is_number(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-
-
-def require_bool(value: Any) -> Optional[str]:
-    if not isinstance(value, bool):
-        return "it must be True or False"
-    return None
-
-
 def require_buckets(value: Any) -> Optional[str]:
     if value is None:
         return None
     if not isinstance(value, (list, tuple)) or not value:
         return "it must be a non-empty list of ranks, e.g. rank_buckets=[16, 32, 48, 64]"
     for b in value:
-        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+        if not validation.is_int(b) or b < 0:
             return (f"every bucket must be a non-negative integer rank, found {b!r}; e.g. rank_buckets=[16, 32, 48, 64] "
                     f"(a first bucket of 0 lets a token skip the adapter)")
     return None
 
 
-def require_optional_positive_number(example: str):
-    def check(value: Any) -> Optional[str]:
-        if value is None:
-            return None
-        if not _is_number(value) or value <= 0:
-            return f"it must be a positive number or None, e.g. {example}"
-        return None
-
-    return check
-
-
-def require_positive_number(example: str, allow_none: bool = False):
-    def check(value: Any) -> Optional[str]:
-        if value is None and allow_none:
-            return None
-        if not _is_number(value) or value <= 0:
-            return f"it must be a positive number, e.g. {example}"
-        return None
-
-    return check
-
-
 def require_histogram(value: Any) -> Optional[str]:
     if value is None:
         return None
-    if not isinstance(value, (list, tuple)) or not value or not all(_is_number(p) and p >= 0 for p in value):
+    if not isinstance(value, (list, tuple)) or not value or not all(validation.is_number(p) and p >= 0 for p in value):
         return "it must be a list of non-negative fractions, one per bucket, e.g. rank_histogram=[0.4, 0.3, 0.2, 0.1]"
     if abs(sum(value) - 1.0) > _HISTOGRAM_SUM_TOLERANCE:
         return f"its fractions sum to {sum(value):.4f}; they must sum to 1"
     return None
+
+
+# The dynamic-rank fields' checks, for SitsLoraConfig's table (sits_lora.utils.validation).
+FIELD_CHECKS: dict[str, validation.Check] = {
+    "use_dynamic_rank": validation.boolean,
+    "rank_scheduler": validation.choice(RANK_SCHEDULERS),
+    "rank_buckets": require_buckets,
+    "target_mean_rank": validation.positive_number(" or None, e.g. target_mean_rank=24", allow_none=True),
+    "rank_histogram": require_histogram,
+    "router_temperature": validation.positive_number(", e.g. router_temperature=1.0"),
+    "rank_budget_step_size": validation.positive_number(", e.g. rank_budget_step_size=0.5", allow_none=True),
+    "rank_budget_mode": validation.choice(RANK_BUDGET_MODES),
+}
 
 
 def default_buckets(r: int) -> Optional[list[int]]:

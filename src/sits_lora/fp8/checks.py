@@ -1,13 +1,13 @@
 """Validation of the fp8 fields of SitsLoraConfig.
 
 Kept apart from config.py so that the fp8 rules live with the feature: config.py lists the per-field
-checks below in its validator table and calls :func:`check_fp8_config` from ``__post_init__``. This
-module imports nothing from sits_lora and no torch (config.py imports it).
+checks below (``FIELD_CHECKS``) in its table and calls :func:`check_fp8_config` from ``__post_init__``. This
+module imports nothing from sits_lora but sits_lora.utils.validation, and no torch (config.py imports it).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from ..utils import validation
 
 FP8_RECIPES = ("off", "hybrid", "e4m3")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
@@ -28,20 +28,18 @@ FP8_DEFAULTS = {
 SHARED_FIELDS = ("fp8",) + tuple(FP8_DEFAULTS)
 
 
-def require_positive_int(example: str):
-    def check(value: Any) -> Optional[str]:
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            return f"it must be a positive integer, e.g. {example}"
-        return None
-
-    return check
-
-
-def require_non_negative_int(value: Any) -> Optional[str]:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        return ("it must be a non-negative integer: the scale is divided by 2**fp8_margin, e.g. fp8_margin=0 "
-                "(Transformer Engine's default)")
-    return None
+# The fp8 fields' checks, for SitsLoraConfig's table (sits_lora.utils.validation).
+FIELD_CHECKS: dict[str, validation.Check] = {
+    "fp8": validation.choice(FP8_RECIPES),
+    "fp8_amax_history_len": validation.positive_int(", e.g. fp8_amax_history_len=1024"),
+    "fp8_amax_compute_algo": validation.choice(AMAX_COMPUTE_ALGOS),
+    "fp8_margin": validation.non_negative_int(": the scale is divided by 2**fp8_margin, e.g. fp8_margin=0 "
+                                              "(Transformer Engine's default)"),
+    "fp8_weight_scale": validation.choice(WEIGHT_SCALES),
+    "fp8_keep_bf16_weight": validation.boolean,
+    "fp8_emulate": validation.boolean,
+    "fp8_layers": validation.choice(FP8_LAYER_CHOICES),
+}
 
 
 def check_fp8_config(config) -> None:

@@ -1,12 +1,15 @@
 """Validation of the 4-bit base fields of SitsLoraConfig (``base_quant``, ``int4_group_size``).
 
-As ``sits_lora.fp8.checks``: config.py lists the per-field checks in its validator table and calls
-:func:`check_base_quant_config` from ``__post_init__``. Imports nothing from sits_lora and no torch.
+As ``sits_lora.fp8.checks``: config.py lists the per-field checks (``FIELD_CHECKS``) in its table and calls
+:func:`check_base_quant_config` from ``__post_init__``. Imports nothing from sits_lora but
+sits_lora.utils.validation, and no torch.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
+
+from ..utils import validation
 
 BASE_QUANTS = ("off", "int4")
 INT4_DEFAULTS = {"int4_group_size": 128}
@@ -15,10 +18,17 @@ SHARED_FIELDS = ("base_quant",) + tuple(INT4_DEFAULTS)
 
 
 def require_group_size(value: Any) -> Optional[str]:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 32 or value & (value - 1):
+    if not validation.is_int(value) or value < 32 or value & (value - 1):
         return ("it must be a power of two of at least 32 (input features per scale / min pair), e.g. "
                 "int4_group_size=128")
     return None
+
+
+# The 4-bit base fields' checks, for SitsLoraConfig's table (sits_lora.utils.validation).
+FIELD_CHECKS: dict[str, validation.Check] = {
+    "base_quant": validation.choice(BASE_QUANTS),
+    "int4_group_size": require_group_size,
+}
 
 
 def check_base_quant_config(config) -> None:

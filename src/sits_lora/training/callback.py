@@ -40,6 +40,7 @@ from .alternatives import memory_alternatives
 from .hardware import HardwareReport, probe_hardware
 from ..activations.offload import offloads_checkpoints
 from ..utils.model_structure import checkpointed_layers, decoder_layers, text_config, unwrap_model
+from ..utils import validation
 from ..utils.units import GIB
 from .memory import MemoryPlan, UnsupportedModelError, plan_memory
 from .run_shape import batch_bytes, infer_seq_len, optimizer_kind, weight_bytes
@@ -56,12 +57,17 @@ StepHook = Callable[[int, bool], None]
 _PCIE_RECHECK_STEP = 3
 
 
-def _positive_number(name: str, value, example: str, allow_none: bool = False):
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value != value:
-        raise ValueError(f"SitsHardwareCallback({name}={value!r}) is invalid: it must be a positive number, "
-                         f"e.g. {name}={example}" + (", or None" if allow_none else "") + ".")
+# The arguments' checks (sits_lora.utils.validation), run before anything else in __init__.
+_ARGUMENT_CHECKS: dict[str, validation.Check] = {
+    "nan_policy": validation.choice(NAN_POLICIES),
+    "nan_clamp_value": validation.positive_number(", e.g. nan_clamp_value=1.0"),
+    "detect_nonfinite_activations": validation.boolean,
+    "max_consecutive_nonfinite": validation.positive_int(", e.g. 10, or None to never stop", allow_none=True),
+    "rank_share": validation.fraction(", e.g. rank_share=0.1 for 10 % of a layer's time"),
+    "memory_budget_gib": validation.positive_number(", e.g. memory_budget_gib=70, or None", allow_none=True),
+    "seq_len": validation.positive_int(" (tokens per sequence), or None to read it from the dataset",
+                                       allow_none=True),
+}
 
 
 class SitsHardwareCallback(TrainerCallback, ExportableState):
@@ -131,24 +137,11 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
         hardware_cache_dir: Optional[str] = None,
     ):
         self.policies = resolve_policies(policy)
-        if nan_policy not in NAN_POLICIES:
-            raise ValueError(f"SitsHardwareCallback(nan_policy={nan_policy!r}) is invalid: allowed values are "
-                             f"{', '.join(map(repr, NAN_POLICIES))}.")
-        _positive_number("nan_clamp_value", nan_clamp_value, "1.0")
-        if not isinstance(detect_nonfinite_activations, bool):
-            raise ValueError(f"SitsHardwareCallback(detect_nonfinite_activations={detect_nonfinite_activations!r}) is "
-                             f"invalid: it must be True or False.")
-        if max_consecutive_nonfinite is not None and (isinstance(max_consecutive_nonfinite, bool) or not isinstance(
-                max_consecutive_nonfinite, int) or max_consecutive_nonfinite <= 0):
-            raise ValueError(f"SitsHardwareCallback(max_consecutive_nonfinite={max_consecutive_nonfinite!r}) is invalid: "
-                             f"it must be a positive integer, e.g. 10, or None to never stop.")
-        if isinstance(rank_share, bool) or not isinstance(rank_share, (int, float)) or not 0 < rank_share < 1:
-            raise ValueError(f"SitsHardwareCallback(rank_share={rank_share!r}) is invalid: it must be a fraction in "
-                             f"(0, 1), e.g. rank_share=0.1 for 10 % of a layer's time.")
-        _positive_number("memory_budget_gib", memory_budget_gib, "70", allow_none=True)
-        if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0):
-            raise ValueError(f"SitsHardwareCallback(seq_len={seq_len!r}) is invalid: it must be a positive integer "
-                             f"(tokens per sequence), or None to read it from the dataset.")
+        given = {"nan_policy": nan_policy, "nan_clamp_value": nan_clamp_value, "seq_len": seq_len,
+                 "detect_nonfinite_activations": detect_nonfinite_activations, "rank_share": rank_share,
+                 "max_consecutive_nonfinite": max_consecutive_nonfinite, "memory_budget_gib": memory_budget_gib}
+        validation.validate(_ARGUMENT_CHECKS, given.__getitem__,
+                            lambda name, value: f"SitsHardwareCallback({name}={value!r})")
         self._init_args = {
             "policy": policy, "nan_policy": nan_policy, "nan_clamp_value": float(nan_clamp_value),
             "detect_nonfinite_activations": detect_nonfinite_activations,
