@@ -9,7 +9,7 @@ larger than a layer, a target module that matches nothing) run when the adapter 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from peft import LoraConfig
 
@@ -52,12 +52,40 @@ _VALIDATORS: dict[str, validation.Check] = {
 class SitsLoraConfig(LoraConfig):
     """Configuration of a sits_lora adapter.
 
-    Accepts every argument of :class:`peft.LoraConfig` plus the fields below. Saved with
-    ``peft_type: SITS_LORA``; ``import sits_lora`` registers the type so that
-    ``PeftModel.from_pretrained`` can load it again.
+    Accepts every argument of :class:`peft.LoraConfig` plus the fields below, grouped here by feature (each
+    field's ``help`` metadata says more). Saved flat in adapter_config.json with ``peft_type: SITS_LORA``;
+    ``import sits_lora`` registers the type so that ``PeftModel.from_pretrained`` can load it again. A bad value
+    raises ValueError naming the field, the value and what is allowed, when the config is made.
+
+    Args:
+        kernel: the implementation of the adapted linear layers: "auto" (the fused Triton kernels on a CUDA
+            GPU in bf16 / fp16, the PyTorch reference elsewhere), "triton" or "torch".
+        fuse_siblings: run layers of one parent that read one input (q/k/v, gate/up) as one operation.
+        recompute_lora_inputs: save no LoRA input for backward where the frozen model keeps what it is made of.
+
+        use_dynamic_rank: per-token dynamic rank (nested ranks, a router per layer, a budget).
+        rank_scheduler: how a token's rank is chosen: "entropy-gated", "learned", "random" or "static".
+        rank_buckets: the ranks a token may use, increasing, the last equal to r (None: steps of 16).
+        target_mean_rank: the mean active rank the budget holds.
+        rank_histogram: "random" only: the fraction of tokens per bucket.
+        router_temperature: the routers' Gumbel-softmax temperature in training.
+        rank_budget_step_size: the budget's dual-ascent step size (None: the mode's default).
+        rank_budget_mode: how the budget reaches the routers: "price", "target" or "ceiling".
+
+        fp8: the fp8 frozen base: "off", "hybrid" (e4m3 forward, e5m2 backward) or "e4m3".
+        fp8_amax_history_len: steps of absolute maxima each layer keeps for delayed scaling.
+        fp8_amax_compute_algo: the amax a scale comes from: "max" over the history or "most_recent".
+        fp8_margin: headroom in powers of two below the fp8 range.
+        fp8_weight_scale: one scale per weight ("tensor") or per output row ("row").
+        fp8_keep_bf16_weight: keep the bf16 base beside the fp8 one (exact merges, twice the memory).
+        fp8_emulate: the fp8 numerics in plain PyTorch on any device (tests).
+        fp8_layers: "auto" (fp8 only where it is faster on this GPU) or "all".
+
+        base_quant: the 4-bit frozen base without bitsandbytes: "off" or "int4".
+        int4_group_size: input features per INT4 scale / min pair (a power of two, at least 32).
     """
 
-    kernel: str = field(
+    kernel: Literal["auto", "triton", "torch"] = field(
         default="auto",
         metadata={
             "help": (
@@ -107,7 +135,7 @@ class SitsLoraConfig(LoraConfig):
             "is_lora_variant": True,
         },
     )
-    rank_scheduler: str = field(
+    rank_scheduler: Literal["entropy-gated", "learned", "random", "static"] = field(
         default="entropy-gated",
         metadata={
             "help": (
@@ -169,7 +197,7 @@ class SitsLoraConfig(LoraConfig):
             )
         },
     )
-    rank_budget_mode: str = field(
+    rank_budget_mode: Literal["target", "ceiling", "price"] = field(
         default="price",
         metadata={
             "help": (
@@ -183,7 +211,7 @@ class SitsLoraConfig(LoraConfig):
         },
     )
 
-    fp8: str = field(
+    fp8: Literal["off", "hybrid", "e4m3"] = field(
         default="off",
         metadata={
             "help": (
@@ -206,7 +234,7 @@ class SitsLoraConfig(LoraConfig):
             )
         },
     )
-    fp8_amax_compute_algo: str = field(
+    fp8_amax_compute_algo: Literal["max", "most_recent"] = field(
         default="max",
         metadata={
             "help": (
@@ -219,7 +247,7 @@ class SitsLoraConfig(LoraConfig):
         default=0,
         metadata={"help": "Headroom in powers of two: scale = (fp8_max / amax) / 2**fp8_margin."},
     )
-    fp8_weight_scale: str = field(
+    fp8_weight_scale: Literal["tensor", "row"] = field(
         default="tensor",
         metadata={
             "help": (
@@ -248,7 +276,7 @@ class SitsLoraConfig(LoraConfig):
             )
         },
     )
-    fp8_layers: str = field(
+    fp8_layers: Literal["auto", "all"] = field(
         default="auto",
         metadata={
             "help": (
@@ -262,7 +290,7 @@ class SitsLoraConfig(LoraConfig):
         },
     )
 
-    base_quant: str = field(
+    base_quant: Literal["off", "int4"] = field(
         default="off",
         metadata={
             "help": (
