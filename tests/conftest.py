@@ -37,6 +37,14 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(REPO_ROOT, "bench")
 
 
+def without_deepspeed_shm_build(env: dict) -> dict:
+    """``env`` for a process that starts DeepSpeed on CPU ranks, with tests/distributed/no_shm_build on PYTHONPATH:
+    DeepSpeed's shared-memory allreduce extension is not compiled (gloo's allreduce runs instead)."""
+    folder = os.path.join(REPO_ROOT, "tests", "distributed", "no_shm_build")
+    inherited = env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (folder, inherited) if p)}
+
+
 def bench_module(name: str):
     """A script of bench/ imported by its path, for the tests of the benchmarks (bench/ is not a package; the
     tests do not put it on sys.path, the scripts add their own folder to find their siblings)."""

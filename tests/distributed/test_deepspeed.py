@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from conftest import without_deepspeed_shm_build
 from test_data_parallel import _adapters, _batch, _model, _train
 
 pytest.importorskip("deepspeed")
@@ -26,7 +27,7 @@ def test_zero_stage_on_two_processes_trains_as_one_process(stage, persistence, t
     extra = [] if persistence is None else [str(persistence)]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            WORKER, str(stage), str(tmp_path), *extra], capture_output=True, text=True, cwd=tmp_path,
-                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          timeout=600, env=without_deepspeed_shm_build({**os.environ, "OMP_NUM_THREADS": "1"}))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["rank"] for r in ranks] == [0, 1]

@@ -15,7 +15,7 @@ import yaml
 from sits_lora.recipe.loading import ModelNotFoundError, resolve_model_source
 from sits_lora.recipe.train import TrainRecipe
 
-from conftest import REPO_ROOT, code_corpus, rel_err
+from conftest import REPO_ROOT, code_corpus, rel_err, without_deepspeed_shm_build
 
 TRAIN = os.path.join(REPO_ROOT, "recipes", "train.py")
 
@@ -553,7 +553,7 @@ def test_recipe_under_zero3_matches_one_process_and_resumes(tiny_model_dir, tmp_
     corpus = code_corpus(tmp_path)
     common = ["--model", str(tiny_model_dir), "--dataset", str(corpus), "--max-steps", "4", "--seq-len", "32",
               "--eval-blocks", "4", "--learning-rate", "0.01", "--logging-steps", "2", "--warmup-steps", "0"]
-    zero3 = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}
+    zero3 = without_deepspeed_shm_build({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"})
     one = _train(*common, "--batch-size", "4", "--output-dir", str(tmp_path / "one"), cwd=tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
     whole = tmp_path / "whole"
