@@ -127,6 +127,10 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
     order = os.environ.get("SITS_LORA_TEST_ORDER", "")
+    if not order:
+        # pytest-xdist hands each worker a run of consecutive tests and never takes back what it handed out: a test
+        # of minutes handed out last keeps one worker busy while the others idle. Started first, it overlaps the rest.
+        items.sort(key=lambda item: "starts_first" not in item.keywords)
     if order == "reverse":
         items.reverse()
     elif order.startswith("shuffle:"):

@@ -15,6 +15,7 @@ peft_suite = bench_module("peft_suite")
 
 
 @pytest.mark.slow
+@pytest.mark.starts_first
 def test_pefts_own_lora_tests_pass_with_sits_lora(tmp_path):
     try:
         peft_suite.peft_source(str(tmp_path), None)

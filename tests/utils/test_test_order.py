@@ -38,6 +38,14 @@ def test_the_order_is_reversed_or_shuffled_by_its_seed_and_a_bad_order_is_refuse
         _ordered(monkeypatch, "sideways")
 
 
+def test_a_test_marked_starts_first_leads_the_default_order(monkeypatch):
+    monkeypatch.setenv("SITS_LORA_TEST_ORDER", "")
+    items = [_Item(f"test_{i}") for i in range(5)]
+    items[3].keywords = {"starts_first": True}
+    conftest.pytest_collection_modifyitems(None, items)
+    assert [item.name for item in items] == ["test_3", "test_0", "test_1", "test_2", "test_4"]
+
+
 def test_pytest_collects_in_the_order_asked():
     """The hook is the one pytest calls: a collection in its own process comes out reversed."""
     def collect(order):
