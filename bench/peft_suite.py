@@ -14,7 +14,8 @@ pytest process:
     swap    ``peft.LoraConfig`` is ``SitsLoraConfig`` before the test modules import it, so every
             LoRA case of the suite builds sits_lora's layers and tuner
 
-A test that passes under ``plain`` and fails under ``import`` or ``swap`` is a difference. Those the
+A test that passes under ``plain`` and fails under ``import`` or ``swap`` is a difference. ``--plain failures`` runs
+plain last and only on the tests that failed under the others (the only plain outcomes a difference depends on). Those the
 project knows and keeps on purpose are listed in KNOWN_DIFFERENCES, each with its reason; any other
 makes the script exit 1. Writes OUT/peft_suite.json (versions, each mode's command and counts, every
 difference with the first line of its error), OUT/peft_suite.csv (one row per test and mode) and
@@ -292,12 +293,14 @@ def main(argv=None) -> int:
     parser.add_argument("--plain", choices=("all", "failures"), default="all",
                         help="all: run every selected test as PEFT ships it (its counts are the baseline the plot "
                              "shows); failures: run plain last, only on the tests that failed under import or swap "
-                             "(a third of the time; the same differences)")
+                             "(one full run fewer; the same differences)")
     parser.add_argument("--peft-src", help="an unpacked PEFT source tree with tests/ (default: download the sdist "
                                            "of the installed version)")
     args = parser.parse_args(argv)
     out = os.path.abspath(args.out)
     others = [m for m in args.modes if m != "plain"]
+    if args.plain == "failures" and not others:
+        parser.error("--plain failures reruns what failed under import or swap: name one of them in --modes")
     modes = others + ["plain"] if args.plain == "failures" else ["plain"] + others
     try:
         if os.path.exists(out) and not os.path.isdir(out):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import csv
 import json
 
+import pytest
+
 from conftest import bench_module
 
 peft_suite = bench_module("peft_suite")
@@ -103,3 +105,9 @@ def test_missing_test_dependency_and_wrong_file_are_refused_first(tmp_path, caps
     assert peft_suite.main(["--out", str(out), "--peft-src", str(tmp_path / "nowhere")]) == 2
     assert "no tests/ folder there" in capsys.readouterr().err
     assert not (out / "junit_plain.xml").exists()
+
+
+def test_plain_failures_without_another_mode_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        peft_suite.main(["--out", str(tmp_path), "--modes", "plain", "--plain", "failures"])
+    assert stop.value.code == 2 and "name one of them in --modes" in capsys.readouterr().err
