@@ -26,7 +26,7 @@ def _pattern_of_ranks(value: Any) -> Optional[str]:
     if not isinstance(value, dict):
         return "it must be a dict mapping a module name or regex to a rank, e.g. {'down_proj': 8}"
     for key, rank in value.items():
-        if validation.positive_int()(rank) is not None:
+        if not validation.is_int(rank) or rank <= 0:
             return f"the rank for {key!r} is {rank!r}; every rank must be a positive integer"
     return None
 

@@ -129,19 +129,25 @@ def _x_pass_inputs(monkeypatch) -> list:
     return seen
 
 
-def test_triton_path_under_the_interpreter_matches(monkeypatch):
-    """The fused kernels (siblings q/k/v and gate/up in one op each) with rebuilt inputs, fp32; down_proj's x pass
-    reads act(gate) and up, which the multiply keeps, instead of its input."""
+def _triton_rebuilt_against_saved(monkeypatch, base, targets):
+    """The fused kernels with inputs rebuilt against those with inputs saved (fp32, same gradients); returns the
+    rebuilt model, the ids and the ProductInputs its x passes read."""
     from sits_lora.ops import ProductInput
 
-    base, targets = _family("llama")
     ids = torch.randint(0, SHAPE["vocab_size"], (2, 7))
     saved = _peft(base, targets, recompute=False, kernel="triton")
     rebuilt = _peft(base, targets, recompute=True, kernel="triton")
     expected = _grads(saved, ids)
     x_passes = _x_pass_inputs(monkeypatch)
     _assert_same_grads(expected, _grads(rebuilt, ids), rtol=1e-5, atol=1e-6)
-    products = [x for x in x_passes if isinstance(x, ProductInput)]
+    return rebuilt, ids, [x for x in x_passes if isinstance(x, ProductInput)]
+
+
+def test_triton_path_under_the_interpreter_matches(monkeypatch):
+    """The fused kernels (siblings q/k/v and gate/up in one op each) with rebuilt inputs, fp32; down_proj's x pass
+    reads act(gate) and up, which the multiply keeps, instead of its input."""
+    base, targets = _family("llama")
+    rebuilt, ids, products = _triton_rebuilt_against_saved(monkeypatch, base, targets)
     assert len(products) == SHAPE["num_hidden_layers"] and not any(p.silu for p in products)
     alive = _inputs_alive_after_forward(rebuilt, ids)
     assert not alive["layers.1.self_attn.q_proj"] and not alive["layers.1.mlp.down_proj"]
@@ -270,8 +276,6 @@ def test_liger_swiglu_factors_reach_the_x_pass_when_it_can_form_them(monkeypatch
     a multiplier it cannot (the product is no longer silu(gate)·up), and the input is rebuilt through the Function."""
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    from sits_lora.ops import ProductInput
-
     class FusedMLP(LlamaMLP):
         def forward(self, x):
             return self.down_proj(LigerSiLUMulFunction.apply(self.gate_proj(x), self.up_proj(x), 1.0, down_multiplier))
@@ -279,13 +283,7 @@ def test_liger_swiglu_factors_reach_the_x_pass_when_it_can_form_them(monkeypatch
     base, targets = _family("llama")
     for layer in base.model.layers:
         layer.mlp.__class__ = FusedMLP
-    ids = torch.randint(0, SHAPE["vocab_size"], (2, 7))
-    saved = _peft(base, targets, recompute=False, kernel="triton")
-    rebuilt = _peft(base, targets, recompute=True, kernel="triton")
-    expected = _grads(saved, ids)
-    x_passes = _x_pass_inputs(monkeypatch)
-    _assert_same_grads(expected, _grads(rebuilt, ids), rtol=1e-5, atol=1e-6)
-    products = [x for x in x_passes if isinstance(x, ProductInput)]
+    rebuilt, ids, products = _triton_rebuilt_against_saved(monkeypatch, base, targets)
     assert len(products) == (SHAPE["num_hidden_layers"] if down_multiplier == 1.0 else 0)
     assert all(p.silu for p in products)
     assert not _inputs_alive_after_forward(rebuilt, ids)["layers.1.mlp.down_proj"]
