@@ -108,7 +108,7 @@ class EvalSettings:
                              f"(the nested arm is truncated to it)")
         self.seeds = tuple(self.seeds)
         self.arms = tuple(self.arms)
-        from sits_lora.dynamic_rank.checks import DEFAULT_BUDGET_STEP_SIZE
+        from sits_lora.config.dynamic_rank import DEFAULT_BUDGET_STEP_SIZE
 
         if self.rank_budget_mode not in DEFAULT_BUDGET_STEP_SIZE:
             raise ValueError(f"EvalSettings.rank_budget_mode={self.rank_budget_mode!r} is invalid: allowed values are "

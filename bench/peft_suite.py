@@ -54,7 +54,7 @@ KNOWN_DIFFERENCES = {
         "PEFT's errors name the types: 'Incompatible PEFT types found: SITS_LORA and IA3'; 'Hotswapping only "
         "supports LORA, SITS_LORA but IA3 was passed' once a sits_lora adapter exists (it registers for hotswap)",
     r"::test_modules_to_save_targets_lora_layer_raises$":
-        "PEFT's error names the layer's class: sits_lora.layer.SitsLoraLinear, not peft's lora.layer.Linear",
+        "PEFT's error names the layer's class: sits_lora.layers.linear.SitsLoraLinear, not peft's lora.layer.Linear",
     r"::test_lora_with_bias_argument\[invalid\]$":
         "SitsLoraConfig(bias='invalid') raises a ValueError naming the field and the allowed values when the config "
         "is made; LoraConfig accepts it and get_peft_model raises NotImplementedError",

@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it (imported on first use)
 _EXPORTS = {
-    "SITS_LORA_PEFT_TYPE": ".peft_type",
+    "SITS_LORA_PEFT_TYPE": ".config.peft_type",
     "register_with_peft": ".registry",
     "SitsLoraConfig": ".config",
     "DynamicRankLinear": ".dynamic_rank",  # deprecated name: SitsLoraLinear serves dynamic-rank adapters
@@ -26,7 +26,7 @@ _EXPORTS = {
     "TokenEntropySampler": ".dynamic_rank",
     "export_peft_lora": ".export",
     "export_diffusers_lora": ".export",
-    "SitsLoraLinear": ".layer",
+    "SitsLoraLinear": ".layers.linear",
     "SitsLoraModel": ".model",
     "NativeLoraTrainer": ".training",
     "SitsHardwareCallback": ".training",

@@ -12,9 +12,9 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from .activations import attach_input_recompute, detach_input_recompute
-from .layer import FusedAdapterChoice, SitsLoraLinear
-from .peft_type import sits_lora_peft_type
-from .siblings import assign_sibling_groups
+from .config.peft_type import sits_lora_peft_type
+from .layers.linear import FusedAdapterChoice, SitsLoraLinear
+from .layers.siblings import assign_sibling_groups
 
 logger = logging.getLogger("sits_lora")
 
@@ -280,7 +280,7 @@ class SitsLoraModel(LoraModel):
             # a layer class the user registered for this type (LoraConfig._register_custom_module) wins, as in PEFT
             return LoraModel._create_new_module(lora_config, adapter_name, target, **kwargs)
         if kwargs.get("loaded_in_4bit") and _is_bnb_linear4bit(base) and kwargs.get("parameter_name") is None:
-            from .layer_bnb import SitsLoraLinear4bit  # imports bitsandbytes: only for a model loaded in 4-bit
+            from .layers.linear_4bit import SitsLoraLinear4bit  # imports bitsandbytes: only for a model loaded in 4-bit
 
             return SitsLoraLinear4bit(target, adapter_name, config=lora_config, **kwargs)
         if type(base) is nn.Linear and kwargs.get("parameter_name") is None:

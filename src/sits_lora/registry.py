@@ -1,13 +1,13 @@
 """Make PEFT know the SITS_LORA peft type, as soon as PEFT is imported and without importing it first.
 
 ``register_peft_method`` accepts only a name that is already a member of PEFT's ``PeftType`` enum;
-``peft_type.py`` adds the member.
+``config/peft_type.py`` adds the member.
 
 When. ``import sits_lora`` stays light (the command line answers ``--help`` and argument errors
 before torch, peft and transformers load: they take seconds to import), yet PEFT must know
 SITS_LORA before anything loads an adapter. So: if peft is imported already, register at once;
 otherwise a finder on ``sys.meta_path`` wraps peft's loader and registers right after peft has
-been imported, by whoever imports it. Registering imports sits_lora.config and sits_lora.model,
+been imported, by whoever imports it. Registering imports sits_lora.config.adapter and sits_lora.model,
 which import peft themselves; when peft's first import came from inside one of sits_lora's own
 modules (say ``from sits_lora import SitsLoraConfig`` as the first line of a program), that module is
 still half built, and registration is retried each time one of sits_lora's modules finishes
@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib.abc
 import sys
 
-from .peft_type import SITS_LORA_NAME, sits_lora_peft_type
+from .config.peft_type import SITS_LORA_NAME, sits_lora_peft_type
 
 
 def register_with_peft() -> None:
@@ -27,7 +27,7 @@ def register_with_peft() -> None:
     from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
     from peft.utils.peft_types import register_peft_method
 
-    from .config import SitsLoraConfig
+    from .config.adapter import SitsLoraConfig  # the module itself: while it is half built, the ImportError says so
     from .model import SitsLoraModel, allow_mixed_models
 
     if PEFT_TYPE_TO_TUNER_MAPPING.get(sits_lora_peft_type()) is SitsLoraModel:

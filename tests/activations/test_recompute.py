@@ -13,7 +13,7 @@ from peft import get_peft_model
 
 from sits_lora import SitsLoraConfig
 from sits_lora.activations import input_recompute_report
-from sits_lora.layer import SitsLoraLinear
+from sits_lora.layers.linear import SitsLoraLinear
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SHAPE = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,

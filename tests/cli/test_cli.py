@@ -411,7 +411,7 @@ def test_profile_keeps_sibling_fusion_and_removes_its_hooks():
     from peft import get_peft_model
 
     from sits_lora.cli.profile import profile_model
-    from sits_lora.siblings import SiblingGroup
+    from sits_lora.layers.siblings import SiblingGroup
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -653,7 +653,7 @@ def test_compile_tunes_the_sibling_groups_launches_at_their_summed_rank():
     from sits_lora import SitsLoraConfig
     from sits_lora.cli.check import adapted_linear_shapes
     from sits_lora.cli.compile import kernel_launches
-    from sits_lora.siblings import sibling_group_members
+    from sits_lora.layers.siblings import sibling_group_members
 
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     with torch.device("meta"):

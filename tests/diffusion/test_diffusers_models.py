@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from conftest import rel_err  # noqa: E402
 
 from sits_lora import SitsLoraConfig  # noqa: E402
-from sits_lora.layer import SitsLoraLinear  # noqa: E402
+from sits_lora.layers.linear import SitsLoraLinear  # noqa: E402
 
 ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
 

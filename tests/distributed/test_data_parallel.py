@@ -75,7 +75,7 @@ def _count_fused_calls() -> dict:
 def _ddp_rank(rank: int, world: int):
     from torch.nn.parallel import DistributedDataParallel
 
-    from sits_lora.siblings import SiblingGroup
+    from sits_lora.layers.siblings import SiblingGroup
 
     counts = _count_fused_calls()   # a forked rank: the patch dies with it
     model = _model()

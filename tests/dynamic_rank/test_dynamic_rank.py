@@ -719,18 +719,22 @@ def test_bad_dynamic_rank_configs_name_field_value_and_fix(kwargs, needle):
     assert needle in str(info.value)
 
 
-def test_config_loads_the_checks_and_not_the_layers():
-    """config.py validates the dynamic-rank fields with sits_lora.dynamic_rank.checks, which imports nothing
-    from sits_lora but the validation helpers (themselves standard library only); the package loads its layers,
-    routers and budget on first use, not with the config."""
+def test_config_loads_the_field_checks_and_no_feature():
+    """The config validates each feature's fields with its module in sits_lora.config (dynamic_rank, fp8, int4), which
+    imports nothing from sits_lora but the validation helpers (themselves standard library only): making a config
+    loads no feature package (routers, budget, the fp8 and INT4 model steps, Triton; the layers load with the tuner
+    that PEFT's registration imports), and the checks modules load without torch, so the recipe checks its options
+    before torch loads."""
     import subprocess
     import sys
 
-    code = ("import sys, sits_lora.config; "
-            "print(sorted(m for m in sys.modules if m.startswith('sits_lora.dynamic_rank')))")
+    code = ("import sys; import sits_lora.config.fp8, sits_lora.config.dynamic_rank, sits_lora.config.int4; "
+            "print('torch' in sys.modules); from sits_lora import SitsLoraConfig; SitsLoraConfig(r=32, use_dynamic_rank=True, target_mean_rank=16); "
+            "print(sorted(m for m in sys.modules if m.startswith(('sits_lora.dynamic_rank', 'sits_lora.fp8', "
+            "'sits_lora.int4'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "['sits_lora.dynamic_rank', 'sits_lora.dynamic_rank.checks']"
+    assert out.stdout.split("\n")[:2] == ["False", "[]"]
     package = os.path.dirname(sits_lora.__file__)
 
     def own_imports(*path):
@@ -739,7 +743,8 @@ def test_config_loads_the_checks_and_not_the_layers():
         return [(n.level, n.module, [a.name for a in n.names]) for n in ast.walk(tree)
                 if isinstance(n, ast.ImportFrom) and (n.level or "sits_lora" in (n.module or ""))]
 
-    assert own_imports("dynamic_rank", "checks.py") == [(2, "utils", ["validation"])]
+    for feature in ("dynamic_rank.py", "fp8.py", "int4.py"):
+        assert own_imports("config", feature) == [(2, "utils", ["validation"])], feature
     assert own_imports("utils", "validation.py") == []
 
 

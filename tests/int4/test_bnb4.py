@@ -24,7 +24,7 @@ from conftest import rel_err, tiny_llama  # noqa: E402
 
 from sits_lora import SitsLoraConfig, export_peft_lora  # noqa: E402
 from sits_lora.activations import input_recompute_report  # noqa: E402
-from sits_lora.layer import SitsLoraLinear  # noqa: E402
+from sits_lora.layers.linear import SitsLoraLinear  # noqa: E402
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

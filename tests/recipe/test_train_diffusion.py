@@ -16,7 +16,7 @@ diffusers = pytest.importorskip("diffusers")
 
 from conftest import REPO_ROOT, rel_err  # noqa: E402
 
-from sits_lora.layer import SitsLoraLinear  # noqa: E402
+from sits_lora.layers.linear import SitsLoraLinear  # noqa: E402
 
 RECIPE = os.path.join(REPO_ROOT, "recipes", "train_diffusion.py")
 # 2 images at 32 px (latents 4x4): a step takes ~0.05 s on a 2-core CPU, a whole run ~2 s after the first

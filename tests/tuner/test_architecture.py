@@ -1,6 +1,7 @@
-"""The package's import graph: no cycles (function-local imports included), no private name imported from
-another module, no private attribute of the package's own objects read or written from another module, and the
-layers depend downwards only (utils <- ops <- bases <- layers and features <- tooling)."""
+"""The package's import graph: no cycles (function-local imports and lazy exports included), no loop between
+folders (the top-level modules counted as one), no private name imported from another module, no private
+attribute of the package's own objects read or written from another module, and the layers depend downwards
+only (utils <- ops <- bases <- config, layers <- features <- the tuner <- tooling)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ ALLOWED = {
     "sits_lora.utils": ("sits_lora.utils",),
     "sits_lora.ops": ("sits_lora.ops", "sits_lora.utils"),
     "sits_lora.bases": ("sits_lora.bases", "sits_lora.ops", "sits_lora.utils"),
+    "sits_lora.config": ("sits_lora.config", "sits_lora.utils"),
+    # serving.mixed_batch: a layer hands a mixed batch (adapter_names) to it; it imports only ops and utils
+    "sits_lora.layers": ("sits_lora.layers", "sits_lora.bases", "sits_lora.ops", "sits_lora.serving.mixed_batch",
+                         "sits_lora.utils"),
 }
 TOOLING = ("sits_lora.cli", "sits_lora.recipe")
 # The modules that import sits_lora's own modules inside functions, and why: each defers an optional or a slow
@@ -70,7 +75,15 @@ def _imports(modules: dict[str, str], local_only: bool = False) -> list[tuple[st
         functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
         nodes = [n for f in functions for n in ast.walk(f)] if local_only else ast.walk(tree)
         for node in nodes:
-            if isinstance(node, ast.Import):
+            # a package's lazy exports (sits_lora.utils.lazy): {public name: module}, imported on first use
+            if (not local_only and isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+                    and any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets)):
+                for value in node.value.values:
+                    if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                        name = value.value
+                        target = package + name if name.startswith(".") else name
+                        edges.append((module, target, ""))
+            elif isinstance(node, ast.Import):
                 edges += [(module, a.name, "") for a in node.names if a.name.startswith("sits_lora")]
             elif isinstance(node, ast.ImportFrom):
                 if node.level:
@@ -127,6 +140,33 @@ def test_the_package_has_no_import_cycle():
     assert _cycles(modules, _imports(modules)) == []
 
 
+def _folder(module: str, modules) -> str:
+    """The folder a module sits in: its subpackage, or "top" for the modules directly under sits_lora. The entry
+    point (``python -m sits_lora``) sits above everything, the command line included: a folder of its own."""
+    if module in ENTRY_POINTS:
+        return "entry"
+    parts = module.split(".")
+    if len(parts) > 1 and any(m.startswith(f"sits_lora.{parts[1]}.") for m in modules):
+        return parts[1]
+    return "top"
+
+
+def _folder_loops(modules, edges) -> list[list[str]]:
+    """The folders that import each other, directly or round a loop (any one import of a module counts)."""
+    folders = {_folder(m, modules) for m in modules}
+    folder_modules = {f: f"sits_lora.{f}" for f in folders}
+    folder_edges = [(folder_modules[_folder(a, modules)], folder_modules[_folder(b, modules)], "")
+                    for a, b, _ in edges if b in modules and _folder(a, modules) != _folder(b, modules)]
+    return _cycles(set(folder_modules.values()), folder_edges)
+
+
+def test_no_two_folders_import_each_other():
+    """A folder's modules build on folders below it only: the features (dynamic_rank, fp8, int4, ...) on config and
+    layers, the tuner's top-level modules (model, export, registry) on the features, the tooling on all of them."""
+    modules = _modules()
+    assert _folder_loops(modules, _imports(modules)) == []
+
+
 def test_no_private_name_is_imported_from_another_module():
     modules = _modules()
     private = [f"{importer} imports {name} from {imported}" for importer, imported, name in _imports(modules)
@@ -144,8 +184,6 @@ def test_layers_import_downwards_only():
         # the library never reaches up into the command line or the recipe
         if not importer.startswith(TOOLING + ENTRY_POINTS) and imported.startswith(TOOLING):
             wrong.append(f"{importer} -> {imported}")
-    # utils.env stamps results with the package's version (sits_lora.__version__), nothing else of it
-    wrong = [w for w in wrong if w != "sits_lora.utils.env -> sits_lora"]
     assert wrong == []
 
 
@@ -212,6 +250,24 @@ def test_the_checker_sees_a_cycle_and_a_private_import(tmp_path):
     assert _cycles(modules, edges) == [["sits_lora.a", "sits_lora.b"]]
     assert ("sits_lora.a", "sits_lora.b", "_helper") in edges
     assert _imports(modules, local_only=True) == [("sits_lora.a", "sits_lora.b", "_helper")]
+
+
+def test_the_checker_sees_a_loop_between_folders_and_a_lazy_export(tmp_path):
+    """A top-level module and a feature folder that import each other, one of them through a lazy export, form a
+    loop although no module imports itself round a cycle."""
+    (tmp_path / "feature").mkdir()
+    modules = {"sits_lora": str(tmp_path / "__init__.py"), "sits_lora.model": str(tmp_path / "model.py"),
+               "sits_lora.layer": str(tmp_path / "layer.py"), "sits_lora.feature": str(tmp_path / "feature" / "__init__.py"),
+               "sits_lora.feature.variant": str(tmp_path / "feature" / "variant.py")}
+    (tmp_path / "__init__.py").write_text('_EXPORTS = {"Model": ".model"}\n')
+    (tmp_path / "model.py").write_text("from .feature.variant import Variant\n")
+    (tmp_path / "layer.py").write_text("")
+    (tmp_path / "feature" / "__init__.py").write_text("")
+    (tmp_path / "feature" / "variant.py").write_text("from ..layer import Layer\n")
+    edges = _imports(modules)
+    assert ("sits_lora", "sits_lora.model", "") in edges
+    assert _cycles(modules, edges) == []
+    assert _folder_loops(modules, edges) == [["sits_lora.feature", "sits_lora.top"]]
 
 
 def test_the_checker_sees_a_private_attribute_used_from_another_module(tmp_path):

@@ -10,7 +10,7 @@ import typing
 from peft import LoraConfig
 
 from sits_lora import SitsLoraConfig
-from sits_lora.config import _VALIDATORS
+from sits_lora.config.adapter import _VALIDATORS
 
 PEFT_FIELDS = {f.name for f in dataclasses.fields(LoraConfig)}
 OWN_FIELDS = [f for f in dataclasses.fields(SitsLoraConfig) if f.name not in PEFT_FIELDS]

@@ -39,7 +39,8 @@ ORDERS = {
     "sits_lora, then peft": "import sits_lora\nimport peft",
     "peft, then sits_lora": "import peft\nimport sits_lora",
     "a public name first": "from sits_lora import SitsLoraConfig",
-    "a layer module first": "import sits_lora.layer",
+    "a layer module first": "import sits_lora.layers.linear",
+    "the config package first": "from sits_lora.config import SitsLoraConfig",
     "the trainer first": "from sits_lora import NativeLoraTrainer",
     "peft's model class only": "import sits_lora\nfrom peft import PeftModel",
 }

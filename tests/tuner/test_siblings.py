@@ -7,7 +7,7 @@ import torch
 from peft import get_peft_model
 
 from sits_lora import SitsLoraConfig, ops
-from sits_lora.siblings import SiblingGroup
+from sits_lora.layers.siblings import SiblingGroup
 
 from conftest import randomize_lora_weights, rel_err, tiny_llama
 

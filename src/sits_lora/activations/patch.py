@@ -65,7 +65,7 @@ def detach_input_recompute(model: nn.Module) -> None:
 def input_recompute_report(model: nn.Module) -> list[dict]:
     """Per adapted layer with recomputation attached: how many training forwards rebuilt its input in
     backward and how many saved it (since the model was built). A layer whose sibling group computed its
-    output (sits_lora.siblings: q/k/v, gate/up in one op) reports the group's first layer, which ran the op
+    output (sits_lora.layers.siblings: q/k/v, gate/up in one op) reports the group's first layer, which ran the op
     (``"via"``)."""
     rows = []
     for module in model.modules():

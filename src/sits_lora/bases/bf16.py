@@ -52,7 +52,7 @@ class Bf16Base:
     instance, :data:`BF16_BASE`, serves every layer)."""
 
     module_type = nn.Linear
-    # layers on this base can share one fused op with their siblings (sits_lora.siblings)
+    # layers on this base can share one fused op with their siblings (sits_lora.layers.siblings)
     fuses_siblings = True
 
     def fused_forward(self, layer, adapter: str, x: torch.Tensor) -> torch.Tensor:

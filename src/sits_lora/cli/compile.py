@@ -196,7 +196,7 @@ class CompileReport:
 def run_compile(model: Optional[str] = None, config: Optional[str] = None, batch_size: Optional[int] = None,
                 seq_len: Optional[int] = None, force: bool = False, cache: Optional[str] = None) -> CompileReport:
     """Tune (or find cached) launch configurations for every adapted layer shape of the recipe's model."""
-    from ..siblings import sibling_group_members
+    from ..layers.siblings import sibling_group_members
     from ..utils.env import environment
     from .check import adapted_linear_shapes, build_meta_model, load_recipe, model_config, recipe_dtype
 

@@ -16,7 +16,7 @@ Compiling the blocks makes an image faster than fp8 linears and CUDA graphs alon
 (docs/diffusion.md, "Every block compiled", gives the timings). A sits_lora adapter's cross-attention to_k / to_v
 keep their outputs across the steps of a generation (``reuse_cross_attention_kv``) inside compiled blocks too: that
 decision is Python (tensor identity and version counters), which dynamo does not trace, so each of those calls is
-one opaque operator in the block's graph whose body runs the eager group (sits_lora.siblings): no graph break, the
+one opaque operator in the block's graph whose body runs the eager group (sits_lora.layers.siblings): no graph break, the
 block stays one graph (a break there would split each transformer block into several graphs,
 `bench/diffusion_graph_breaks.py`).
 ``keep_cross_attention_kv=False`` compiles to_k / to_v into the graph instead, recomputed every step as the base

@@ -13,7 +13,7 @@ What a replay does not see, and how to make it see it:
   optimizer do, are seen): ``graphs.reset()``;
 - Python work in forward hooks (``LatentGuard(watch_modules=True)``): it ran once, at recording. The latent check of
   ``LatentGuard`` itself runs outside the denoiser and works as before.
-Cross-attention K / V kept across steps (``reuse_cross_attention_kv``, sits_lora.siblings) is decided in Python,
+Cross-attention K / V kept across steps (``reuse_cross_attention_kv``, sits_lora.layers.siblings) is decided in Python,
 which a replay does not run; so each signature is recorded twice: once computing to_k / to_v into buffers the
 recording owns, once reading those buffers instead. A call replays the second only when its
 ``encoder_hidden_states`` is the very tensor of the last computing replay, unchanged (its version counter), and the

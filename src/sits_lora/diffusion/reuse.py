@@ -1,10 +1,10 @@
-"""A pipeline's denoiser, and turning the cross-attention K / V reuse of sits_lora.siblings on or off for all of it."""
+"""A pipeline's denoiser, and turning the cross-attention K / V reuse of sits_lora.layers.siblings on or off for all of it."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from ..siblings import CROSS_ATTENTION_NAMES
+from ..layers.siblings import CROSS_ATTENTION_NAMES
 
 
 def denoiser_of(pipe_or_model, caller: str) -> nn.Module:
@@ -21,7 +21,7 @@ def denoiser_of(pipe_or_model, caller: str) -> nn.Module:
 
 def reuse_cross_attention_kv(model: nn.Module, enabled: bool = True) -> int:
     """Whether the sits_lora to_k / to_v layers of ``model``'s cross-attention modules keep their outputs across
-    calls with the same ``encoder_hidden_states`` (on by default; see sits_lora.siblings). Returns how many
+    calls with the same ``encoder_hidden_states`` (on by default; see sits_lora.layers.siblings). Returns how many
     cross-attention groups it set; 0 means none exists (the adapter does not target both to_k and to_v, or sibling
     fusion is off). Turning it off also drops what the groups hold."""
     groups = cross_attention_groups(model)
@@ -33,7 +33,7 @@ def reuse_cross_attention_kv(model: nn.Module, enabled: bool = True) -> int:
 
 
 def cross_attention_groups(model: nn.Module) -> list:
-    """The sibling groups of ``model``'s cross-attention to_k / to_v layers (sits_lora.siblings.SiblingGroup)."""
+    """The sibling groups of ``model``'s cross-attention to_k / to_v layers (sits_lora.layers.siblings.SiblingGroup)."""
     groups = {}
     for parent in model.modules():
         if getattr(parent, "is_cross_attention", False) is not True:

@@ -7,15 +7,15 @@ in ``sits_lora.ops.dynamic_rank`` and ``sits_lora.ops.reference``; ``sampler.py`
 the entropy probes; ``budget.py`` holds the mean active rank at its target; ``callback.py`` runs
 the budget inside a transformers Trainer. The evaluation of the method (arms, seeds, plots) is
 benchmark code: bench/dynamic_rank_harness.py, behind bench/dynamic_rank_eval.py and
-notebooks/dynamic_rank.ipynb. ``checks.py`` validates the dynamic-rank fields of SitsLoraConfig.
+notebooks/dynamic_rank.ipynb. Its config fields are checked in
+:mod:`sits_lora.config.dynamic_rank`.
 """
 
 from __future__ import annotations
 
 from ..utils.lazy import lazy_exports
 
-# Loaded on first use: config.py imports this package's checks whenever sits_lora is imported, and the
-# variant loads the routers and the ops; transformers' Trainer machinery (the callback) and the
+# Loaded on first use: the variant loads the routers and the ops; transformers' Trainer machinery (the callback) and the
 # sampler's datasets / tqdm load only when asked for.
 _EXPORTS = {
     "RankBudget": ".budget",

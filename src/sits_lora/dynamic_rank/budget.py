@@ -47,7 +47,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .checks import ROUTED_SCHEDULERS
+from ..config.dynamic_rank import ROUTED_SCHEDULERS
 from .scope import enter_scope, leave_scope, set_measuring
 from .variant import dynamic_rank_adapters
 

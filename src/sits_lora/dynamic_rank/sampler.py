@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..layer import SitsLoraLinear
+from ..layers.linear import SitsLoraLinear
 from ..utils.cache import cache_root
 from .router import rms_normalize
 from .variant import holds_dynamic_rank

@@ -33,10 +33,10 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..bases import autocast_inputs
-from ..layer import SitsLoraLinear, SitsLoraVariant
+from ..layers.linear import SitsLoraLinear, SitsLoraVariant
 from ..ops.dynamic_rank import dynamic_rank_lora_linear
 from ..ops.reference import device_constant
-from .checks import (
+from ..config.dynamic_rank import (
     DEFAULT_BUDGET_STEP_SIZE,
     ROUTED_SCHEDULERS,
     histogram_mean,
@@ -467,5 +467,5 @@ class _HoldsDynamicRank(type):
 
 
 class DynamicRankLinear(metaclass=_HoldsDynamicRank):
-    """Deprecated name: dynamic rank is a variant of :class:`~sits_lora.layer.SitsLoraLinear`.
+    """Deprecated name: dynamic rank is a variant of :class:`~sits_lora.layers.linear.SitsLoraLinear`.
     ``isinstance(m, DynamicRankLinear)`` is :func:`holds_dynamic_rank`; calling it builds a SitsLoraLinear."""

@@ -6,7 +6,7 @@ amax; both base GEMMs run in fp8 through ``torch._scaled_mm``; the LoRA branch s
 fused kernels. :class:`Fp8ScalingState` holds every layer's amax history and scales, advanced once
 per optimizer step by ``SitsHardwareCallback`` (or :func:`update_scaling` in a hand-written loop).
 The base module and its fused path are in :mod:`sits_lora.bases.fp8`, the kernels and the autograd
-Function in :mod:`sits_lora.ops.fp8`; here: the config checks (``checks``), the scaling state
+Function in :mod:`sits_lora.ops.fp8`; its config fields are checked in :mod:`sits_lora.config.fp8`; here: the scaling state
 (``scaling``), which layers get fp8 (``selection``) and the model-level steps (``model``).
 """
 
@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from ..utils.lazy import lazy_exports
 
-# Loaded on first use: the layer code imports the Triton kernels, and config.py imports this
-# package (for its field checks) whenever sits_lora is imported.
+# Loaded on first use: the layer code imports the Triton kernels.
 _EXPORTS = {
     "Fp8BaseLinear": "sits_lora.bases.fp8",
     "Fp8UnsupportedError": "sits_lora.bases.fp8",

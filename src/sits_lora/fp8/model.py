@@ -18,13 +18,13 @@ import sys
 import torch
 from torch import nn
 
-from ..base_checks import adapter_targets, check_adapters_agree, check_linear_targets, injected_layers
+from ..layers.base_checks import adapter_targets, check_adapters_agree, check_linear_targets, injected_layers
 from ..bases import BF16_BASE
 from ..bases.fp8 import Fp8Base, Fp8BaseLinear, check_fp8_hardware
 from ..ops import fp8 as fp8_ops
 from ..utils.model_structure import stored_bytes
 from . import selection
-from .checks import FP8_DEFAULTS, SHARED_FIELDS
+from ..config.fp8 import FP8_DEFAULTS, SHARED_FIELDS
 from .scaling import Fp8ScalingState
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def _bnb4_layer_class():
     """SitsLoraLinear4bit where bitsandbytes is loaded, else None (importing it imports bitsandbytes)."""
     if "bitsandbytes" not in sys.modules:
         return None
-    from ..layer_bnb import SitsLoraLinear4bit
+    from ..layers.linear_4bit import SitsLoraLinear4bit
 
     return SitsLoraLinear4bit
 

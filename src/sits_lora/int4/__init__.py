@@ -3,7 +3,7 @@
 Each adapted layer's weight is quantized once at injection (asymmetric, one scale and min per
 ``int4_group_size`` input features, rows padded to 32-byte multiples); forward and dX run from the packed
 codes (``sits_lora.ops.int4_linear``), the LoRA branch on the fused kernels. The base module and its fused
-path are in :mod:`sits_lora.bases.int4`; here: the config checks (``checks``) and the model-level steps
+path are in :mod:`sits_lora.bases.int4`; its config fields are checked in :mod:`sits_lora.config.int4`; here: the model-level steps
 (``model``: check, quantize, restore before merge / unload, memory).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..utils.lazy import lazy_exports
 
-# Loaded on first use: config.py imports this package (for its field checks) whenever sits_lora is imported.
+# Loaded on first use: the model-level steps import the Triton kernels.
 _EXPORTS = {
     "Int4BaseLinear": "sits_lora.bases.int4",
     "int4_weight_memory": ".model",

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..base_checks import adapter_targets, check_adapters_agree, check_linear_targets, injected_layers
+from ..layers.base_checks import adapter_targets, check_adapters_agree, check_linear_targets, injected_layers
 from ..bases import BF16_BASE
 from ..bases.int4 import INT4_BASE, Int4BaseLinear
 from ..ops.dequant_linear import release_shared_buffers
 from ..ops.int4_linear import check_group_size
 from ..utils.model_structure import stored_bytes
-from .checks import SHARED_FIELDS
+from ..config.int4 import SHARED_FIELDS
 
 
 def _check_targets(config, adapter_name: str, targets: list) -> None:

@@ -1,5 +1,5 @@
 """Several LoRA linears that read the same x (q/k/v, gate/up) as one op: one shrink pass over x forward,
-one x pass for every dA and one dx backward (``sits_lora.siblings`` decides which layers form a group)."""
+one x pass for every dA and one dx backward (``sits_lora.layers.siblings`` decides which layers form a group)."""
 
 from __future__ import annotations
 

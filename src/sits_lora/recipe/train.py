@@ -95,7 +95,7 @@ class TrainRecipe:
                              f"Triton kernels on a CUDA GPU, PyTorch elsewhere)")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is invalid: allowed values are {', '.join(_DTYPES)}")
-        from ..fp8.checks import FP8_RECIPES
+        from ..config.fp8 import FP8_RECIPES
 
         if self.fp8 is False:  # YAML 1.1 reads an unquoted `fp8: off` as false
             self.fp8 = "off"

@@ -16,7 +16,6 @@ from typing import Optional
 
 import torch
 
-from .. import __version__
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # src/sits_lora
 
@@ -84,7 +83,7 @@ def environment() -> dict:
         "triton": _version("triton"),
         "transformers": _version("transformers"),
         "peft": _version("peft"),
-        "sits_lora": __version__,
+        "sits_lora": _version("sits_lora"),  # the package is imported before any of its modules
         "python": platform.python_version(),
         "git_revision": git_revision(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -5,7 +5,8 @@ A check takes the value and returns None when it is valid, else what is allowed,
 be a positive integer, e.g. r=16"); ``validate`` runs a table of them and raises one ValueError that names the
 field, the value and that sentence, before any slow work starts. The factories take the rest of the sentence
 (``hint``) so each message can say what the value means and give an example. Rules that relate several fields stay
-with their feature (``check_*_config``). Imports nothing but the standard library: config.py loads it before torch.
+in their feature's config module (``sits_lora.config.fp8.check_fp8_config``, ...). Imports nothing but the standard
+library: the config loads it before torch.
 """
 
 from __future__ import annotations

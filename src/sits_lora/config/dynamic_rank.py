@@ -1,10 +1,9 @@
 """Validation of the dynamic-rank fields of SitsLoraConfig.
 
-Kept apart from config.py so that the dynamic-rank rules stay in one place; config.py calls
-:func:`check_dynamic_rank_config` from ``__post_init__`` and lists the per-field checks below in its
-table of checks (``FIELD_CHECKS``, in sits_lora.utils.validation's style). It imports nothing from sits_lora but
-that module, and the package's ``__init__`` loads its layers on first use only, so config.py can import this
-module without pulling in the layers, ops and Triton.
+``adapter.py`` calls :func:`check_dynamic_rank_config` from ``__post_init__`` and lists the per-field checks below
+in its table of checks (``FIELD_CHECKS``, in sits_lora.utils.validation's style); ``sits_lora.dynamic_rank`` reads
+the schedulers, modes and defaults from here. It imports nothing from sits_lora but that module, so the config
+loads without the layers, ops and Triton.
 """
 
 from __future__ import annotations

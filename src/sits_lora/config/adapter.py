@@ -13,11 +13,11 @@ from typing import Any, Literal, Optional
 
 from peft import LoraConfig
 
-from .dynamic_rank import checks as dynamic_rank_checks
-from .fp8 import checks as fp8_checks
-from .int4 import checks as int4_checks
+from ..utils import validation
+from . import dynamic_rank as dynamic_rank_checks
+from . import fp8 as fp8_checks
+from . import int4 as int4_checks
 from .peft_type import sits_lora_peft_type
-from .utils import validation
 
 KERNEL_CHOICES = ("auto", "triton", "torch")
 

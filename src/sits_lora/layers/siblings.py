@@ -38,8 +38,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import ops
-from .bases import autocast_inputs
+from .. import ops
+from ..bases import autocast_inputs
 
 SIBLING_NAME_SETS = (
     ("q_proj", "k_proj", "v_proj"),

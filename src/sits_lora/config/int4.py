@@ -1,6 +1,6 @@
 """Validation of the 4-bit base fields of SitsLoraConfig (``base_quant``, ``int4_group_size``).
 
-As ``sits_lora.fp8.checks``: config.py lists the per-field checks (``FIELD_CHECKS``) in its table and calls
+As ``config/fp8.py``: ``adapter.py`` lists the per-field checks (``FIELD_CHECKS``) in its table and calls
 :func:`check_base_quant_config` from ``__post_init__``. Imports nothing from sits_lora but
 sits_lora.utils.validation, and no torch.
 """

@@ -24,9 +24,9 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.lora.layer import LoraVariant
 from torch import nn
 
-from .bases import BF16_BASE
-from .serving.mixed_batch import mixed_batch_forward
-from .utils.cast_copies import drop_cast_copies
+from ..bases import BF16_BASE
+from ..serving.mixed_batch import mixed_batch_forward
+from ..utils.cast_copies import drop_cast_copies
 
 logger = logging.getLogger("sits_lora")
 
@@ -82,7 +82,7 @@ class FusedAdapterChoice:
     # Set by sits_lora.activations where the frozen model keeps what this layer's input is made from: the
     # ops then save a rebuild of the input instead of the input (SitsLoraConfig.recompute_lora_inputs).
     input_recompute = None
-    # Set by SitsLoraModel for layers that read the same input as others (sits_lora.siblings).
+    # Set by SitsLoraModel for layers that read the same input as others (sits_lora.layers.siblings).
     sibling_group = None
 
     def _input_rebuild_hooks(self, x: torch.Tensor):

@@ -14,8 +14,8 @@ import bitsandbytes as bnb
 import torch
 from peft.tuners.lora.bnb import Linear4bit
 
-from .bases.bnb4 import BNB4_BASE
-from .layer import FusedAdapterChoice
+from ..bases.bnb4 import BNB4_BASE
+from .linear import FusedAdapterChoice
 
 
 class SitsLoraLinear4bit(FusedAdapterChoice, Linear4bit):

@@ -1,8 +1,9 @@
 """Validation of the fp8 fields of SitsLoraConfig.
 
-Kept apart from config.py so that the fp8 rules live with the feature: config.py lists the per-field
-checks below (``FIELD_CHECKS``) in its table and calls :func:`check_fp8_config` from ``__post_init__``. This
-module imports nothing from sits_lora but sits_lora.utils.validation, and no torch (config.py imports it).
+``adapter.py`` lists the per-field checks below (``FIELD_CHECKS``) in its table and calls
+:func:`check_fp8_config` from ``__post_init__``; ``sits_lora.fp8`` reads the defaults and the recipes. This module
+imports nothing from sits_lora but sits_lora.utils.validation, and no torch (the recipe checks its options with it
+before torch loads).
 """
 
 from __future__ import annotations
