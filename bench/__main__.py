@@ -3,31 +3,25 @@
     python -m bench                          # the suites and their scripts, one line each
     python -m bench gate --shapes 1b ...     # a suite's first script (here regress.py) with these arguments
     python -m bench memory memory_plan ...   # another script of the suite
+    python -m bench run gate OUT -- ...      # a device call: a suite's GPU tests, then its scripts (gpu_run.py)
 
 Each script still runs on its own (``python bench/regress.py ...``); this entry finds it by what it measures.
 """
 
 from __future__ import annotations
 
-import ast
 import os
 import runpy
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from suites import LIBRARIES, SUITES  # noqa: E402,F401  (LIBRARIES: for the tests)
-
-
-def summary(script: str) -> str:
-    """The first line of a script's docstring."""
-    with open(os.path.join(HERE, script + ".py")) as f:
-        doc = ast.get_docstring(ast.parse(f.read())) or ""
-    return doc.splitlines()[0] if doc else ""
+from suites import LIBRARIES, SUITES, summary  # noqa: E402,F401  (LIBRARIES: for the tests)
 
 
 def listing() -> str:
-    lines = ["python -m bench SUITE [SCRIPT] [ARGS...]; a suite without SCRIPT runs its first one", ""]
+    lines = ["python -m bench SUITE [SCRIPT] [ARGS...]; a suite without SCRIPT runs its first one",
+             "python -m bench run [RUN OUT ...]: one device call (python -m bench run lists them)", ""]
     for suite, scripts in SUITES.items():
         lines.append(suite)
         lines += [f"  {script:<26} {summary(script)}" for script in scripts]
@@ -40,6 +34,10 @@ def main(argv=None) -> int:
         print(listing())
         return 0
     suite, rest = argv[0], argv[1:]
+    if suite == "run":
+        import gpu_run
+
+        return gpu_run.main(rest)
     if suite not in SUITES:
         print(f"python -m bench: unknown suite {suite!r}; the suites: {', '.join(SUITES)} (python -m bench lists "
               "their scripts)", file=sys.stderr)

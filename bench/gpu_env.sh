@@ -1,6 +1,7 @@
-# Sourced by the bench/run_*_gpu.sh scripts, from the repository root: the wheels the GPU image lacks (liger-kernel,
-# gguf; datasets, dill and multiprocess for recipes/train.py; carried in .whl/) installed into /tmp/site, the source
-# tree on PYTHONPATH, and the GPU named in the log. .whl/ is ignored by git: make it on the development machine with
+# The environment of an ad-hoc device command, sourced from the repository root (`python -m bench run` sets up its
+# runs the same way itself): the wheels the GPU image lacks (liger-kernel, gguf; datasets, dill and multiprocess for
+# recipes/train.py; diffusers; pytest-random-order), carried in .whl/, installed into /tmp/site, the source tree on
+# PYTHONPATH, and the GPU named in the log. .whl/ is ignored by git: make it on the development machine with
 #   pip download -q --no-deps --only-binary :all: --python-version 3.12 -d .whl liger-kernel==0.8.5 gguf datasets \
 #       dill multiprocess diffusers importlib-metadata pytest-random-order==1.2.0
 # (about 8 MB) and name it in the device call's carry list.
@@ -10,10 +11,3 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # absolute: tests run the recipe from other folders
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
-# pack: with PACK=1, OUT (the calling script's output folder) becomes one OUT.tgz (the device tool returns at most
-# 8 files); the scripts call it on exit (trap pack EXIT)
-pack() {
-    if [ "${PACK:-0}" = 1 ]; then
-        tar -czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && rm -rf "$OUT"
-    fi
-}

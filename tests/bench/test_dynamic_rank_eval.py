@@ -237,12 +237,3 @@ def test_router_learning_rate_scale_reaches_the_routers_only():
     changed = {n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])}
     assert changed and not any("lora_router" in n for n in changed)
     assert any("lora_A" in n for n in changed)
-
-
-def test_gpu_phase_script_refuses_a_bad_phase_before_creating_anything(tmp_path):
-    script = os.path.join(REPO_ROOT, "bench", "run_dynamic_rank_gpu.sh")
-    proc = subprocess.run(["bash", script, str(tmp_path / "out"), "model.gguf", "evaluate"], capture_output=True, text=True)
-    assert proc.returncode == 2 and "PHASE must be trace, static, routed or layer, not 'evaluate'" in proc.stderr
-    assert not (tmp_path / "out").exists()
-    proc = subprocess.run(["bash", script, str(tmp_path / "out")], capture_output=True, text=True)
-    assert proc.returncode == 2 and proc.stderr.startswith("usage: bash bench/run_dynamic_rank_gpu.sh OUT MODEL")
