@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -14,19 +13,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..utils.env import environment
-from .constraints import (
-    ConstraintResult,
-    apply_policies,
-    check_int4,
-    check_memory,
-    check_pcie,
-    check_rank,
-    estimate_step_seconds,
-    pcie_bytes_per_step,
-    resolve_policies,
-    results_table,
-)
+from .constraints import ConstraintResult, apply_policies, check_pcie, resolve_policies
 from .guards import (
     NAN_POLICIES,
     ActivationWatch,
@@ -36,21 +23,16 @@ from .guards import (
     NonFiniteGradientError,
     activation_message,
 )
-from .alternatives import memory_alternatives
 from .hardware import HardwareReport, probe_hardware
-from ..activations.offload import offloads_checkpoints
-from ..utils.model_structure import checkpointed_layers, decoder_layers, text_config, unwrap_model
 from ..utils import validation
-from ..utils.units import GIB
-from .memory import MemoryPlan, UnsupportedModelError, plan_memory
-from .run_shape import batch_bytes, infer_seq_len, optimizer_kind, weight_bytes
+from .memory import MemoryPlan, plan_memory
+from .preflight import RunCheck, check_run, write_report
 
 logger = logging.getLogger("sits_lora")
 
 # per checkpoint: the training state of model modules with sits_checkpoint_state (fp8 scaling)
 MODULE_STATE_FILE = "sits_lora_state.pt"
 
-REPORT_FILE = "hardware_report.json"
 StepHook = Callable[[int, bool], None]
 # The step after which the PCIe check is run again with the measured step time (the first steps
 # include compilation and allocator warm-up).
@@ -219,10 +201,14 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
             self._restore_module_states(args, state)
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.hardware = probe_hardware(device, cache_dir=self.hardware_cache_dir)
+        check = RunCheck()
         if any(p != "off" for p in self.policies.values()):
-            self.results = self._check_constraints(args, model, train_dataloader)
+            check = check_run(args, model, train_dataloader, self.hardware, self.policies, seq_len=self.seq_len,
+                              rank_share=self.rank_share, memory_budget_gib=self.memory_budget_gib)
+        self.results, self.memory_plan = check.results, check.memory_plan
+        self._plan_inputs, self._pcie_parts = check.plan_inputs, check.pcie_parts
         if self.report:
-            self._report(args, state)
+            write_report(args, state, self.hardware, check, self.policies, self.nan_policy)
         apply_policies(self.results, self.policies, self.memory_plan)
 
     def _restore_counts(self, state) -> None:
@@ -254,108 +240,6 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
         if self.detect_nonfinite_activations:
             self._watch = ActivationWatch()
             self._watch.attach(model)
-
-    # ------------------------------------------------------------------ constraints
-
-    def _check_constraints(self, args, model, train_dataloader) -> list[ConstraintResult]:
-        seq_len = self.seq_len or infer_seq_len(train_dataloader)
-        batch = int(args.per_device_train_batch_size)
-        accumulation = int(args.gradient_accumulation_steps)
-        tokens = batch * seq_len if seq_len else None
-        autocast = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else None)
-        optimizer = optimizer_kind(str(getattr(args.optim, "value", args.optim)))
-        # transformers' offload (every checkpointed layer's input), or sits_lora's own, which the plan reads per layer
-        # from the model (enable_offloaded_checkpointing(keep_on_device=...))
-        transformers_offload = bool((getattr(args, "activation_checkpointing_kwargs", None)
-                                     or getattr(args, "gradient_checkpointing_kwargs", None) or {}).get("offload", False))
-        blocks = decoder_layers(unwrap_model(model))[1]
-        offload = transformers_offload or any(offloads_checkpoints(b) for b in blocks)
-        n_ckpt = checkpointed_layers(model)
-        plan_kwargs = dict(optimizer=optimizer, autocast_dtype=autocast, gradient_accumulation_steps=accumulation,
-                           activation_offload=True if transformers_offload else None)
-        results: list[ConstraintResult] = []
-        plan_error = ""
-        self.memory_plan = None
-        self._plan_inputs = (batch, seq_len, plan_kwargs) if seq_len else None
-        if seq_len:
-            try:
-                self.memory_plan = plan_memory(model, batch, seq_len, **plan_kwargs)
-            except UnsupportedModelError as error:
-                plan_error = str(error)
-            except Exception as error:  # a plan must never stop training by itself
-                plan_error = f"plan_memory failed: {type(error).__name__}: {error}"
-                logger.warning("sits_lora: %s; the memory check is skipped.", plan_error)
-        else:
-            plan_error = "sequence length unknown (pass SitsHardwareCallback(seq_len=...))"
-
-        if self.policies["memory"] != "off":
-            budget, source = self._memory_budget(model)
-            alternatives = {}
-            if self.memory_plan is not None and budget is not None and self.memory_plan.total > budget:
-                alternatives = memory_alternatives(model, batch, seq_len, self.memory_plan, budget, n_ckpt, plan_kwargs,
-                                                   self.hardware)
-            results.append(check_memory(self.memory_plan, budget, source, alternatives, plan_error))
-
-        act_bytes = 2 if autocast is not None else weight_bytes(model)
-        if self.policies["rank"] != "off":
-            results.append(check_rank(model, self.hardware, tokens, act_bytes, self.rank_share))
-
-        if self.policies["pcie"] != "off":
-            offload_bytes = 0
-            if self.memory_plan is not None:
-                offload_bytes = self.memory_plan.host_offload  # what goes to the host, layer by layer, as planned
-            elif offload and seq_len:
-                config = text_config(unwrap_model(model))
-                offload_bytes = n_ckpt * tokens * int(config.hidden_size) * weight_bytes(model)
-            self._pcie_parts = pcie_bytes_per_step(
-                model, batch_bytes=batch_bytes(train_dataloader, batch), activation_offload_bytes=offload_bytes,
-                gradient_checkpointing=n_ckpt > 0, accumulation=accumulation)
-            step_seconds = None
-            if self.hardware.is_cuda and self.hardware.matmul_flops and tokens:
-                step_seconds = estimate_step_seconds(model, tokens, self.hardware.matmul_flops, accumulation, n_ckpt > 0)
-            results.append(check_pcie(self._pcie_parts, self.hardware, step_seconds, "roofline estimate"))
-
-        if self.policies["int4"] != "off":
-            results.append(check_int4(model))
-        return results
-
-    def _memory_budget(self, model) -> tuple[Optional[int], str]:
-        if self.memory_budget_gib is not None:
-            return int(self.memory_budget_gib * GIB), "memory_budget_gib"
-        if self.hardware.is_cuda:
-            device = torch.device(self.hardware.device)
-            free, _ = torch.cuda.mem_get_info(device)
-            return int(free + torch.cuda.memory_reserved(device)), f"free on {self.hardware.device}"
-        resident = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
-        return int(self.hardware.free_memory + resident), "available host memory"
-
-    def _report(self, args, state) -> None:
-        if state.is_local_process_zero:
-            lines = ["[sits_lora] hardware", self.hardware.table()]
-            if self.results:
-                lines += ["[sits_lora] constraints", results_table(self.results)]
-            if self.memory_plan is not None:
-                lines.append(self.memory_plan.table())
-            print("\n".join(lines), flush=True)
-        if state.is_world_process_zero and args.output_dir:
-            os.makedirs(args.output_dir, exist_ok=True)
-            payload = {
-                "hardware": self.hardware.to_dict(),
-                "constraints": [r.to_dict() for r in self.results],
-                "policies": self.policies,
-                "memory_plan": self.memory_plan.to_dict() if self.memory_plan is not None else None,
-                "nan_policy": self.nan_policy,
-                "training": {"per_device_train_batch_size": args.per_device_train_batch_size,
-                             "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                             "world_size": args.world_size, "bf16": args.bf16, "fp16": args.fp16,
-                             "use_liger_kernel": bool(getattr(args, "use_liger_kernel", False))},
-                "environment": environment(),
-            }
-            path = os.path.join(args.output_dir, REPORT_FILE)
-            tmp = path + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(payload, f, indent=2, default=str)
-            os.replace(tmp, path)
 
     # ------------------------------------------------------------------ per step
 
