@@ -17,13 +17,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _model(seed=0):
+def _model(seed=0, attention="sdpa"):
     from peft import get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                          num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=1024,
-                         attn_implementation="sdpa", tie_word_embeddings=False)
+                         attn_implementation=attention, tie_word_embeddings=False)
     torch.manual_seed(seed)
     with torch.device("cuda"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
@@ -135,25 +135,30 @@ def test_a_recorded_step_with_a_non_finite_loss_is_left_unapplied(tmp_path):
 def test_skip_on_device_equals_run_without_those_updates(tmp_path):
     fault_steps = (2,)
     undo = UndoUpdates(fault_steps)
-    reference = NativeLoraTrainer(model=_model(), args=_args(tmp_path / "ref"), train_dataset=_dataset(),
+    # eager attention: SDPA's flash backward accumulates dQ with atomics, so two runs differ by bf16 noise, which
+    # Adam's first steps turn into updates of about lr wherever a gradient is near zero (below); the sits_lora
+    # kernels use no atomics in their sums
+    reference = NativeLoraTrainer(model=_model(attention="eager"), args=_args(tmp_path / "ref"),
+                                  train_dataset=_dataset(),
                                   callbacks=[SitsHardwareCallback(report=False, nan_policy="off"), undo.callback])
     reference.train()
-    model = _model()
+    model = _model(attention="eager")
     GradFault(model, "base_model.model.model.layers.3.mlp.down_proj.lora_B.default.weight", float("nan"), fault_steps)
     callback = SitsHardwareCallback(report=False, nan_policy="skip")
     trainer = NativeLoraTrainer(model=model, args=_args(tmp_path / "run"), train_dataset=_dataset(), callbacks=[callback])
     trainer.train()
     assert trainer.state.global_step == 4 and callback.nonfinite_steps == 1
     ours, ref = trainable_state(trainer.model), trainable_state(reference.model)
-    # bf16 GPU kernels (attention backward) are not bitwise deterministic, and Adam turns gradient
-    # noise on near-zero gradients into updates of up to lr: measured on the H200 in two runs, 9 of
-    # 16384 values differed by up to 5.8e-5 and 1 by 1.1e-4, with lr 1e-3. A step applied by mistake
-    # moves every value by about lr, so: no value off by half of lr, and the tensor as a whole far
-    # closer than one step.
+    # Under SDPA the runs differed by noise that Adam's early steps amplify: a value whose near-zero gradient's sign
+    # the noise flips moves by about lr the other way (on an H100, from 0.1 % to 2.1 % of layer 0's q_proj lora_A
+    # values more than lr/2 apart, run to run). Whatever noise is left stays as small: few values (0.5 % of a
+    # tensor) off by half of lr, none by more than the two steps since the fault can move it, and the tensor as a
+    # whole far closer than one step; a step applied by mistake moves every value by about lr.
     lr = trainer.args.learning_rate
     for name in ours:
         diff = (ours[name].float() - ref[name].float())
-        assert diff.abs().max() <= 0.5 * lr, name
+        assert (diff.abs() > 0.5 * lr).float().mean() <= 0.005, name
+        assert diff.abs().max() <= 2 * lr, name
         assert diff.norm() <= 0.05 * lr * diff.numel() ** 0.5, name
     # Adam's moments carry the same bf16 noise (measured: 12 % of exp_avg values off by up to 3.7e-6);
     # a skipped step that still advanced them would change them by their own size.
