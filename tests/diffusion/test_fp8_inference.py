@@ -284,7 +284,7 @@ def test_bad_inputs_are_refused_before_any_work():
     with pytest.raises(ValueError, match="none of the calibration's 1 layers is a bf16 layer of this "
                                          "UNet2DConditionModel"):
         quantize_fp8(pipe, other)
-    with pytest.raises(ValueError, match="min_rows must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"quantize_fp8\(min_rows=-1\) is invalid: it must be a non-negative integer"):
         quantize_fp8(pipe, other, min_rows=-1)
     with pytest.raises(TypeError, match="calibration must be an Fp8Calibration"):
         quantize_fp8(pipe, {"amax": {}})

@@ -110,5 +110,5 @@ def test_sampler_refuses_bad_input(tmp_path):
         sampler.entropies(_data(n=1))
     with pytest.raises(ValueError, match="example 0 has neither 'input_ids' nor 'text'"):
         sampler.entropies([{"labels": [1, 2]}])
-    with pytest.raises(ValueError, match="TokenEntropySampler batch_size=0 is invalid"):
+    with pytest.raises(ValueError, match=r"TokenEntropySampler\(batch_size=0\) is invalid: it must be a positive integer"):
         TokenEntropySampler(tiny_llama(), batch_size=0)

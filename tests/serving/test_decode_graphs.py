@@ -126,7 +126,7 @@ def test_refusals_name_the_fix():
     model = _two_adapters()
     with pytest.raises(ValueError, match=r"model.to\('cuda'\)"):
         graph_decode(model)
-    with pytest.raises(ValueError, match="max_tokens must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"graph_decode\(max_tokens=.*\) is invalid: it must be a positive integer"):
         graph_decode(model, max_tokens=0)
     with pytest.raises(TypeError, match="not a transformers causal LM"):
         graph_decode(torch.nn.Linear(2, 2))

@@ -101,7 +101,7 @@ def test_refusals_name_the_fix():
     model = _model()
     with pytest.raises(ValueError, match=r"no adapter named \['three'\]"):
         serving_plan(model, ["one", "three"], 10)
-    with pytest.raises(ValueError, match="new_tokens must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"serving_plan\(new_tokens=.*\) is invalid: it must be a positive integer"):
         serving_plan(model, "one", 0)
     with pytest.raises(ValueError, match="one per sample"):
         serving_plan(model, [], 10)

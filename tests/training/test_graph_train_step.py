@@ -32,9 +32,9 @@ def test_refusals_name_the_fix(monkeypatch):
         graph_train_step(None, optimizer)
     with pytest.raises(TypeError, match="optimizer must be the torch.optim.Optimizer"):
         graph_train_step(_noop, [param])
-    with pytest.raises(ValueError, match="warmup must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"graph_train_step\(warmup=0\) is invalid: it must be a positive integer"):
         graph_train_step(_noop, optimizer, warmup=0)
-    with pytest.raises(ValueError, match="max_graphs must be an int >= 1, got True"):
+    with pytest.raises(ValueError, match=r"graph_train_step\(max_graphs=True\) is invalid: it must be a positive integer"):
         graph_train_step(_noop, optimizer, max_graphs=True)
     with pytest.raises(TypeError, match="assume_causal_attention must be True or False, got 'yes'"):
         graph_train_step(_noop, optimizer, assume_causal_attention="yes")

@@ -279,11 +279,11 @@ def test_plan_on_meta_device_for_full_size_shapes():
 
 def test_plan_bad_inputs_are_named():
     model = llama("sits", False)
-    with pytest.raises(ValueError, match=r"plan_memory: batch_size=0 is invalid: it must be a positive integer"):
+    with pytest.raises(ValueError, match=r"plan_memory\(batch_size=0\) is invalid: it must be a positive integer"):
         plan_memory(model, 0, 128)
-    with pytest.raises(ValueError, match=r"plan_memory: seq_len=1.5 is invalid"):
+    with pytest.raises(ValueError, match=r"plan_memory\(seq_len=1.5\) is invalid"):
         plan_memory(model, 1, 1.5)
-    with pytest.raises(ValueError, match=r"optimizer='adam9' is invalid: allowed values are 'adamw'"):
+    with pytest.raises(ValueError, match=r"optimizer='adam9'\) is invalid: allowed values are 'adamw'"):
         plan_memory(model, 1, 16, optimizer="adam9")
     with pytest.raises(UnsupportedModelError, match="has no list of decoder layers"):
         plan_memory(tiny_mlp(), 1, 16)

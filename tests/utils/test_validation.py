@@ -15,6 +15,7 @@ from sits_lora.utils import validation
     (validation.non_negative_int(), [0, 3], [-1, 0.0, False]),
     (validation.number(), [0, -2.5, 3], [math.nan, math.inf, True, "1", None]),
     (validation.positive_number(), [0.1, 7], [0, -1, math.inf, math.nan, True]),
+    (validation.non_negative_number(), [0, 2.5], [-0.1, math.nan, math.inf, True, None]),
     (validation.fraction(), [0.5, 1e-9], [0, 1, 1.5, True]),
     (validation.probability(), [0, 0.999], [1, -0.1, False]),
     (validation.boolean, [True, False], [0, 1, "True", None]),
@@ -29,6 +30,7 @@ def test_none_is_allowed_only_when_asked_and_the_hint_ends_the_sentence():
     assert validation.positive_int(allow_none=True)(None) is None
     assert validation.positive_number(", e.g. x=2")(None) == "it must be a positive number, e.g. x=2"
     assert validation.choice(("off", "on"))("x") == "allowed values are 'off', 'on'"
+    assert validation.choice(("off", "on"), " (on: ...)")("x") == "allowed values are 'off', 'on' (on: ...)"
 
 
 def test_validate_raises_on_the_first_bad_field_in_table_order():
@@ -38,3 +40,11 @@ def test_validate_raises_on_the_first_bad_field_in_table_order():
         validation.validate(checks, values.__getitem__, lambda name, value: f"Thing({name}={value!r})")
     assert str(raised.value) == "Thing(a=0) is invalid: it must be a positive integer, e.g. a=1."
     validation.validate(checks, {"a": 2, "b": True}.__getitem__, lambda name, value: name)   # no error
+
+
+def test_check_arguments_names_the_call_and_the_first_bad_argument():
+    with pytest.raises(ValueError) as raised:
+        validation.check_arguments("plan", steps=(3, validation.positive_int()), images=(0, validation.positive_int()),
+                                   mode=("x", validation.choice(("a",))))
+    assert str(raised.value) == "plan(images=0) is invalid: it must be a positive integer."
+    validation.check_arguments("plan", steps=(3, validation.positive_int()))   # no error

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..utils.model_structure import decoder_layers, restore_forwards, unwrap_model
+from ..utils import validation
 
 # Below this many bytes a saved tensor stays on its device.
 DEFAULT_MIN_BYTES = 1 << 20
@@ -266,12 +267,10 @@ def enable_offloaded_checkpointing(model: nn.Module, *, every_n_layers: int = 1,
 
     Returns the model.
     """
-    if not isinstance(keep_on_device, int) or keep_on_device < 0:
-        raise ValueError(f"enable_offloaded_checkpointing: keep_on_device={keep_on_device!r} is invalid: it must be "
-                         f"an int >= 0 (layers whose inputs stay on the device).")
-    if every_n_layers < 1:
-        raise ValueError(f"enable_offloaded_checkpointing: every_n_layers={every_n_layers} is invalid: it must be "
-                         f">= 1 (1 checkpoints every layer).")
+    validation.check_arguments(
+        "enable_offloaded_checkpointing",
+        keep_on_device=(keep_on_device, validation.non_negative_int(" (layers whose inputs stay on the device)")),
+        every_n_layers=(every_n_layers, validation.positive_int(" (1 checkpoints every layer)")))
     inner = _transformers_model(model)
     if not getattr(inner, "supports_gradient_checkpointing", False):
         raise ValueError(f"enable_offloaded_checkpointing: {type(inner).__name__} does not support gradient "

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ..utils.model_structure import decoder_layers, restore_forwards, unwrap_model
+from ..utils import validation
 
 DEFAULT_TILE_TOKENS = 8192
 
@@ -139,9 +140,8 @@ class TiledForward:
 def tile_mlp(model: nn.Module, tile_tokens: int = DEFAULT_TILE_TOKENS) -> int:
     """Run the MLP of every decoder layer of ``model`` in tiles of ``tile_tokens`` tokens when a batch holds more
     (see the module docstring). Returns how many MLPs were tiled; undo with :func:`untile_mlp`."""
-    if not isinstance(tile_tokens, int) or tile_tokens < 1:
-        raise ValueError(f"tile_mlp: tile_tokens={tile_tokens!r} is invalid: it must be a positive int (tokens per "
-                         f"tile; {DEFAULT_TILE_TOKENS} keeps a tile's T x I tensors under a GiB on 8B shapes).")
+    validation.check_arguments("tile_mlp", tile_tokens=(tile_tokens, validation.positive_int(
+        f" (tokens per tile; {DEFAULT_TILE_TOKENS} keeps a tile's T x I tensors under a GiB on 8B shapes)")))
     _, blocks = decoder_layers(unwrap_model(model))
     count = 0
     for block in blocks:

@@ -43,6 +43,7 @@ from torch import nn
 from ..bases.fp8 import MIN_CAPABILITY
 from ..ops import fp8 as fp8_ops
 from ..ops import fp8_conv
+from ..utils import validation
 from .reuse import denoiser_of
 
 logger = logging.getLogger("sits_lora")
@@ -379,9 +380,8 @@ def quantize_fp8(pipe, calibration: Fp8Calibration, min_rows: int = 256, margin:
     if not isinstance(calibration, Fp8Calibration):
         raise TypeError(f"quantize_fp8: calibration must be an Fp8Calibration (from calibrate or "
                         f"Fp8Calibration.load), got {type(calibration).__name__}")
-    for name, value in (("min_rows", min_rows), ("margin", margin)):
-        if not isinstance(value, int) or value < 0:
-            raise ValueError(f"quantize_fp8: {name} must be an int >= 0, got {value!r}")
+    validation.check_arguments("quantize_fp8", min_rows=(min_rows, validation.non_negative_int()),
+                               margin=(margin, validation.non_negative_int()))
     decoder = _vae_decoder(pipe) if vae_decoder else None
     if vae_decoder and decoder is None:
         raise ValueError(f"quantize_fp8: vae_decoder=True needs a pipeline with a .vae that has a decoder; got "

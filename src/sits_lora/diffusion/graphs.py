@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..utils.cuda_graphs import AdapterState, NotGraphable, capture_or_undo, copy_output, describe_call, substitute
+from ..utils import validation
 from .reuse import cross_attention_groups, denoiser_of
 
 logger = logging.getLogger("sits_lora")
@@ -204,9 +205,8 @@ def graph_denoiser(pipe_or_model, max_graphs: int = 4, warmup: int = 2) -> Denoi
     if isinstance(model.__dict__.get("forward"), DenoiserGraphs):
         raise ValueError("graph_denoiser: this denoiser's forward is already recorded; call .release() on the "
                          "DenoiserGraphs first")
-    for name, value in (("max_graphs", max_graphs), ("warmup", warmup)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"graph_denoiser: {name} must be an int >= 1, got {value!r}")
+    validation.check_arguments("graph_denoiser", max_graphs=(max_graphs, validation.positive_int()),
+                               warmup=(warmup, validation.positive_int()))
     parameter = next(model.parameters(), None)
     if parameter is None or not parameter.is_cuda:
         where = "no parameters" if parameter is None else f"parameters on {parameter.device}"

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..utils.merging import base_weights_kept, merged_adapters, time_ms, tuner_layers, why_not_mergeable
+from ..utils import validation
 from .reuse import denoiser_of
 
 
@@ -131,8 +132,7 @@ def measure_denoiser_costs(pipe_or_model, adapter: Optional[str] = None, inputs:
     model = denoiser_of(pipe_or_model, "measure_denoiser_costs")
     adapter = adapter or _active_adapter(model, "measure_denoiser_costs")
     _check_adapter(model, adapter, "measure_denoiser_costs")   # else every layer is skipped: costs of nothing
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"measure_denoiser_costs: repeats must be an int >= 1, got {repeats!r}")
+    validation.check_arguments("measure_denoiser_costs", repeats=(repeats, validation.positive_int()))
     reason = why_not_mergeable(model, adapter)
     if reason is not None:
         raise ValueError(f"measure_denoiser_costs: adapter {adapter!r} cannot be merged: {reason} (merge before "
@@ -170,9 +170,8 @@ def merge_plan(pipe_or_model, images: int, steps: int = 30, adapter: Optional[st
     active one) merged or unmerged (module docstring). ``costs``: measured elsewhere (default:
     :func:`measure_denoiser_costs` now, with ``inputs``). ``apply``: put the denoiser in that state."""
     model = denoiser_of(pipe_or_model, "merge_plan")
-    for name, value in (("images", images), ("steps", steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"merge_plan: {name} must be an int >= 1, got {value!r}")
+    validation.check_arguments("merge_plan", images=(images, validation.positive_int()),
+                               steps=(steps, validation.positive_int()))
     adapter = adapter or _active_adapter(model, "merge_plan")
     _check_adapter(model, adapter, "merge_plan")
     reason = why_not_mergeable(model, adapter)

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from ..layers.linear import SitsLoraLinear
 from ..utils.cache import cache_root
+from ..utils import validation
 from .router import rms_normalize
 from .variant import holds_dynamic_rank
 
@@ -119,13 +120,12 @@ class TokenEntropySampler:
     def __init__(self, model: nn.Module, tokenizer: Any = None, *, batch_size: int = 8, max_length: int = 512,
                  cache_dir: Optional[os.PathLike] = None, progress: bool = True, probe_lr: float = 3e-3,
                  probe_steps_per_batch: int = 4, probe_tokens_per_batch: int = 2048, seed: int = 0):
-        for name, value in (("batch_size", batch_size), ("max_length", max_length),
-                            ("probe_steps_per_batch", probe_steps_per_batch),
-                            ("probe_tokens_per_batch", probe_tokens_per_batch)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"TokenEntropySampler {name}={value!r} is invalid: it must be a positive integer")
-        if not probe_lr > 0:
-            raise ValueError(f"TokenEntropySampler probe_lr={probe_lr!r} is invalid: it must be positive")
+        validation.check_arguments(
+            "TokenEntropySampler", batch_size=(batch_size, validation.positive_int()),
+            max_length=(max_length, validation.positive_int()),
+            probe_steps_per_batch=(probe_steps_per_batch, validation.positive_int()),
+            probe_tokens_per_batch=(probe_tokens_per_batch, validation.positive_int()),
+            probe_lr=(probe_lr, validation.positive_number()))
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size

@@ -18,9 +18,20 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..utils import validation
 from .liger import liger_kernel_config, resolve_liger, under_accelerate_fsdp
 
 LLAMA_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# The numeric options' checks (sits_lora.utils.validation: standard library only, so a bad value answers before torch
+# loads), run first in TrainRecipe.__post_init__.
+_NUMBER_CHECKS: dict[str, validation.Check] = {
+    "cpu_threads": validation.non_negative_int(" (0: all cores of this process's share)"),
+    "save_steps": validation.non_negative_int(" (0: three checkpoints per run)"),
+    **{name: validation.positive_int() for name in ("max_steps", "batch_size", "grad_accum", "seq_len", "eval_blocks",
+                                                     "r", "logging_steps")},
+    "learning_rate": validation.positive_number(", e.g. learning_rate: 2e-4"),
+}
 
 
 @dataclass
@@ -73,23 +84,13 @@ class TrainRecipe:
     cpu_threads: int = field(default=0, metadata={"help": "torch CPU threads; 0 = all cores of this process's share"})
 
     def __post_init__(self) -> None:
-        if isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:
-            raise ValueError(f"cpu_threads={self.cpu_threads!r} is invalid: it must be 0 (all cores) or a positive integer")
-        if isinstance(self.save_steps, bool) or not isinstance(self.save_steps, int) or self.save_steps < 0:
-            raise ValueError(f"save_steps={self.save_steps!r} is invalid: it must be 0 (three checkpoints per run) or "
-                             f"a positive integer")
+        validation.validate(_NUMBER_CHECKS, lambda name: getattr(self, name), lambda name, value: f"{name}={value!r}")
         for name in ("resume", "overwrite"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: it must be true or false")
         if self.resume and self.overwrite:
             raise ValueError("resume=true and overwrite=true contradict each other: resume continues the run in "
                              "output_dir, overwrite replaces it; choose one")
-        for name in ("max_steps", "batch_size", "grad_accum", "seq_len", "eval_blocks", "r", "logging_steps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate={self.learning_rate!r} is invalid: it must be positive")
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel={self.kernel!r} is invalid: allowed values are {', '.join(KERNELS)} (auto: the "
                              f"Triton kernels on a CUDA GPU, PyTorch elsewhere)")

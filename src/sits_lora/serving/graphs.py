@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ..utils.cast_copies import kept_cast_copies, refresh_cast_copies
+from ..utils import validation
 from ..utils.cuda_graphs import (NotGraphable, adapter_state, capture_or_undo, copy_output, describe_call, first_line,
                                  run_on_side_stream, substitute)
 from .mixed_batch import buffers_in_use
@@ -237,9 +238,9 @@ def graph_decode(model: nn.Module, max_graphs: int = 8, warmup: int = 2, max_tok
     """Record ``model``'s decode steps (a PeftModel or a transformers causal LM, on a CUDA GPU) as CUDA graphs and
     replay them (module docstring). ``max_tokens``: the most new tokens per sample a recorded call may feed (1:
     plain decoding). Returns the installed :class:`DecodeGraphs` (``.release()`` uninstalls it)."""
-    for name, value in (("max_graphs", max_graphs), ("warmup", warmup), ("max_tokens", max_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"graph_decode: {name} must be an int >= 1, got {value!r}")
+    validation.check_arguments("graph_decode", max_graphs=(max_graphs, validation.positive_int()),
+                               warmup=(warmup, validation.positive_int()),
+                               max_tokens=(max_tokens, validation.positive_int()))
     if not isinstance(model, nn.Module):
         raise TypeError(f"graph_decode: model must be a PeftModel or a transformers causal LM, got "
                         f"{type(model).__name__}")

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..utils.cuda_graphs import capture_or_undo
+from ..utils import validation
 from ..utils.merging import base_weights_kept, merged_adapters, time_ms, why_not_mergeable
 
 BASE = "__base__"
@@ -117,9 +118,8 @@ def measure_serving_costs(model: nn.Module, adapter: str, batch_size: int = 1, g
     if adapter not in model.peft_config:
         raise ValueError(f"measure_serving_costs: no adapter named {adapter!r}; the model has "
                          f"{sorted(model.peft_config)}")
-    for name, value in (("batch_size", batch_size), ("repeats", repeats)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"measure_serving_costs: {name} must be an int >= 1, got {value!r}")
+    validation.check_arguments("measure_serving_costs", batch_size=(batch_size, validation.positive_int()),
+                               repeats=(repeats, validation.positive_int()))
     parameter = next(model.parameters())
     device = parameter.device
     if graphs and device.type != "cuda":
@@ -179,8 +179,7 @@ def serving_plan(model: nn.Module, adapter_names: Union[str, Sequence[str]], new
     if unknown:
         raise ValueError(f"serving_plan: no adapter named {unknown}; the model has {sorted(model.peft_config)} "
                          f"(or {BASE!r} for none)")
-    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
-        raise ValueError(f"serving_plan: new_tokens must be an int >= 1, got {new_tokens!r}")
+    validation.check_arguments("serving_plan", new_tokens=(new_tokens, validation.positive_int()))
     distinct = list(dict.fromkeys(names))
     per_sample = names if len(names) > 1 else None
     if distinct == [BASE]:

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ..utils.device_probe import pinned_bandwidth
+from ..utils import validation
 
 SLOT_PREFIX = "pool_slot"
 
@@ -47,9 +48,8 @@ class AdapterPool:
     def __init__(self, model: nn.Module, capacity: int = 4, max_rank: int = 64) -> None:
         from peft.tuners.lora import LoraLayer
 
-        for field, value in (("capacity", capacity), ("max_rank", max_rank)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"AdapterPool: {field} must be an int >= 1, got {value!r}")
+        validation.check_arguments("AdapterPool", capacity=(capacity, validation.positive_int(" (GPU slots)")),
+                                   max_rank=(max_rank, validation.positive_int(" (the slots' rank)")))
         configs = getattr(model, "peft_config", None)
         if not configs:
             raise TypeError("AdapterPool needs a PeftModel with at least one LoRA adapter (get_peft_model(model, "
@@ -213,8 +213,8 @@ class AdapterPool:
         """The stall a copy of ``name`` costs when ``overlap_ms`` of compute runs between its prefetch and the batch
         that needs it (0: not prefetched): its bytes over ``bandwidth`` (bytes/s; default the pinned host->device
         bandwidth measured once on this GPU, as the guard rails' PCIe check measures it) less the overlap."""
-        if not overlap_ms >= 0:
-            raise ValueError(f"AdapterPool.predicted_stall_ms: overlap_ms must be >= 0, got {overlap_ms!r}")
+        validation.check_arguments("AdapterPool.predicted_stall_ms",
+                                   overlap_ms=(overlap_ms, validation.non_negative_number(" (milliseconds)")))
         if bandwidth is None:
             if self.device.type != "cuda":
                 raise ValueError("AdapterPool.predicted_stall_ms: the pool is on the CPU (no PCIe copy to predict); "
@@ -222,8 +222,8 @@ class AdapterPool:
             if self._bandwidth is None:
                 self._bandwidth = pinned_bandwidth(self.device, 64 * 2**20, "host->device")[0]
             bandwidth = self._bandwidth
-        if not bandwidth > 0:
-            raise ValueError(f"AdapterPool.predicted_stall_ms: bandwidth must be > 0 bytes/s, got {bandwidth!r}")
+        validation.check_arguments("AdapterPool.predicted_stall_ms",
+                                   bandwidth=(bandwidth, validation.positive_number(" (bytes/s)")))
         return max(0.0, self.adapter_bytes(name) / bandwidth * 1e3 - overlap_ms)
 
     def _claim(self, name: str, protect) -> str:

@@ -56,6 +56,7 @@ import torch
 from torch import nn
 
 from ..utils.cast_copies import note_replayed_weight_writes
+from ..utils import validation
 from ..utils.cuda_graphs import (AdapterState, NotGraphable, capture_or_undo, copy_output, describe_call, first_line,
                                  run_on_side_stream, substitute)
 
@@ -430,9 +431,8 @@ def graph_train_step(step_fn: Callable,
         if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
             raise TypeError("graph_train_step: optimizer must be the torch.optim.Optimizer the step function steps "
                             f"(a list of them, or None), got {optimizer!r}")
-    for name, value, least in (("warmup", warmup, 1), ("max_graphs", max_graphs, 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise ValueError(f"graph_train_step: {name} must be an int >= {least}, got {value!r}")
+    validation.check_arguments("graph_train_step", warmup=(warmup, validation.positive_int()),
+                               max_graphs=(max_graphs, validation.positive_int()))
     if not isinstance(assume_causal_attention, bool):
         raise TypeError("graph_train_step: assume_causal_attention must be True or False, got "
                         f"{assume_causal_attention!r}")

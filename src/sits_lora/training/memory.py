@@ -51,6 +51,7 @@ from torch import nn
 
 from ..ops.cross_entropy import chunk_rows_for
 from ..utils.cuda_graphs import cublas_workspace_bytes
+from ..utils import validation
 from ..utils.model_structure import decoder_layers, text_config, unwrap_model
 from ..utils.units import GIB, format_bytes
 from .memory_activations import (AdaptedLayers, BlockActivations, ModelShape, block_activations, frozen_block_bytes,
@@ -149,17 +150,12 @@ def _optimizer_bytes(optimizer: str, trainable: list[nn.Parameter]) -> int:
 
 
 def _check_args(batch_size, seq_len, optimizer, gradient_accumulation_steps, mlp_tile_tokens):
-    for name, value in (("batch_size", batch_size), ("seq_len", seq_len),
-                        ("gradient_accumulation_steps", gradient_accumulation_steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"plan_memory: {name}={value!r} is invalid: it must be a positive integer.")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"plan_memory: optimizer={optimizer!r} is invalid: allowed values are "
-                         f"{', '.join(map(repr, OPTIMIZERS))}.")
-    if mlp_tile_tokens is not None and (isinstance(mlp_tile_tokens, bool) or not isinstance(mlp_tile_tokens, int)
-                                        or mlp_tile_tokens < 0):
-        raise ValueError(f"plan_memory: mlp_tile_tokens={mlp_tile_tokens!r} is invalid: it must be an int >= 0 (0 plans "
-                         f"the MLPs untiled, None as the model runs them).")
+    validation.check_arguments(
+        "plan_memory", batch_size=(batch_size, validation.positive_int()), seq_len=(seq_len, validation.positive_int()),
+        gradient_accumulation_steps=(gradient_accumulation_steps, validation.positive_int()),
+        optimizer=(optimizer, validation.choice(OPTIMIZERS)),
+        mlp_tile_tokens=(mlp_tile_tokens, validation.non_negative_int(
+            " (0 plans the MLPs untiled, None as the model runs them)", allow_none=True)))
 
 
 def _modelled_layers(inner: nn.Module) -> tuple:

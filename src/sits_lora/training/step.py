@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..ops import linear_cross_entropy
+from ..utils import validation
 from .graphs import graph_train_step
 
 logger = logging.getLogger("sits_lora")
@@ -208,12 +209,11 @@ def default_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_g
     is the fused cross-entropy for the models :func:`fused_loss_support` accepts, else the model's own ``loss``. Batches must
     not pack several sequences into one row nor pad on the left (the recording makes attention causal without a
     mask, as an eager step on such batches does)."""
-    if nan_policy not in ("skip", "off"):
-        raise ValueError(f"default_train_step(nan_policy={nan_policy!r}) is invalid: 'skip' or 'off' (the trainer's "
-                         "'raise' reads the flags itself: StepOutcome.nonfinite)")
-    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or max_grad_norm < 0:
-        raise ValueError(f"default_train_step(max_grad_norm={max_grad_norm!r}) is invalid: a number >= 0 (0: no "
-                         "clipping)")
+    validation.check_arguments(
+        "default_train_step",
+        nan_policy=(nan_policy, validation.choice(("skip", "off"), " (the trainer's 'raise' reads the flags itself: "
+                                                                   "StepOutcome.nonfinite)")),
+        max_grad_norm=(max_grad_norm, validation.non_negative_number(" (0: no clipping)")))
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("default_train_step: the model has no trainable parameter (apply an adapter first)")

@@ -1,5 +1,6 @@
 """One validation style for every option a user passes: SitsLoraConfig's fields, their feature rules (dynamic rank,
-fp8, 4-bit base) and SitsHardwareCallback's arguments.
+fp8, 4-bit base), SitsHardwareCallback's arguments, the recipe's numeric options and the public functions' arguments
+(:func:`check_arguments`).
 
 A check takes the value and returns None when it is valid, else what is allowed, as the end of a sentence ("it must
 be a positive integer, e.g. r=16"); ``validate`` runs a table of them and raises one ValueError that names the
@@ -26,9 +27,9 @@ def is_int(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, int)
 
 
-def choice(allowed: Sequence[str]) -> Check:
+def choice(allowed: Sequence[str], hint: str = "") -> Check:
     def check(value: Any) -> Optional[str]:
-        return None if value in allowed else f"allowed values are {', '.join(repr(a) for a in allowed)}"
+        return None if value in allowed else f"allowed values are {', '.join(repr(a) for a in allowed)}{hint}"
 
     return check
 
@@ -58,6 +59,10 @@ def number(hint: str = "", allow_none: bool = False) -> Check:
     return _ruled(is_number, "it must be a number", hint, allow_none)
 
 
+def non_negative_number(hint: str = "", allow_none: bool = False) -> Check:
+    return _ruled(lambda v: is_number(v) and v >= 0, "it must be a number >= 0", hint, allow_none)
+
+
 def positive_number(hint: str = "", allow_none: bool = False) -> Check:
     return _ruled(lambda v: is_number(v) and v > 0, "it must be a positive number", hint, allow_none)
 
@@ -79,3 +84,10 @@ def validate(checks: Mapping[str, Check], value_of: Callable[[str], Any], descri
         problem = check(value)
         if problem is not None:
             raise ValueError(f"{describe(name, value)} is invalid: {problem}.")
+
+
+def check_arguments(caller: str, **arguments: tuple) -> None:
+    """A function's arguments, each given as ``name=(value, check)``: the first problem raises
+    ValueError("<caller>(<name>=<value>) is invalid: <problem>."), before the function does any work."""
+    validate({name: check for name, (_, check) in arguments.items()}, lambda name: arguments[name][0],
+             lambda name, value: f"{caller}({name}={value!r})")
