@@ -53,3 +53,18 @@ def test_configs_with_every_field_set_save_flat_and_load_equal(tmp_path):
         assert not any(isinstance(saved[f.name], dict) for f in OWN_FIELDS)   # flat, as PEFT reads it
         loaded = SitsLoraConfig.from_pretrained(folder)
         assert all(getattr(loaded, f.name) == getattr(config, f.name) for f in OWN_FIELDS)
+
+
+def test_each_feature_declares_its_own_fields():
+    """The fields are grouped by feature: a feature's module of sits_lora.config declares its fields (SitsLoraConfig
+    inherits them), the config itself only the layer's."""
+    from sits_lora.config.dynamic_rank import DynamicRankFields
+    from sits_lora.config.fp8 import Fp8Fields
+    from sits_lora.config.int4 import Int4Fields
+
+    groups = {cls: {f.name for f in dataclasses.fields(cls)} for cls in (DynamicRankFields, Fp8Fields, Int4Fields)}
+    assert all(name.startswith("fp8") for name in groups[Fp8Fields])
+    assert groups[Int4Fields] == {"base_quant", "int4_group_size"}
+    assert "use_dynamic_rank" in groups[DynamicRankFields] and "rank_buckets" in groups[DynamicRankFields]
+    own = {f.name for f in OWN_FIELDS} - set().union(*groups.values())
+    assert own == {"kernel", "fuse_siblings", "recompute_lora_inputs"}

@@ -1,4 +1,4 @@
-"""Validation of the dynamic-rank fields of SitsLoraConfig.
+"""The dynamic-rank fields of SitsLoraConfig (``DynamicRankFields``) and their checks.
 
 ``adapter.py`` calls :func:`check_dynamic_rank_config` from ``__post_init__`` and lists the per-field checks below
 in its table of checks (``FIELD_CHECKS``, in sits_lora.utils.validation's style); ``sits_lora.dynamic_rank`` reads
@@ -8,8 +8,10 @@ loads without the layers, ops and Triton.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 from ..utils import validation
 
@@ -180,3 +182,100 @@ def check_dynamic_rank_config(config) -> None:
             if abs(mean - target) > _MEAN_RANK_TOLERANCE:
                 raise _err("target_mean_rank", target, f"rank_histogram={list(histogram)} has mean rank {mean:.2f}, "
                            f"not {target}; remove one of the two or make them agree")
+
+
+@dataclass
+class DynamicRankFields:
+    """SitsLoraConfig's dynamic-rank fields, with their help (saved flat in adapter_config.json with the others)."""
+
+    use_dynamic_rank: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Per-token dynamic rank (sits_lora.dynamic_rank): the rank dimensions are trained nested "
+                "(the first k of them form a working adapter of rank k) and each token uses the first "
+                "b dimensions, b from rank_buckets, chosen by rank_scheduler under the target_mean_rank "
+                "budget. Adapted layers must be torch.nn.Linear; not with rank_pattern, alpha_pattern, "
+                "use_dora or lora_bias. merge_and_unload needs a static adapter first "
+                "(sits_lora.truncate_rank(model, k))."
+            ),
+            # PEFT resolves LoRA variants from fields tagged so: SitsLoraLinear.lora_variants maps this one to
+            # sits_lora.dynamic_rank.variant.DynamicRankVariant
+            "is_lora_variant": True,
+        },
+    )
+    rank_scheduler: Literal["entropy-gated", "learned", "random", "static"] = field(
+        default="entropy-gated",
+        metadata={
+            "help": (
+                "How each token's bucket is chosen (with use_dynamic_rank=True). 'entropy-gated': a router "
+                "per adapted layer reads the token's hidden state and the entropy predicted by a probe fitted "
+                "with TokenEntropySampler. 'learned': the same router without the entropy feature. 'random': "
+                "buckets drawn at random with rank_histogram (or the most spread-out histogram of mean "
+                "target_mean_rank). 'static': no routing, every token uses the full rank r at inference; "
+                "training draws one bucket per sequence, the same in every layer of the forward, so the "
+                "adapter can be truncated to any bucket (sits_lora.dynamic_rank.nested)."
+            )
+        },
+    )
+    rank_buckets: Optional[list] = field(
+        default=None,
+        metadata={
+            "help": (
+                "The ranks a token may use, strictly increasing, the last equal to r, e.g. [16, 32, 48, 64]; "
+                "a first bucket of 0 lets a token skip the adapter. Multiples of 16 suit tensor-core kernels. "
+                "None: steps of 16 up to r (r a multiple of 16)."
+            )
+        },
+    )
+    target_mean_rank: Optional[float] = field(
+        default=None,
+        metadata={
+            "help": (
+                "The mean active rank over non-padding tokens that the budget holds ('entropy-gated', "
+                "'learned': a Lagrange multiplier updated by dual ascent; 'random': the histogram's mean). "
+                "Must lie between the smallest and the largest bucket."
+            )
+        },
+    )
+    rank_histogram: Optional[list] = field(
+        default=None,
+        metadata={
+            "help": (
+                "rank_scheduler='random' only: the fraction of tokens per bucket (one per bucket, summing to "
+                "1), e.g. the histogram a learned router reached, to test routing against chance."
+            )
+        },
+    )
+    router_temperature: float = field(
+        default=1.0,
+        metadata={
+            "help": (
+                "Gumbel-softmax temperature of the router in training: the forward pass uses the hard "
+                "bucket, the gradient flows through the softmax at this temperature (straight-through)."
+            )
+        },
+    )
+    rank_budget_step_size: Optional[float] = field(
+        default=None,
+        metadata={
+            "help": (
+                "Dual-ascent step size η of the rank budget: after each optimizer step "
+                "λ ← λ + η·(mean active rank − target_mean_rank) / r (clamped at 0 with rank_budget_mode='ceiling')."
+                " None: 6.0 with rank_budget_mode='price' (λ moves the routers' logits directly), 0.5 otherwise."
+            )
+        },
+    )
+    rank_budget_mode: Literal["target", "ceiling", "price"] = field(
+        default="price",
+        metadata={
+            "help": (
+                "'price' (default): λ is a price on rank in the routing decision itself: each step shifts every "
+                "router's bucket biases by -Δλ·b_k/r (no budget term in the gradient), so the decisions follow "
+                "at once; the biases save with the adapter, so inference routes with the final price. "
+                "'target': λ reaches the routers through their gradient and holds the mean from both sides "
+                "(λ may turn negative); it lags, so the mean swings around the target (docs/dynamic-rank.md). "
+                "'ceiling': as 'target' with λ ≥ 0, so target_mean_rank is only an upper bound."
+            )
+        },
+    )

@@ -1,4 +1,4 @@
-"""Validation of the fp8 fields of SitsLoraConfig.
+"""The fp8 fields of SitsLoraConfig (``Fp8Fields``) and their checks.
 
 ``adapter.py`` lists the per-field checks below (``FIELD_CHECKS``) in its table and calls
 :func:`check_fp8_config` from ``__post_init__``; ``sits_lora.fp8`` reads the defaults and the recipes. This module
@@ -7,6 +7,9 @@ before torch loads).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
 
 from ..utils import validation
 
@@ -69,3 +72,87 @@ def check_fp8_config(config) -> None:
         raise ValueError(f"{prefix} runs torch._scaled_mm and Triton casts, but kernel='torch' asks for the plain "
                          f"PyTorch reference. Use kernel='auto', or fp8_emulate=True for the same numerics in "
                          f"plain PyTorch.")
+
+
+@dataclass
+class Fp8Fields:
+    """SitsLoraConfig's fp8 fields, with their help (saved flat in adapter_config.json with the others)."""
+
+    fp8: Literal["off", "hybrid", "e4m3"] = field(
+        default="off",
+        metadata={
+            "help": (
+                "FP8 frozen base (sits_lora.fp8). 'hybrid': the base weight of each adapted layer is quantized "
+                "once to e4m3, activations are cast to e4m3 in forward and gradients to e5m2 in backward, with "
+                "delayed scaling, and both base GEMMs run in fp8 (torch._scaled_mm); the LoRA branch stays in "
+                "bf16. 'e4m3': the same with e4m3 gradients. Needs a GPU of compute capability 8.9 or newer, "
+                "or fp8_emulate=True. Adapted layers must be torch.nn.Linear with in and out features "
+                "multiples of 16, or bitsandbytes 4-bit layers (QLoRA), which keep their 4-bit storage and run "
+                "their GEMMs in fp8 (docs/quantization.md). 'off': the bf16 path."
+            )
+        },
+    )
+    fp8_amax_history_len: int = field(
+        default=1024,
+        metadata={
+            "help": (
+                "Delayed scaling (Transformer Engine's DelayedScaling): how many optimizer steps of each "
+                "activation's and gradient's absolute maximum (amax) each layer keeps."
+            )
+        },
+    )
+    fp8_amax_compute_algo: Literal["max", "most_recent"] = field(
+        default="max",
+        metadata={
+            "help": (
+                "The amax a scale is computed from: 'max' over the history (safe against spikes), or "
+                "'most_recent' (the last step's, follows the data fastest)."
+            )
+        },
+    )
+    fp8_margin: int = field(
+        default=0,
+        metadata={"help": "Headroom in powers of two: scale = (fp8_max / amax) / 2**fp8_margin."},
+    )
+    fp8_weight_scale: Literal["tensor", "row"] = field(
+        default="tensor",
+        metadata={
+            "help": (
+                "Granularity of the frozen weight's fp8 scale: 'tensor' (one scale, cuBLAS fp8 GEMM) or 'row' "
+                "(one scale per output row: more accurate with outlier rows; row-wise torch._scaled_mm, "
+                "bf16 activations only)."
+            )
+        },
+    )
+    fp8_keep_bf16_weight: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Keep the original bf16 base weight beside the fp8 one (2x the frozen-weight memory): merges "
+                "and unload then give back the exact bf16 base. False frees it (fp8 weight + scale: about "
+                "0.5x the bf16 bytes) and merges start from the dequantized fp8 weight."
+            )
+        },
+    )
+    fp8_emulate: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Run the fp8 numerics by quantize-dequantize in plain PyTorch on any device (CPU, older GPUs): "
+                "the same casts, scales and amax records, fp32 matrix products. For tests; slow."
+            )
+        },
+    )
+    fp8_layers: Literal["auto", "all"] = field(
+        default="auto",
+        metadata={
+            "help": (
+                "Which adapted layers get the fp8 base. 'auto': only those whose shape makes fp8 faster than "
+                "the bf16 fused path on this GPU (a measured crossover from `python bench/tune_kernels.py "
+                "--fp8` stored with the tuned kernel configs; without a measurement for a shape, fp8 where "
+                "in_features x out_features >= 32 Mi); the others keep the bf16 path. "
+                "sits_lora.fp8.fp8_layer_plan(model) says which layer got which, and why. With fp8_emulate "
+                "every layer is quantized (emulation has no speed to win). 'all': every adapted layer."
+            )
+        },
+    )

@@ -1,4 +1,4 @@
-"""Validation of the 4-bit base fields of SitsLoraConfig (``base_quant``, ``int4_group_size``).
+"""The 4-bit base fields of SitsLoraConfig (``Int4Fields``: ``base_quant``, ``int4_group_size``) and their checks.
 
 As ``config/fp8.py``: ``adapter.py`` lists the per-field checks (``FIELD_CHECKS``) in its table and calls
 :func:`check_base_quant_config` from ``__post_init__``. Imports nothing from sits_lora but
@@ -7,7 +7,9 @@ sits_lora.utils.validation, and no torch.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass, field
+
+from typing import Any, Literal, Optional
 
 from ..utils import validation
 
@@ -50,3 +52,27 @@ def check_base_quant_config(config) -> None:
     if getattr(config, "use_dora", False):
         raise ValueError(f"{prefix} cannot be combined with use_dora=True: DoRA reads the base weight's column "
                          f"norms at every step. Set use_dora=False.")
+
+
+@dataclass
+class Int4Fields:
+    """SitsLoraConfig's 4-bit base fields, with their help (saved flat in adapter_config.json with the others)."""
+
+    base_quant: Literal["off", "int4"] = field(
+        default="off",
+        metadata={
+            "help": (
+                "4-bit frozen base without bitsandbytes (sits_lora.int4). 'int4': the base weight of each adapted "
+                "layer is quantized once at injection (weight-only, asymmetric, one scale and min per "
+                "int4_group_size input features, rows padded to 32-byte multiples: 0.27x the bf16 bytes at group "
+                "size 128); forward and dX run from the packed codes, the LoRA branch stays in the model's dtype. "
+                "Adapted layers must be torch.nn.Linear. For bitsandbytes NF4 / FP4, load the model with "
+                "BitsAndBytesConfig(load_in_4bit=True) and leave this 'off'."
+            )
+        },
+    )
+    int4_group_size: int = field(
+        default=128,
+        metadata={"help": "Input features per INT4 scale / min pair: a power of two of at least 32 that divides "
+                          "every adapted layer's in_features."},
+    )
