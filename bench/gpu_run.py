@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -33,8 +34,9 @@ from suites import summary  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SITE = "/tmp/site"
 PYTEST = ["python3", "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rfE", "--tb=short", "-m", "gpu"]
-# noise the benchmark scripts print on every call (torch's and transformers' warnings), kept in the log only
-NOISE = ("Warning", "warnings.warn", "W1", "W0")
+# noise the benchmark scripts print on every call (torch's and transformers' warnings, glog lines), kept in the
+# log only; so are pytest -v's per-test lines (the summary at the end names each failure)
+NOISE = re.compile(r"Warning|warnings\.warn|^W\d{4} |^tests/\S+::")
 
 
 @dataclass
@@ -220,7 +222,7 @@ def run_part(command: list, timeout: int, log: str, env: dict) -> int:
         try:
             for line in process.stdout:
                 sink.write(line)
-                if not any(n in line for n in NOISE) and not line.startswith(("tests/", "PASSED")):
+                if not NOISE.search(line):
                     print(line, end="", flush=True)
             status = process.wait()
         finally:
