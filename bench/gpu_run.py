@@ -33,7 +33,7 @@ from suites import summary  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SITE = "/tmp/site"
-PYTEST = ["python3", "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rfE", "--tb=short", "-m", "gpu"]
+PYTEST = ["{python}", "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rfE", "--tb=short", "-m", "gpu"]
 # noise the benchmark scripts print on every call (torch's and transformers' warnings, glog lines), kept in the
 # log only; so are pytest -v's per-test lines (the summary at the end names each failure)
 NOISE = re.compile(r"Warning|warnings\.warn|^W\d{4} |^tests/\S+::")
@@ -41,7 +41,8 @@ NOISE = re.compile(r"Warning|warnings\.warn|^W\d{4} |^tests/\S+::")
 
 @dataclass
 class Part:
-    """One process of a run: ``command`` with {out}, {args} and {model} filled in, killed after ``timeout`` s."""
+    """One process of a run: ``command`` with {python} (this interpreter), {out}, {args} and {model} filled in,
+    killed after ``timeout`` s."""
     command: list
     timeout: int
     default: bool = True           # runs when no part is named
@@ -62,7 +63,7 @@ def tests(*paths: str, timeout: int = 180) -> Part:
 
 
 def script(name: str, *arguments: str, timeout: int = 590, **options) -> Part:
-    return Part(["python3", f"bench/{name}.py", *arguments], timeout, **options)
+    return Part(["{python}", f"bench/{name}.py", *arguments], timeout, **options)
 
 
 RUNS = {
@@ -76,7 +77,7 @@ RUNS = {
         "host": script("profile_host", "--out", "{out}/host", timeout=120),
         "gate": script("regress", "--out", "{out}/regress", "{args}"),
     }),
-    "memory": Run("activation memory: its GPU tests, the longest context, the gate's memory arms, the rebuild profile", {
+    "memory": Run("activation memory: GPU tests, the longest context, the gate's memory arms, the rebuild profile", {
         "tests": tests("tests/activations", timeout=120),
         "context": script("longest_context", "--measure", "--model", "8b", "--layers", "4", "--max-tokens", "450560",
                           "--arms", "frozen+liger", "sits+liger", "peft", "peft+gc", "sits+liger+offload",
@@ -89,7 +90,8 @@ RUNS = {
         "context-full": script("longest_context", "--measure", "--model", "8b", "--arms", "sits+liger+offload",
                                "--max-tokens", "409600", "--probe-timeout", "560", "--arm-timeout", "580", "--out",
                                "{out}/context_full", default=False,
-                               doc="the offloaded arm on all 32 layers, one step (the host holds 32 layers' activations, pinned)"),
+                               doc="the offloaded arm on all 32 layers, one step (the host holds 32 layers' "
+                                   "activations, pinned)"),
         "gate": script("regress", "--out", "{out}/regress", "--shapes", "8b", "1b", "--no-graph-breaks",
                        "--arm-timeout", "130", "--arms", "frozen+compile", "frozen+liger", "peft+compile", "sits",
                        "sits+compile", "sits+liger", "sits+liger+saved", "sits+fp8+liger", default=False,
@@ -137,7 +139,7 @@ RUNS = {
         "curve": script("multi_gpu", "--out", "{out}/curve", "--loss-curve", min_gpus=2),
     }),
     "dynamic-rank": Run("per-token rank, one part per call (--model: the GGUF or any spec the recipe loads)", {
-        "trace": Part(["bash", "-c", "for arm in entropy-gated learned; do python3 bench/rank_budget_trace.py "
+        "trace": Part(["bash", "-c", "for arm in entropy-gated learned; do {python} bench/rank_budget_trace.py "
                        "--size budget --steps 80 --model {model} --arm $arm --rules price:2 price:6 "
                        "--out {out}/trace/$arm || exit 1; done"], 590, default=False,
                       doc="the budget rule at the evaluation's batch: price with step 2 against 6, two schedulers"),
@@ -152,7 +154,7 @@ RUNS = {
                         doc="the per-token-rank layer against the static kernel, router compiled and eager"),
     }),
 }
-# a part's arguments when none follow "--" (the shell runners' defaults)
+# a part's arguments when none follow "--"
 DEFAULT_ARGS = {("fp8", "model"): ["frozen", "frozen+compile", "sits+fp8", "sits+fp8+compile"],
                 ("int4", "full"): ["sits+liger", "peft+nf4", "sits+nf4+liger", "sits+nf4+bnbdq+liger",
                                    "sits+int4+liger"]}
@@ -164,7 +166,7 @@ def listing() -> str:
         lines.append(f"{name}: {run.doc}")
         for part_name, part in run.parts.items():
             mark = "*" if part.default else " "
-            named = part.command[1] if part.command[0] == "python3" else ""
+            named = part.command[1] if part.command[0] == "{python}" else ""
             what = part.doc or (summary(os.path.basename(named)[:-3]) if named.startswith("bench/") else "")
             lines.append(f"  {mark} {part_name:<14} {what}")
     return "\n".join(lines)
@@ -176,7 +178,9 @@ def command_of(run: str, part_name: str, part: Part, out: str, args: list, model
         if word == "{args}":
             filled += args or DEFAULT_ARGS.get((run, part_name), [])
         else:
-            filled.append(word.replace("{out}", out).replace("{model}", model or ""))
+            for placeholder, value in (("{out}", out), ("{model}", model or ""), ("{python}", sys.executable)):
+                word = word.replace(placeholder, value)
+            filled.append(word)
     return filled
 
 
@@ -272,7 +276,8 @@ def main(argv=None) -> int:
         print(f"== {p}: {' '.join(command)}", flush=True)
         status = run_part(command, part.timeout, os.path.join(out, f"{p}.log"), env)
         if status:
-            print(f"== {p}: exit {status}" + (f" (stopped after {part.timeout} s)" if status == 124 else ""), flush=True)
+            stopped = f" (stopped after {part.timeout} s)" if status == 124 else ""
+            print(f"== {p}: exit {status}{stopped}", flush=True)
         worst = max(worst, status)
         env.update({k: v.replace("{out}", out) for k, v in part.env.items()})
     if options.pack:

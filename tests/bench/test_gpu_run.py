@@ -46,9 +46,11 @@ def test_dry_run_fills_out_args_and_model(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert [line.split(" ")[0] for line in lines] == ["tests", "host", "gate"]  # the marked parts, in order
-    assert lines[-1] == f"gate (590 s): python3 bench/regress.py --out {tmp_path}/regress --shapes 1b --repeats 3"
+    assert lines[-1] == (f"gate (590 s): {sys.executable} bench/regress.py --out {tmp_path}/regress --shapes 1b "
+                         "--repeats 3")
     proc = _bench("int4", str(tmp_path), "full", "--dry-run")  # no ARGS: the part's default arms
-    assert proc.stdout.strip().endswith("--arms sits+liger peft+nf4 sits+nf4+liger sits+nf4+bnbdq+liger sits+int4+liger")
+    assert proc.stdout.strip().endswith("--arms sits+liger peft+nf4 sits+nf4+liger sits+nf4+bnbdq+liger "
+                                        "sits+int4+liger")
     proc = _bench("dynamic-rank", str(tmp_path), "static", "--model", "m.gguf", "--dry-run")
     assert "--model m.gguf" in proc.stdout and f"--out {tmp_path}/static" in proc.stdout
     assert not any(tmp_path.iterdir())
