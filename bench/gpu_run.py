@@ -211,7 +211,8 @@ def gpu_count() -> int:
 
 
 def run_part(command: list, timeout: int, log: str, env: dict) -> int:
-    """Run one part, its output into ``log`` and, less the noise, onto the screen; 124 when it ran out of time."""
+    """Run one part, its output into ``log`` and, less the noise, onto the screen; its exit status, 124 when it ran out
+    of time, 128 + N when signal N killed it."""
     with open(log, "w") as sink:
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    text=True, start_new_session=True)
@@ -234,7 +235,9 @@ def run_part(command: list, timeout: int, log: str, env: dict) -> int:
         if stopped.is_set():
             sink.write(f"\n[stopped after {timeout} s]\n")
             return 124
-        return status
+        # a part killed by a signal (a crash, the kernel's OOM killer) reads as the shell writes it, 128 + the signal:
+        # Popen's negative status would lose to a clean part's 0 in the run's worst status
+        return 128 - status if status < 0 else status
 
 
 def main(argv=None) -> int:
