@@ -68,8 +68,8 @@ def test_a_part_past_its_limit_is_stopped_and_the_next_still_runs(tmp_path, monk
     assert slow_log.startswith("started") and "[stopped after 1 s]" in slow_log
     assert (tmp_path / "out" / "quick.log").read_text() == "second ran\n"
     crash = gpu_run.Part([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], timeout=30)
-    monkeypatch.setitem(gpu_run.RUNS, "crash", gpu_run.Run("a part killed by a signal",
-                                                            {"crash": crash, "quick": quick}))
+    crashing = gpu_run.Run("a part killed by a signal", {"crash": crash, "quick": quick})
+    monkeypatch.setitem(gpu_run.RUNS, "crash", crashing)
     assert gpu_run.main(["crash", str(tmp_path / "crashed")]) == 128 + 9   # not the quick part's 0
     assert gpu_run.main(["probe", str(tmp_path / "packed"), "quick", "--pack"]) == 0
     assert (tmp_path / "packed.tgz").exists() and not (tmp_path / "packed").exists()

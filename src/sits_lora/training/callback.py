@@ -122,8 +122,8 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
         given = {"nan_policy": nan_policy, "nan_clamp_value": nan_clamp_value, "seq_len": seq_len,
                  "detect_nonfinite_activations": detect_nonfinite_activations, "rank_share": rank_share,
                  "max_consecutive_nonfinite": max_consecutive_nonfinite, "memory_budget_gib": memory_budget_gib}
-        validation.validate(_ARGUMENT_CHECKS, given.__getitem__,
-                            lambda name, value: f"SitsHardwareCallback({name}={value!r})")
+        validation.check_arguments("SitsHardwareCallback",
+                                   **{name: (given[name], check) for name, check in _ARGUMENT_CHECKS.items()})
         self._init_args = {
             "policy": policy, "nan_policy": nan_policy, "nan_clamp_value": float(nan_clamp_value),
             "detect_nonfinite_activations": detect_nonfinite_activations,
