@@ -58,6 +58,16 @@ def _layer_shapes(models: list, ranks: list) -> list:
     return rows
 
 
+def _down_projections(models: list) -> set:
+    """(K, N) of the bench_model shapes' down projections: their input can be read as its two SwiGLU factors (the
+    x pass's "x_pass_product" configuration is tuned there too)."""
+    if not models:
+        return set()
+    from bench_model import MODELS
+
+    return {(MODELS[name]["intermediate_size"], MODELS[name]["hidden_size"]) for name in models}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -72,9 +82,11 @@ def main(argv=None) -> int:
     from sits_lora.ops import fused, tuning
 
     report, done = [], set()
+    down_projections = _down_projections(args.model)
     for K, N, r, skip_kernels in ([] if args.no_kernels else _layer_shapes(args.model, args.ranks)):
         skip = done | {(kernel, dims) for kernel, dims in skip_kernels}
-        result = fused.tune_layer_kernels(K, N, r, torch.bfloat16, "cuda", skip=skip)
+        result = fused.tune_layer_kernels(K, N, r, torch.bfloat16, "cuda", skip=skip,
+                                          product_input=(K, N) in down_projections)
         done |= skip - {(kernel, dims) for kernel, dims in skip_kernels}
         for kernel, info in result.items():
             report.append({"K": K, "N": N, "r": r, "kernel": kernel, **info})

@@ -299,6 +299,38 @@ def test_a_gpu_without_entries_takes_those_of_a_gpu_of_its_compute_capability(mo
     assert tuning._load()["capabilities"] == {"NVIDIA H200": [9, 0], "NVIDIA H100 80GB HBM3": [9, 0]}
 
 
+def test_the_factored_x_pass_runs_the_plain_pass_configuration_until_its_own_is_measured(monkeypatch, tmp_path):
+    """The x pass over down_proj's SwiGLU factors has a tuning key of its own ("x_pass_product"); where nothing was
+    measured for it, it launches with the plain x pass's configuration at the same dims, not the space's first."""
+    import json
+
+    from sits_lora.ops import tuning
+
+    plain = dict(BLOCK_T=128, BLOCK_K=128, num_warps=8, num_stages=3)
+    own = dict(BLOCK_T=32, BLOCK_K=256, num_warps=4, num_stages=2)
+    packaged = tmp_path / "packaged.json"
+    packaged.write_text(json.dumps({"NVIDIA H200|x_pass|8192x16|bfloat16": plain,
+                                    "capabilities": {"NVIDIA H200": [9, 0]}}))
+    user = tmp_path / "user.json"
+    monkeypatch.setattr(tuning, "_packaged_path", lambda: str(packaged))
+    monkeypatch.setenv("SITS_LORA_TUNING_CACHE", str(user))
+    monkeypatch.setattr(tuning, "_device_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(tuning, "_capability", lambda device: [9, 0])
+    gpu = torch.device("cuda", 0)
+
+    def fresh(kernel, dims=(8192, 16)):
+        monkeypatch.setattr(tuning, "_cache", None)
+        monkeypatch.setattr(tuning, "_answers", {})
+        return tuning.config_for(kernel, gpu, dims, torch.bfloat16)
+
+    assert fresh("x_pass_product") == plain
+    assert fresh("x_pass_product", (4096, 16)) == tuning.CONFIG_SPACE["x_pass"][0]   # neither measured
+    user.write_text(json.dumps({"NVIDIA H200|x_pass_product|8192x16|bfloat16": own}))
+    assert fresh("x_pass_product") == own and fresh("x_pass") == plain
+    assert tuning.config_for("x_pass_product", torch.device("cpu"), (8192, 16), torch.bfloat16) == \
+        tuning.INTERPRETER_CONFIG["x_pass_product"]
+
+
 def test_an_fp8_layer_past_32_bit_offsets_names_the_way_out(monkeypatch):
     """The fp8 kernels have no unquantized reference to fall back to: a call past 2**31 elements (here the limit is
     lowered to 64) is an error that says what to do, before any kernel runs."""

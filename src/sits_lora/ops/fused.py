@@ -42,6 +42,7 @@ from .fused_backward import (
 )
 from .geometry import block_rank, cdiv, dot_precision, grid_geometry
 from .launch import TritonLauncher
+from .reference import ProductInput
 
 # every kernel's launcher, the backward's included: callers reach them all through this module (ops.choice)
 __all__ = [
@@ -315,8 +316,11 @@ def lora_gemm(a: torch.Tensor, b: torch.Tensor, lora_left: Optional[torch.Tensor
 
 
 def tune_layer_kernels(K: int, N: int, R: int, dtype: torch.dtype, device, tokens: int = 8192, save: bool = True,
-                       skip: Optional[set] = None) -> dict:
+                       skip: Optional[set] = None, product_input: bool = False) -> dict:
     """Measure every launch configuration of the four side kernels for one layer shape on this GPU.
+
+    ``product_input``: also the x pass over an input read as its two SwiGLU factors ("x_pass_product": a down
+    projection whose input the activations module rebuilds).
 
     Returns {kernel: {"best": config, "best_ms": ..., "default_ms": ...}}; the choices go to the
     on-disk cache that training reads (sits_lora.ops.tuning). Keys in ``skip`` (kernel, dims) are
@@ -336,6 +340,9 @@ def tune_layer_kernels(K: int, N: int, R: int, dtype: torch.dtype, device, token
         "dy_pass": ((N, block_r), lambda cfg: lora_dy_pass(dy, B, h, 1.0, config=cfg)),
         "x_pass": ((K, block_r), lambda cfg: lora_x_pass(x, A, g, 1.0, True, config=cfg)),
     }
+    if product_input:
+        factors = ProductInput(x, torch.randn_like(x), True)
+        runs["x_pass_product"] = ((K, block_r), lambda cfg: lora_x_pass(factors, A, g, 1.0, True, config=cfg))
     report = {}
     for kernel, (dims, run) in runs.items():
         if skip is not None:

@@ -180,8 +180,8 @@ def lora_x_pass_parts(x, lora_A: torch.Tensor, g: torch.Tensor, scale: float, wr
     T, K = x.shape
     g_parts = g.shape[0] if g.dim() == 3 else 1
     R = g.shape[-1]
-    cfg, (splits, k_blocks), BLOCK_R, precision, t_per_split = split_geometry("x_pass", x.device, T, K, R, x.dtype,
-                                                                             config)
+    cfg, (splits, k_blocks), BLOCK_R, precision, t_per_split = split_geometry(
+        "x_pass_product" if form else "x_pass", x.device, T, K, R, x.dtype, config)
     da_part = torch.empty((splits, R, K), device=x.device, dtype=torch.float32)
     dx = torch.empty((T, K), device=x.device, dtype=x.dtype) if write_dx else None
     g_strides = g.stride()

@@ -44,6 +44,14 @@ CONFIG_SPACE: dict[str, list[dict]] = {
         *[dict(BLOCK_T=bt, BLOCK_K=bk, num_warps=w, num_stages=3)
           for bt in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8)],
     ],
+    # the x pass over an input read as its two SwiGLU factors (ops.reference.ProductInput: down_proj's input
+    # rebuilt): twice the bytes loaded a tile and a SiLU computed, so its fastest blocks need not be the plain pass's.
+    # Without a measured entry it runs the plain x pass's configuration (FALLBACK)
+    "x_pass_product": [
+        dict(BLOCK_T=64, BLOCK_K=128, num_warps=4, num_stages=3),
+        *[dict(BLOCK_T=bt, BLOCK_K=bk, num_warps=w, num_stages=s)
+          for bt in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8) for s in (2, 3)],
+    ],
     # the one-kernel decode path (ops.decode): dims (row block, K, N, rank block)
     "decode": [
         dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4),
@@ -72,9 +80,13 @@ INTERPRETER_CONFIG = {
     "expand": dict(BLOCK_T=32, BLOCK_N=32, num_warps=4, num_stages=1),
     "dy_pass": dict(BLOCK_T=32, BLOCK_N=32, num_warps=4, num_stages=1),
     "x_pass": dict(BLOCK_T=32, BLOCK_K=32, num_warps=4, num_stages=1),
+    "x_pass_product": dict(BLOCK_T=32, BLOCK_K=32, num_warps=4, num_stages=1),
     "decode": dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1),
     "decode_gemv": dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1),
 }
+
+# A kernel whose configuration, where none was measured for it, is its sibling kernel's at the same dims.
+FALLBACK = {"x_pass_product": "x_pass"}
 
 _lock = threading.Lock()
 _cache: Optional[dict] = None
@@ -125,14 +137,18 @@ def config_key(kernel: str, device: torch.device, dims: tuple, dtype: torch.dtyp
 
 def config_for(kernel: str, device: torch.device, dims: tuple, dtype: torch.dtype) -> dict:
     """The launch configuration for ``kernel`` on ``device`` at ``dims`` (K, N, R-block...): this GPU's entry, else
-    the entry of a GPU of the same compute capability, else the space's first configuration."""
+    the entry of a GPU of the same compute capability, else its FALLBACK kernel's configuration, else the space's
+    first configuration."""
     if device.type != "cuda" or dtype == torch.float32:
         return INTERPRETER_CONFIG[kernel]
     answer_key = (kernel, device, dims, dtype)
     found = _answers.get(answer_key)
     if found is None:
         key = config_key(kernel, device, dims, dtype)
-        found = _load().get(key) or _same_capability_entry(key, device) or CONFIG_SPACE[kernel][0]
+        found = _load().get(key) or _same_capability_entry(key, device)
+        if found is None:
+            fallback = FALLBACK.get(kernel)
+            found = config_for(fallback, device, dims, dtype) if fallback else CONFIG_SPACE[kernel][0]
         _answers[answer_key] = found
     return found
 
