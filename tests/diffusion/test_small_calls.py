@@ -39,7 +39,7 @@ def gpu_choice(monkeypatch):
         calls["fused"] += 1
         raise AssertionError("a small call reached the fused kernels")
 
-    monkeypatch.setattr(ops, "resolve_kernel", lambda requested, x, out_features=0: "triton")
+    monkeypatch.setattr(ops, "resolve_kernel", lambda requested, x, out_features=0, dtype=None: "triton")
     monkeypatch.setattr(ops, "lora_linear_aten", aten)
     monkeypatch.setattr("sits_lora.ops.linear.lora_linear_aten", aten)
     monkeypatch.setattr(ops, "lora_siblings_triton", fused)

@@ -201,8 +201,10 @@ def test_a_call_the_fp8_kernels_cannot_run_is_refused_before_any_kernel(model_di
     layer = model.base_model.model.model.layers[0].mlp.up_proj
     layer.frozen_base.state.emulate = False
     monkeypatch.setattr("sits_lora.bases.fp8.check_fp8_device", lambda x, emulate: None)
+    from sits_lora.layers.forward_plan import ForwardPlan
+
     with pytest.raises(ValueError, match=message):
-        layer.frozen_base.fused_forward(layer, "default", torch.randn(2, 8, 64))
+        layer.frozen_base.fused_forward(layer, ForwardPlan("fused", "default"), torch.randn(2, 8, 64))
 
 
 def test_the_memory_plan_counts_an_e4m3_buffer_for_the_fp8_layers(model_dir):

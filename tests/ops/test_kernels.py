@@ -346,5 +346,7 @@ def test_an_fp8_layer_past_32_bit_offsets_names_the_way_out(monkeypatch):
     layer = model.base_model.model[0]
     layer.frozen_base.state.emulate = False  # as on a GPU: the kernels would run
     monkeypatch.setattr("sits_lora.bases.fp8.check_fp8_device", lambda x, emulate: None)
+    from sits_lora.layers.forward_plan import ForwardPlan
+
     with pytest.raises(ValueError, match="2\\*\\*31 elements.*tile_mlp"):
-        layer.frozen_base.fused_forward(layer, "default", torch.randn(4, 32))
+        layer.frozen_base.fused_forward(layer, ForwardPlan("fused", "default"), torch.randn(4, 32))

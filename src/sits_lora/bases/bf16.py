@@ -26,6 +26,12 @@ def _autocast_on(device_type: str) -> bool:
     return available and torch.is_autocast_enabled(device_type)
 
 
+def autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype autocast casts a linear layer's input on x's device to, or None when it is off there."""
+    device_type = "cuda" if x.is_cuda else x.device.type
+    return torch.get_autocast_dtype(device_type) if _autocast_on(device_type) else None
+
+
 def autocast_inputs(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor]):
     """(x, weight, bias, context) as autocast would hand them to a linear layer (weight None: a quantized base,
     which forms W in x's dtype itself).
@@ -54,22 +60,36 @@ class Bf16Base:
     module_type = nn.Linear
     # layers on this base can share one fused op with their siblings (sits_lora.layers.siblings)
     fuses_siblings = True
+    # the implementations of its fused op that a plan may name (sits_lora.layers.forward_plan)
+    kernels = ("decode", "triton", "aten", "torch")
 
-    def fused_forward(self, layer, adapter: str, x: torch.Tensor) -> torch.Tensor:
-        out = self._decode_forward(layer, adapter, x)
-        if out is not None:
-            return out
-        if layer.sibling_group is not None:
-            out = layer.sibling_group.forward(layer, x)
+    # the dtype the kernel setting is resolved against, from (layer, x); None: the input's as it arrives
+    kernel_dtype = None
+
+    @staticmethod
+    def decodes(layer, x: torch.Tensor) -> bool:
+        """Whether the decode kernel can read W as it is: in the activations' dtype (autocast casts both)."""
+        return autocast_dtype(x) is not None or layer.base_layer.weight.dtype == x.dtype
+
+    @staticmethod
+    def trains_weight(layer) -> bool:
+        base = layer.base_layer
+        return base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad)
+
+    def fused_forward(self, layer, plan, x: torch.Tensor) -> torch.Tensor:
+        """The base GEMM and the LoRA branch of ``plan.adapter`` on ``plan.kernel`` (sits_lora.layers.forward_plan),
+        through the layer's sibling group when the plan asks it first and it answers."""
+        adapter, kernel = plan.adapter, plan.kernel
+        if plan.siblings:
+            group = layer.sibling_group
+            out = group.decode_forward(layer, x) if kernel == "decode" else group.forward(layer, x)
             if out is not None:
                 return out
+        if kernel == "decode":
+            x, projection, autocast_off = self.decode_operands(layer, adapter, x)
+            with autocast_off:
+                return ops.lora_linear_decode(x, *projection)
         base = layer.base_layer
-        requested = layer.sits_kernel[adapter]
-        kernel = ops.resolve_kernel(requested, x, layer.out_features)
-        if kernel == "triton" and (base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad)):
-            kernel = "torch"  # the fused kernels assume a frozen base (no dW / db); the reference computes them
-        elif kernel == "triton" and ops.small_call(requested, x, layer.in_features, layer.out_features):
-            kernel = "aten"   # too small for the kernels' launches to pay (ops.aten)
         x, weight, bias, autocast_off = autocast_inputs(x, base.weight, base.bias)
         dropout = layer.lora_dropout[adapter]
         x_lora = dropout(x) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else x
@@ -81,41 +101,12 @@ class Bf16Base:
                 layer.scaling[adapter], kernel, product,
             )
 
-    def _decode_forward(self, layer, adapter: str, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """A decode step's call (a few rows, nothing to differentiate) as one kernel (ops.decode), or None. The
-        layer's siblings (q / k / v, gate / up) share that kernel when each can take this path
-        (``SiblingGroup.decode_forward``): one launch for the group where the merged model issues one a projection.
-        Not so in a group that keeps its outputs across calls (a cross-attention to_k / to_v pair: answering from
-        what it kept costs nothing): the group's own path runs."""
-        if not ops.decode_call(x, layer.in_features):
-            return None
-        group = layer.sibling_group
-        if group is not None:
-            if group.reuse_across_calls:
-                return None
-            out = group.decode_forward(layer, x)
-            if out is not None:
-                return out
-        operands = self.decode_operands(layer, adapter, x)
-        if operands is None:
-            return None
-        x, projection, autocast_off = operands
-        with autocast_off:
-            return ops.lora_linear_decode(x, *projection)
-
     @staticmethod
-    def decode_operands(layer, adapter: str, x: torch.Tensor) -> Optional[tuple]:
-        """(x, (W, b, A, B, s), autocast context) for the decode kernel when ``layer``'s call with ``adapter`` can
-        take it (the Triton kernel setting, no active dropout, W in the activations' dtype), else None."""
-        dropout = layer.lora_dropout[adapter]
-        if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0:
-            return None
-        if ops.resolve_kernel(layer.sits_kernel[adapter], x, layer.out_features) != "triton":
-            return None
+    def decode_operands(layer, adapter: str, x: torch.Tensor) -> tuple:
+        """(x, (W, b, A, B, s), autocast context) for the decode kernel, for a call planned on it (kernel
+        "decode": the Triton kernel setting, no active dropout, W in the activations' dtype)."""
         base = layer.base_layer
         x, weight, bias, autocast_off = autocast_inputs(x, base.weight, base.bias)
-        if weight.dtype != x.dtype:
-            return None
         A, B = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
         if (A.dtype != x.dtype or B.dtype != x.dtype) and not torch.compiler.is_compiling():
             # every program of the kernel reads all of A: a copy in the activations' dtype, which the kernel casts

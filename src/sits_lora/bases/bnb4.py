@@ -19,11 +19,11 @@ import bitsandbytes as bnb
 import torch
 from torch import nn
 
-from .. import ops
 from ..ops import fp8 as fp8_ops
 from ..ops.bnb4_dequant import Bnb4Layout, bnb4_dequantize, bnb4_dequantize_scaled
 from ..ops.dequant_linear import DenseProducts, dequant_lora_linear, dequant_lora_linear_reference, shared_buffer
 from .fp8 import check_fp8_call
+from .bf16 import autocast_dtype
 from .int4 import compute_inputs
 
 
@@ -79,13 +79,23 @@ class Bnb4bitBase:
 
     module_type = bnb.nn.Linear4bit
     fuses_siblings = False
+    kernels = ("triton", "torch")   # the implementations a plan may name (sits_lora.layers.forward_plan)
+    decodes = staticmethod(lambda layer, x: False)
+    trains_weight = staticmethod(lambda layer: False)
 
-    def fused_forward(self, layer, adapter: str, x: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def kernel_dtype(layer, x: torch.Tensor) -> torch.dtype:
+        """bitsandbytes computes in its compute_dtype (bnb_4bit_compute_dtype), W dequantized to it; autocast's
+        when it is on."""
+        base = layer.base_layer
+        return autocast_dtype(x) or base.compute_dtype or base.weight.quant_state.dtype
+
+    def fused_forward(self, layer, plan, x: torch.Tensor) -> torch.Tensor:
+        adapter, kernel = plan.adapter, plan.kernel
         base = layer.base_layer
         weight = base.weight
         # bitsandbytes computes in its compute_dtype (bnb_4bit_compute_dtype), W dequantized to it
         x_in, bias, autocast_off = compute_inputs(x, base.bias, base.compute_dtype or weight.quant_state.dtype)
-        kernel = ops.resolve_kernel(layer.sits_kernel[adapter], x_in, layer.out_features)
         dropout = layer.lora_dropout[adapter]
         x_lora = dropout(x_in) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else x_in
         lora_A, lora_B = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
@@ -149,8 +159,10 @@ class Bnb4Fp8Base:
 
     module_type = bnb.nn.Linear4bit
     fuses_siblings = False
+    kernels = ()   # one implementation: the fp8 GEMMs
 
-    def fused_forward(self, layer, adapter: str, x: torch.Tensor) -> torch.Tensor:
+    def fused_forward(self, layer, plan, x: torch.Tensor) -> torch.Tensor:
+        adapter = plan.adapter
         base = layer.base_layer
         check_fp8_call(x, layer.out_features, self.state.emulate, self.w_inv.numel() > 1)
         if self.w_scale.device != base.weight.device:  # the model moved: the scales follow its weight

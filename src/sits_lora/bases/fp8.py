@@ -202,8 +202,10 @@ class Fp8Base:
 
     module_type = Fp8BaseLinear
     fuses_siblings = False  # the sibling op is bf16; each fp8 layer runs its own fp8 GEMMs
+    kernels = ()   # one implementation: the fp8 GEMMs
 
-    def fused_forward(self, layer, adapter: str, x: torch.Tensor) -> torch.Tensor:
+    def fused_forward(self, layer, plan, x: torch.Tensor) -> torch.Tensor:
+        adapter = plan.adapter
         base = layer.base_layer
         check_fp8_call(x, layer.out_features, self.state.emulate, base.fp8_weight_scale == "row")
         dropout = layer.lora_dropout[adapter]

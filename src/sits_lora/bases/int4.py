@@ -15,7 +15,7 @@ from torch import nn
 
 from .. import ops
 from ..ops import int4_linear as int4_ops
-from .bf16 import autocast_inputs
+from .bf16 import autocast_dtype, autocast_inputs
 
 
 def compute_inputs(x: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype):
@@ -99,11 +99,19 @@ class Int4Base:
 
     module_type = Int4BaseLinear
     fuses_siblings = False  # the sibling op reads a dense W; each INT4 layer runs its own products
+    kernels = ("triton", "torch")   # the implementations a plan may name (sits_lora.layers.forward_plan)
+    decodes = staticmethod(lambda layer, x: False)
+    trains_weight = staticmethod(lambda layer: False)
 
-    def fused_forward(self, layer, adapter: str, x: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def kernel_dtype(layer, x: torch.Tensor) -> torch.dtype:
+        """The dtype the products run in (compute_inputs): autocast's, else the one W is rebuilt in."""
+        return autocast_dtype(x) or layer.base_layer.compute_dtype
+
+    def fused_forward(self, layer, plan, x: torch.Tensor) -> torch.Tensor:
+        adapter, kernel = plan.adapter, plan.kernel
         base = layer.base_layer
         x, bias, autocast_off = compute_inputs(x, base.bias, base.compute_dtype)
-        kernel = ops.resolve_kernel(layer.sits_kernel[adapter], x, layer.out_features)
         dropout = layer.lora_dropout[adapter]
         x_lora = dropout(x) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else x
         with autocast_off:

@@ -1,10 +1,11 @@
 """SitsLoraLinear: PEFT's LoRA ``Linear`` whose common path runs through sits_lora.ops.
 
 Parameter names, merge / unmerge, ``get_delta_weight``, mixed-batch ``adapter_names``, several
-adapters, DoRA and the other LoRA variants are PEFT's, inherited unchanged. Only the plain training
-and inference path (one active vanilla adapter over the frozen base's module) is replaced by one call
-to the frozen base's fused path (``sits_lora.bases``), which computes the base GEMM and the LoRA branch
-together; every other case falls through to PEFT's own forward, so behaviour stays PEFT's.
+adapters, DoRA and the other LoRA variants are PEFT's, inherited unchanged. A call is planned first
+(``sits_lora.layers.forward_plan.plan_forward``: which path, which kernel) and then executed: the plain
+training and inference path (one active vanilla adapter over the frozen base's module) is one call to
+the frozen base's fused path (``sits_lora.bases``), which computes the base GEMM and the LoRA branch
+together; every case the plan does not claim falls through to PEFT's own forward, so behaviour stays PEFT's.
 
 A feature that changes what an adapter computes is a LoRA variant of this layer (PEFT's ``LoraVariant``,
 as DoRA is): a :class:`SitsLoraVariant`, registered for the config field that turns it on. Per-token
@@ -27,6 +28,7 @@ from torch import nn
 from ..bases import BF16_BASE
 from ..serving.mixed_batch import mixed_batch_forward
 from ..utils.cast_copies import drop_cast_copies
+from .forward_plan import ForwardPlan, plan_forward
 
 logger = logging.getLogger("sits_lora")
 
@@ -85,14 +87,6 @@ class FusedAdapterChoice:
     # Set by SitsLoraModel for layers that read the same input as others (sits_lora.layers.siblings).
     sibling_group = None
 
-    def _input_rebuild_hooks(self, x: torch.Tensor):
-        """Saved-tensor hooks that save a rebuild of x instead of x, or None to run the forward as is."""
-        recompute = self.input_recompute
-        group = self.sibling_group
-        if recompute is None or (group is not None and group.holds_output(self, x)):
-            return None
-        return recompute.saving(x)
-
     def _sits_variant(self, adapter_name: str) -> Optional[SitsLoraVariant]:
         variant = self.lora_variant.get(adapter_name)
         return variant if isinstance(variant, SitsLoraVariant) else None
@@ -100,6 +94,15 @@ class FusedAdapterChoice:
     def _runs_plain(self, adapter_name: str) -> bool:
         variant = self._sits_variant(adapter_name)
         return variant is not None and variant.runs_plain(self, adapter_name)
+
+    def routed_adapter(self, args: tuple, kwargs: dict) -> Optional[str]:
+        """The adapter whose variant computes this call's whole output (per-token dynamic rank), or None; raises for
+        a call the variant cannot run. The layer's rule is its feature variant's (one kind per layer); PEFT's
+        variants do not route."""
+        for variant in self.lora_variant.values():
+            if isinstance(variant, SitsLoraVariant):
+                return variant.routed_adapter(self, args, kwargs)
+        return None
 
     def fused_adapter(self, args: tuple, kwargs: dict) -> str | None:
         """The single active adapter the frozen base's fused path can run, or None to use another path."""
@@ -168,35 +171,27 @@ class SitsLoraLinear(FusedAdapterChoice, LoraLinear):
         super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
         self.sits_kernel[adapter_name] = getattr(config, "kernel", "auto")
 
-    def _routed_adapter(self, args: tuple, kwargs: dict) -> Optional[str]:
-        # the layer's rule is its feature variant's (one kind per layer: dynamic rank); PEFT's variants do not route
-        for variant in self.lora_variant.values():
-            if isinstance(variant, SitsLoraVariant):
-                return variant.routed_adapter(self, args, kwargs)
-        return None
-
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        hooks = self._input_rebuild_hooks(x)
-        if hooks is not None:
-            with hooks:
-                return self._forward(x, *args, **kwargs)
-        return self._forward(x, *args, **kwargs)
+        plan = plan_forward(self, x, args, kwargs)
+        # the saved-tensor hooks that save a rebuild of x instead of x, or None (nothing upstream to rebuild from)
+        hooks = self.input_recompute.saving(x) if plan.rebuild_input else None
+        if hooks is None:
+            return self._run(plan, x, args, kwargs)
+        with hooks:
+            return self._run(plan, x, args, kwargs)
 
-    def _forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        adapter = self.fused_adapter(args, kwargs)
-        if adapter is not None:
-            return self.frozen_base.fused_forward(self, adapter, x)
-        adapter_names = kwargs.get("adapter_names")
-        if adapter_names is not None and not args and all(v is None for k, v in kwargs.items() if k != "adapter_names"):
+    def _run(self, plan: ForwardPlan, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        """Execute the plan (sits_lora.layers.forward_plan); every choice was made there."""
+        if plan.path == "fused":
+            return self.frozen_base.fused_forward(self, plan, x)
+        if plan.path == "routed":
+            # the variant computes base + routed LoRA itself (layer → variant → ops)
+            return self.lora_variant[plan.adapter].forward_routed(self, plan.adapter, x)
+        if plan.path == "mixed_batch":
             self._check_forward_args(x, **kwargs)   # PEFT's refusals (a merged adapter, a wrong count of names)
-            out = mixed_batch_forward(self, x, adapter_names)
+            out = mixed_batch_forward(self, x, kwargs["adapter_names"])
             if out is not None:   # every named adapter plain LoRA on the kernels: one segmented pass for the batch
                 return out
-        if self.lora_variant:
-            adapter = self._routed_adapter(args, kwargs)
-            if adapter is not None:
-                # the variant computes base + routed LoRA itself (layer → variant → ops)
-                return self.lora_variant[adapter].forward_routed(self, adapter, x)
         # PEFT's own forward (an fp8 base module then runs its fp8 GEMM with current scaling)
         return super().forward(x, *args, **kwargs)
 

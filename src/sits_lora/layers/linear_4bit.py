@@ -15,6 +15,7 @@ import torch
 from peft.tuners.lora.bnb import Linear4bit
 
 from ..bases.bnb4 import BNB4_BASE
+from .forward_plan import plan_forward
 from .linear import FusedAdapterChoice
 
 
@@ -39,14 +40,16 @@ class SitsLoraLinear4bit(FusedAdapterChoice, Linear4bit):
         self.sits_kernel[adapter_name] = getattr(config, "kernel", "auto")
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        adapter = self.fused_adapter(args, kwargs)
-        if adapter is None:
+        plan = plan_forward(self, x, args, kwargs)
+        if plan.path != "fused":
+            # PEFT's QLoRA forward for every other path (no sits_lora variant runs on a 4-bit base; bitsandbytes'
+            # matmul saves its own tensors, so no input rebuild)
             return super().forward(x, *args, **kwargs)
-        hooks = self._input_rebuild_hooks(x)  # the input rebuilt in backward, as SitsLoraLinear's
-        if hooks is not None:
-            with hooks:
-                return self.frozen_base.fused_forward(self, adapter, x)
-        return self.frozen_base.fused_forward(self, adapter, x)
+        hooks = self.input_recompute.saving(x) if plan.rebuild_input else None   # as SitsLoraLinear's
+        if hooks is None:
+            return self.frozen_base.fused_forward(self, plan, x)
+        with hooks:
+            return self.frozen_base.fused_forward(self, plan, x)
 
     def __repr__(self) -> str:
         return "sits_lora." + super().__repr__().removeprefix("lora.")

@@ -40,6 +40,7 @@ from torch import nn
 
 from .. import ops
 from ..bases import autocast_inputs
+from .forward_plan import dropout_active, plan_forward
 
 SIBLING_NAME_SETS = (
     ("q_proj", "k_proj", "v_proj"),
@@ -196,13 +197,10 @@ class SiblingGroup:
             return out
         operands = []
         for other in self.layers:
-            adapter = other.fused_adapter((), {})
-            if adapter is None or not other.frozen_base.fuses_siblings:
+            plan = plan_forward(other, x)
+            if plan.kernel != "decode" or not plan.siblings:   # each sibling's own plan: the decode kernel
                 return None
-            found = other.frozen_base.decode_operands(other, adapter, x)
-            if found is None:
-                return None
-            operands.append(found)
+            operands.append(other.frozen_base.decode_operands(other, plan.adapter, x))
         projections = [found[1] for found in operands]
         if not ops.decode_siblings_fuse(projections):
             return None
@@ -262,18 +260,13 @@ class SiblingGroup:
         adapter appended to ``adapters`` when it is given."""
         weights, biases, As, Bs, scalings = [], [], [], [], []
         for layer in self.layers:
-            if not layer.frozen_base.fuses_siblings:
-                return None  # a quantized base (sits_lora.bases.fp8) runs its own fused path
-            # None also for a dynamic-rank adapter that routes (a per-token rank is not the static product here)
-            adapter = layer.fused_adapter((), {})
-            if adapter is None or ops.resolve_kernel(layer.sits_kernel[adapter], x, self.out_features) != "triton":
+            # each sibling's own plan: the fused path on a base that fuses siblings (not a quantized one, not a
+            # dynamic-rank adapter that routes: a per-token rank is not the static product here), on the kernels
+            # (not the reference: a trainable base, fp32), without dropout (each would need its own mask of x)
+            plan = plan_forward(layer, x)
+            if not plan.siblings or plan.kernel not in ("triton", "aten") or dropout_active(layer, plan.adapter):
                 return None
-            base = layer.base_layer
-            dropout = layer.lora_dropout[adapter]
-            if base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
-                return None
-            if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0:
-                return None  # each sibling would need its own dropout mask of x
+            adapter, base = plan.adapter, layer.base_layer
             if adapters is not None:
                 adapters.append(adapter)
             weights.append(base.weight)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -60,8 +61,9 @@ def _reference_for_large(x: Tensor, out_features: int) -> str:
     return "torch"
 
 
-def resolve_kernel(requested: str, x: Tensor, out_features: int = 0) -> str:
-    """The implementation SitsLoraConfig.kernel=requested runs for input x: "triton" or "torch".
+def resolve_kernel(requested: str, x: Tensor, out_features: int = 0, dtype: Optional[torch.dtype] = None) -> str:
+    """The implementation SitsLoraConfig.kernel=requested runs for input x (computed in ``dtype``, x's own when
+    None: a quantized base casts x to the dtype it rebuilds W in): "triton" or "torch".
 
     "auto": Triton on CUDA for bf16 / fp16, the reference otherwise (fp32 on a GPU keeps exact
     fp32 products; the reference is cuBLAS there). "triton": CUDA, or the CPU only under the Triton
@@ -72,7 +74,7 @@ def resolve_kernel(requested: str, x: Tensor, out_features: int = 0) -> str:
     if requested == "torch":
         return "torch"
     if requested == "auto":
-        if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+        if not (x.is_cuda and (dtype or x.dtype) in (torch.bfloat16, torch.float16)):
             return "torch"
         return _reference_for_large(x, out_features) if tensor_too_large(x, out_features) else "triton"
     if requested == "triton":
