@@ -214,6 +214,13 @@ class SitsLoraModel(LoraModel):
             int4.check_before_injection(self, model, adapter_name)
         super().inject_adapter(model, adapter_name, *args, **kwargs)
         _note_peft_layers(model, adapter_name)
+        self._attach_layer_strategies(model, adapter_name, fp8, int4)
+
+    def _attach_layer_strategies(self, model: nn.Module, adapter_name: str, fp8, int4) -> None:
+        """The one pass, after PEFT built the layers, that sets what each layer's forward plan reads
+        (sits_lora.layers.forward_plan): its frozen base (fp8 / INT4 quantize the base modules and set
+        ``layer.frozen_base``), its sibling group (``layer.sibling_group``), its input rebuild
+        (``layer.input_recompute``), and a nested dynamic-rank adapter's shared bucket draw."""
         if fp8 is not None:
             fp8.quantize_base_layers(self, adapter_name, SitsLoraLinear)
         if int4 is not None:
