@@ -391,6 +391,7 @@ def test_which_layers_run_fused():
     assert layer_runs_fused(sits(), cuda=True) and layer_runs_fused(sits(torch.float16), cuda=True)
     assert not layer_runs_fused(sits(), cuda=False)
     assert not layer_runs_fused(sits(torch.float32), cuda=True)  # fp32 input: "auto" runs the reference
+    assert layer_runs_fused(sits(torch.float32), cuda=True, autocast_dtype=torch.bfloat16)  # computed in bf16
     assert layer_runs_fused(sits(torch.float32, kernel="triton"), cuda=True)
     assert not layer_runs_fused(sits(kernel="torch"), cuda=True)
     assert not layer_runs_fused(q_proj(get_peft_model(tiny_llama(dtype=torch.bfloat16), LoraConfig(

@@ -13,8 +13,8 @@ from tests.conftest import tiny_llama
 
 
 def _model(**config):
-    model = get_peft_model(tiny_llama(), SitsLoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                                                       **config))
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    model = get_peft_model(tiny_llama(), SitsLoraConfig(r=4, target_modules=targets, **config))
     return model, model.base_model.model.model.layers[0].self_attn
 
 
@@ -88,3 +88,28 @@ def test_a_routed_adapter_is_planned_as_routed_and_refused_in_a_mixed_batch():
     assert plan_forward(layer, x) == ForwardPlan("routed", "default", rebuild_input=True)
     with pytest.raises(ValueError, match="mixed batch"):
         plan_forward(layer, x, (), {"adapter_names": ["default", "default"]})
+
+
+def test_under_autocast_the_kernel_setting_is_resolved_in_autocast_dtype():
+    """An fp32 model under bf16 autocast: the fused op computes in bf16, so "auto" takes the kernels on a GPU (x's own
+    fp32 would have sent it to the reference)."""
+    from sits_lora import ops
+    from sits_lora.bases import BF16_BASE
+
+    _, attn = _model()
+    x = torch.randn(2, 3, attn.o_proj.in_features)
+    assert BF16_BASE.kernel_dtype(attn.o_proj, x) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert BF16_BASE.kernel_dtype(attn.o_proj, x) == torch.bfloat16
+
+    class OnAGpu:   # what resolve_kernel reads of a CUDA tensor
+        is_cuda, dtype, shape = True, torch.float32, (6, 64)
+
+        def numel(self):
+            return 6 * 64
+
+        def dim(self):
+            return 2
+
+    assert ops.resolve_kernel("auto", OnAGpu(), 64) == "torch"
+    assert ops.resolve_kernel("auto", OnAGpu(), 64, torch.bfloat16) == "triton"

@@ -63,8 +63,15 @@ class Bf16Base:
     # the implementations of its fused op that a plan may name (sits_lora.layers.forward_plan)
     kernels = ("decode", "triton", "aten", "torch")
 
-    # the dtype the kernel setting is resolved against, from (layer, x); None: the input's as it arrives
-    kernel_dtype = None
+    @staticmethod
+    def kernel_dtype(layer, x: torch.Tensor) -> Optional[torch.dtype]:
+        """The dtype the kernel setting is resolved against: autocast's when it is on (the fused op then computes in
+        it, so fp32 activations of an fp32 model under bf16 autocast take the kernels), else None: x's own. Builtins
+        only: this runs in every adapted layer's every call."""
+        device_type = "cuda" if x.is_cuda else x.device.type
+        if _AUTOCAST_AVAILABLE.get(device_type) and torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+        return None
 
     @staticmethod
     def decodes(layer, x: torch.Tensor) -> bool:

@@ -345,7 +345,7 @@ def run_check(model: Optional[str] = None, config: Optional[str] = None, batch_s
     # The meta model has no device: which layers run fused follows the device the run will use (a GPU;
     # without one check_rank is skipped).
     results.append(check_rank(peft_model, hardware, B * S, act_bytes, rank_share,
-                              is_fused=lambda layer: layer_runs_fused(layer, cuda=True)))
+                              is_fused=lambda layer: layer_runs_fused(layer, cuda=True, autocast_dtype=autocast)))
     # the recipe's batches: input_ids, attention_mask and labels, int64
     parts = pcie_bytes_per_step(peft_model, batch_bytes=3 * 8 * B * S, activation_offload_bytes=0,
                                 gradient_checkpointing=False, accumulation=accumulation)

@@ -125,13 +125,15 @@ def _routes_in_training(layer: nn.Module, adapter: str) -> bool:
         layer.training = was
 
 
-def layer_runs_fused(module: nn.Module, cuda: bool) -> bool:
-    """Whether sits_lora layer ``module`` will train on the fused Triton kernels, on a CUDA device when ``cuda``.
+def layer_runs_fused(module: nn.Module, cuda: bool, autocast_dtype: Optional[torch.dtype] = None) -> bool:
+    """Whether sits_lora layer ``module`` will train on the fused Triton kernels, on a CUDA device when ``cuda``,
+    under autocast to ``autocast_dtype`` when given.
 
-    ops.resolve_kernel's rule, applied to the dtype the layer receives in the model, which is its
-    weights' (the residual stream's) even under autocast: "auto" is fused for bf16 / fp16 inputs
-    only, "triton" for any, neither with a trainable base weight. A dynamic-rank layer that routes
-    runs the PyTorch reference (there is no bucketed kernel yet); PEFT's own layers are never fused.
+    The forward plan's rule (sits_lora.layers.forward_plan), applied to the dtype the fused op computes in:
+    autocast's when it is on, else the one the layer receives in the model, its weights' (the residual stream's):
+    "auto" is fused for bf16 / fp16 only, "triton" for any, neither with a trainable base weight. A dynamic-rank
+    layer that routes runs the PyTorch reference (there is no bucketed kernel yet); PEFT's own layers are never
+    fused.
     """
     kernels = getattr(module, "sits_kernel", None)
     if not kernels or not cuda:
@@ -140,7 +142,8 @@ def layer_runs_fused(module: nn.Module, cuda: bool) -> bool:
     weight = getattr(base, "weight", None)
     if weight is None:
         return False
-    input_dtype = weight.dtype if weight.dtype.is_floating_point else getattr(base, "compute_dtype", None)
+    input_dtype = autocast_dtype or (weight.dtype if weight.dtype.is_floating_point
+                                     else getattr(base, "compute_dtype", None))
     for adapter, kernel in kernels.items():
         if _routes_in_training(module, adapter):
             return False
@@ -166,9 +169,11 @@ def rank_ceiling(K: int, N: int, T: int, act_bytes: int, flops: float, bandwidth
 
 
 def check_rank(model: nn.Module, hardware, tokens: Optional[int], act_bytes: int, share: float,
-               is_fused: Optional[Callable[[nn.Module], bool]] = None) -> ConstraintResult:
+               is_fused: Optional[Callable[[nn.Module], bool]] = None,
+               autocast_dtype: Optional[torch.dtype] = None) -> ConstraintResult:
     """Each adapted layer's rank against :func:`rank_ceiling`. ``is_fused(layer)`` says whether a layer runs
-    the fused kernel; by default :func:`layer_runs_fused` on the device of the layer's parameters."""
+    the fused kernel; by default :func:`layer_runs_fused` on the device of the layer's parameters, under
+    autocast to ``autocast_dtype`` when given."""
     if not hardware.is_cuda:
         return ConstraintResult("rank", "skipped", "no CUDA device")
     if not tokens:
@@ -182,7 +187,7 @@ def check_rank(model: nn.Module, hardware, tokens: Optional[int], act_bytes: int
         K, N = linear_dims(module)
         ranks = [v for v in getattr(module, "r", {}).values()] or [0]
         fused = (is_fused(module) if is_fused is not None
-                 else layer_runs_fused(module, next(module.parameters()).device.type == "cuda"))
+                 else layer_runs_fused(module, next(module.parameters()).device.type == "cuda", autocast_dtype))
         groups.setdefault((K, N, max(ranks), fused), []).append(name)
     rows, over = [], []
     for (K, N, r, fused), names in sorted(groups.items()):

@@ -107,7 +107,7 @@ def check_run(args, model, train_dataloader, hardware: HardwareReport, policies:
 
     act_bytes = 2 if autocast is not None else weight_bytes(model)
     if policies["rank"] != "off":
-        check.results.append(check_rank(model, hardware, tokens, act_bytes, rank_share))
+        check.results.append(check_rank(model, hardware, tokens, act_bytes, rank_share, autocast_dtype=autocast))
 
     if policies["pcie"] != "off":
         offload_bytes = 0
