@@ -96,3 +96,35 @@ def test_x_pass_on_liger_swiglu_factors_is_bit_identical_to_its_output(T, K):
         da_p, dx_p = lora_x_pass_parts(product, A, g_parts, 2.0, write_dx=True)
         da_x, dx_x = lora_x_pass_parts(x, A, g_parts, 2.0, write_dx=True)
         assert torch.equal(da_p, da_x) and torch.equal(dx_p, dx_x)
+
+
+def test_an_fp32_model_under_bf16_autocast_leaves_the_reference_and_trains_like_peft():
+    """kernel="auto" with fp32 weights and activations under bf16 autocast: the fused op computes in bf16, so the plan
+    names the fused path's kernels (at this tiny size the ATen one), not the reference, and the loss and every LoRA
+    gradient match PEFT's under the same autocast."""
+    from sits_lora.layers.forward_plan import plan_forward
+
+    kwargs = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                     "down_proj"])
+    sits = get_peft_model(tiny_llama().cuda(), SitsLoraConfig(**kwargs)).train()
+    peft = get_peft_model(tiny_llama().cuda(), LoraConfig(**kwargs)).train()
+    randomize_lora_weights(sits)
+    peft.load_state_dict(sits.state_dict())
+    layer = sits.base_model.model.model.layers[0].mlp.down_proj
+    x = torch.randn(2, 9, layer.in_features, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert plan_forward(layer, x).kernel in ("triton", "aten")
+    assert plan_forward(layer, x).kernel == "torch"   # without autocast: fp32, the reference
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0)).cuda()
+    losses = []
+    for model in (sits, peft):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        losses.append(out.loss.detach())
+    assert rel_err(losses[0], losses[1]) < 1e-2
+    peft_params = dict(peft.named_parameters())
+    for n, p in sits.named_parameters():
+        if p.requires_grad:
+            assert p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all(), n
+            assert rel_err(p.grad, peft_params[n].grad) < 5e-2, n
