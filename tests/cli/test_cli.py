@@ -652,7 +652,7 @@ def test_compile_tunes_the_sibling_groups_launches_at_their_summed_rank():
 
     from sits_lora import SitsLoraConfig
     from sits_lora.cli.check import adapted_linear_shapes
-    from sits_lora.cli.compile import kernel_launches
+    from sits_lora.cli.compile import kernel_launches, product_input_layers
     from sits_lora.layers.siblings import sibling_group_members
 
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -673,6 +673,13 @@ def test_compile_tunes_the_sibling_groups_launches_at_their_summed_rank():
     assert {dims: e["layers"] for (kernel, dims), e in wanted.items() if kernel == "dy_pass"} == {
         (h, 16): 6, (kv, 16): 4, (96, 16): 4}   # q, o, down / k, v / gate, up
     assert wanted[("shrink", (h, 64))]["shape"] == (h, h, 48)
+    assert ("x_pass_product", (96, 16)) not in wanted   # without the layers whose input is two factors
+    # the down projections read their input as the gate / up factors: their x pass has its own configuration
+    products = product_input_layers(model, adapted_linear_shapes(model), groups)
+    assert sorted(products) == [f"base_model.model.model.layers.{i}.mlp.down_proj" for i in range(2)]
+    with_products = kernel_launches(adapted_linear_shapes(model), groups, products)
+    assert with_products[("x_pass_product", (96, 16))] == {"layers": 2, "shape": (96, h, 16)}
+    assert {k: v for k, v in with_products.items() if k[0] != "x_pass_product"} == wanted
     # without sibling fusion every layer launches its own
     with torch.device("meta"):
         alone = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=96, num_hidden_layers=2),

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from torch import nn
 
 from .check import CheckError
 
@@ -101,11 +102,32 @@ def _kernel_dims(K: int, N: int, r: int) -> dict[str, tuple]:
     return {"shrink": (K, block_r), "expand": (N, block_r), "dy_pass": (N, block_r), "x_pass": (K, block_r)}
 
 
-def kernel_launches(rows: list, groups: list) -> dict[tuple, dict]:
+def product_input_layers(model: nn.Module, rows: list, groups: list) -> set:
+    """Names of the adapted layers whose x pass can read their input as two factors (``ops.ProductInput``): a down
+    projection beside a two-layer sibling group (gate / up) under one parent, as wide as the group's outputs, with
+    its input rebuilt in backward (``SitsLoraConfig(recompute_lora_inputs=True)``, which finds the factors)."""
+    by_name = {row["name"]: row for row in rows}
+    modules = dict(model.named_modules())
+    found = set()
+    for members in groups:
+        present = [by_name[name] for name in members if name in by_name]
+        if len(present) != 2 or present[0]["N"] != present[1]["N"]:
+            continue
+        parent = members[0].rsplit(".", 1)[0]
+        for row in rows:
+            name = row["name"]
+            if (name.rsplit(".", 1)[0] == parent and name not in members and row["K"] == present[0]["N"]
+                    and getattr(modules.get(name), "input_recompute", None) is not None):
+                found.add(name)
+    return found
+
+
+def kernel_launches(rows: list, groups: list, product_inputs: frozenset = frozenset()) -> dict[tuple, dict]:
     """{(kernel, dims): {"layers": how many adapted layers use it, "shape": (K, N, r) that tunes it}} for the adapted
     layers ``rows`` (``adapted_linear_shapes``) and their sibling groups (``sibling_group_members``: lists of layer
     names). A group's layers share one shrink and one x pass at their summed rank; each keeps its own expand and
-    dy pass."""
+    dy pass. A layer named in ``product_inputs`` (:func:`product_input_layers`) also runs its x pass over the two
+    factors ("x_pass_product")."""
     by_name = {row["name"]: row for row in rows}
     grouped = {name for members in groups for name in members if name in by_name}
     wanted: dict[tuple, dict] = {}
@@ -119,6 +141,8 @@ def kernel_launches(rows: list, groups: list) -> dict[tuple, dict]:
         for kernel, dims in _kernel_dims(*shape).items():
             if row["name"] not in grouped or kernel in ("expand", "dy_pass"):
                 add(kernel, dims, shape, 1)
+        if row["name"] in product_inputs:
+            add("x_pass_product", _kernel_dims(*shape)["x_pass"], shape, 1)
     for members in groups:
         present = [by_name[name] for name in members if name in by_name]
         if len(present) < 2:
@@ -229,7 +253,8 @@ def run_compile(model: Optional[str] = None, config: Optional[str] = None, batch
     records = _read(versions_path(tuning.cache_path()))
     running = current_versions()
 
-    wanted = kernel_launches(shapes, sibling_group_members(meta_model))
+    groups = sibling_group_members(meta_model)
+    wanted = kernel_launches(shapes, groups, product_input_layers(meta_model, shapes, groups))
     sources: dict[tuple, tuple] = {}
     skip: set = set()
     for kernel, dims in wanted:
@@ -245,8 +270,10 @@ def run_compile(model: Optional[str] = None, config: Optional[str] = None, batch
     from tqdm.auto import tqdm
 
     for K, N, r in tqdm(todo, desc="sits-lora compile", unit="shape", disable=not todo):
+        product = any(kernel == "x_pass_product" and entry["shape"] == (K, N, r)
+                      for (kernel, _), entry in wanted.items())
         result = fused.tune_layer_kernels(K, N, r, dtype, device, tokens=recipe.batch_size * recipe.seq_len,
-                                          save=True, skip=skip)
+                                          save=True, skip=skip, product_input=product)
         for kernel, info in result.items():
             measured[(kernel, tuple(info["dims"]))] = info
     if measured:
