@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO_ROOT, bench_module
+from conftest import bench_module
 
 regress = bench_module("regress")
 
@@ -51,7 +48,8 @@ def test_a_host_bound_arm_is_named_so_and_judged_the_same():
 def test_failed_arms_graph_breaks_and_missing_baselines_are_reported():
     rows = _rows("8b", frozen=1.0, sits=1.1) + [{"shape": "8b", "arm": "sits+fp8", "error": "CUDA out of memory"}]
     breaks = [{"config": "static", "graph_breaks": 0}, {"config": "fp8 hybrid", "graph_breaks": 3},
-              {"config": "dynamic rank, random router", "graph_breaks": 22}, {"config": "some other", "graph_breaks": 5}]
+              {"config": "dynamic rank, random router", "graph_breaks": 22},
+              {"config": "some other", "graph_breaks": 5}]
     checks = regress.compare(rows, None, breaks, {})
     regression = _by_what(checks, "regression")
     assert regression[("8b", "sits")]["ok"] is None and regression[("8b", "sits")]["detail"] == "no baseline"
@@ -141,36 +139,38 @@ def test_a_baseline_split_over_two_calls_keeps_the_other_shape(tmp_path):
 
 
 @pytest.mark.slow
-def test_smoke_run_on_the_cpu(tmp_path):
+def test_smoke_run_on_the_cpu(tmp_path, monkeypatch, capsys):
     """The whole gate on a CPU at a tiny size: arms in their own processes, each twice, graph breaks counted, files
-    written. Eager arms: the gated compile configurations are compiled once, by the graph-break count."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "regress.py"), "--smoke", "--out",
-                           str(tmp_path), "--arms", "frozen", "sits", "--repeats", "2"],
-                          capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    written. Eager arms: the gated compile configurations are compiled once, by the graph-break count. The script's
+    main runs here (this module imported it): the arms and the graph-break count start their own processes as
+    ever, without TRITON_INTERPRET (the PyTorch path); a process of its own for main would import all again."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    code = regress.main(["--smoke", "--out", str(tmp_path), "--arms", "frozen", "sits", "--repeats", "2"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.out[-2000:] + captured.err[-2000:]
     result = json.loads((tmp_path / "regress.json").read_text())
     assert [r["arm"] for r in result["rows"]] == ["frozen", "sits"]
     assert all(r["tokens_per_s"] > 0 and r["vs_floor"] > 0 for r in result["rows"])
     assert all(len(r["repeats_step_s"]) == 2 and r["failures"] == 0 for r in result["rows"])
-    assert "repeat 2 of 2" in proc.stdout and "host_share" in proc.stdout
+    assert "repeat 2 of 2" in captured.out and "host_share" in captured.out
     assert result["rows"][0]["vs_floor"] == 1.0  # frozen is this run's only floor arm
-    assert {c["config"]: c["graph_breaks"] for c in result["graph_breaks"]} == {c: 0 for c in regress.GATED_COMPILE_CONFIGS}
+    assert {c["config"]: c["graph_breaks"] for c in result["graph_breaks"]} == \
+        {c: 0 for c in regress.GATED_COMPILE_CONFIGS}
     assert (tmp_path / "regress.csv").exists() and (tmp_path / "regress.png").stat().st_size > 1000
-    assert "0 failed check(s)" in proc.stdout
+    assert "0 failed check(s)" in captured.out
 
 
-def test_refuses_a_gpu_run_without_a_gpu_and_unknown_shapes():
+def test_refuses_a_gpu_run_without_a_gpu_and_unknown_shapes(capsys):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("the refusal of a machine without a GPU")
-    script = os.path.join(REPO_ROOT, "bench", "regress.py")
-    proc = subprocess.run([sys.executable, script, "--out", "unused"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "no CUDA GPU here" in proc.stderr
-    proc = subprocess.run([sys.executable, script, "--smoke", "--shapes", "70b"], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 2 and "--shapes ['70b'] unknown" in proc.stderr
+    with pytest.raises(SystemExit) as stop:
+        regress.main(["--out", "unused"])
+    assert stop.value.code == 2 and "no CUDA GPU here" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        regress.main(["--smoke", "--shapes", "70b"])
+    assert stop.value.code == 2 and "--shapes ['70b'] unknown" in capsys.readouterr().err
 
 
 def test_a_run_of_a_few_arms_updates_only_those(tmp_path):
@@ -264,7 +264,7 @@ def test_repeats_run_interleaved_each_in_its_own_call(monkeypatch):
     assert calls == [("0.5b", arm, 24, 6) for arm in ("frozen", "sits")] * 3
     assert progress[:2] == [["frozen"], ["frozen", "sits"]] and len(progress) == 6   # on disk after every run
     assert [(r["arm"], r["step_s"], r["vs_floor"]) for r in rows] == [("frozen", 1.1, 1.0),
-                                                                     ("sits", 1.2, pytest.approx(1.2 / 1.1))]
+                                                                      ("sits", 1.2, pytest.approx(1.2 / 1.1))]
 
 
 def test_the_repeats_option_reaches_every_arm(monkeypatch, tmp_path):
