@@ -169,6 +169,28 @@ def tiny_model_dir(tmp_path_factory):
     return folder
 
 
+def shared_across_workers(tmp_path_factory, name: str, produce):
+    """What ``produce(folder)`` returns (JSON), made once for the whole run: the first test that asks, on whichever
+    pytest-xdist worker, makes it in a folder the workers share (under a file lock; the others wait for it), and
+    every later ask reads it. ``produce`` writes its files under ``folder``, which stays for the session. For an
+    expensive run that several tests read alike (a subprocess with the same arguments), not rebuilt per test."""
+    import json
+
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent   # each worker's basetemp is a folder of the run's own
+    folder = root / f"shared-{name}"
+    with FileLock(str(folder) + ".lock"):
+        result = folder / "shared_result.json"
+        if not result.exists():
+            folder.mkdir(exist_ok=True)
+            value = produce(folder)
+            result.write_text(json.dumps(value))
+        return json.loads(result.read_text())
+
+
 def code_corpus(folder):
     """40 short code-like documents as a JSON-lines dataset (the recipe's --dataset) in ``folder``."""
     import json
@@ -248,4 +270,3 @@ def on_gloo_ranks(body, world: int = 2, timeout: float = 120) -> list:
             if proc.is_alive():
                 proc.terminate()
     return [results[rank] for rank in range(world)]
-

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import yaml
 from sits_lora.recipe.loading import ModelNotFoundError, resolve_model_source
 from sits_lora.recipe.train import TrainRecipe
 
-from conftest import REPO_ROOT, code_corpus, rel_err, without_deepspeed_shm_build
+from conftest import REPO_ROOT, code_corpus, rel_err, shared_across_workers, without_deepspeed_shm_build
 
 TRAIN = os.path.join(REPO_ROOT, "recipes", "train.py")
 
@@ -56,6 +57,27 @@ def _train_on_two_processes(*args, cwd, env=None):
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
+def _against_one_process(model, corpus):
+    """The arguments the runs on two processes (DDP, ZeRO-3) share with their one-process reference, but --batch-size
+    and --output-dir: 4 steps, no warm-up."""
+    return ["--model", str(model), "--dataset", str(corpus), "--max-steps", "4", "--seq-len", "32", "--eval-blocks",
+            "4", "--learning-rate", "0.01", "--logging-steps", "2", "--warmup-steps", "0"]
+
+
+@pytest.fixture(scope="session")
+def one_process_reference(tiny_model_dir, tmp_path_factory):
+    """The one-process run the two-process runs are held against (batch 4; theirs 2 a rank): recipes/train.py run
+    once for the session, whichever test asks first (conftest.shared_across_workers), the others read it. The tiny
+    model and the corpus are the same bytes on every worker."""
+    def produce(folder):
+        out = folder / "one"
+        proc = _train(*_against_one_process(tiny_model_dir, code_corpus(folder)), "--batch-size", "4",
+                      "--output-dir", str(out), cwd=folder)
+        return {"returncode": proc.returncode, "stderr": proc.stderr[-3000:], "output_dir": str(out)}
+
+    return shared_across_workers(tmp_path_factory, "recipe-one-process", produce)
+
+
 @pytest.mark.slow
 def test_two_processes_resumed_from_a_checkpoint_repeat_the_uninterrupted_run(tiny_model_dir, tmp_path):
     """2 processes, interrupted after the step-2 checkpoint (rank 0 wrote it; the RNG state of each rank is in
@@ -83,24 +105,24 @@ def test_two_processes_resumed_from_a_checkpoint_repeat_the_uninterrupted_run(ti
 
 
 @pytest.mark.slow
-def test_recipe_on_two_processes_saves_once_and_matches_one_process(tiny_model_dir, tmp_path):
+def test_recipe_on_two_processes_saves_once_and_matches_one_process(tiny_model_dir, tmp_path, one_process_reference):
     """torchrun with 2 processes (DDP over gloo on the CPU): each rank trains on its own batches, rank 0 alone
     clears the folder, prints and writes the adapter and metrics.json; with the per-rank batch halved, the run
     sees the same global batches as one process and ends at its held-out perplexity."""
     corpus = code_corpus(tmp_path)
-    common = ["--model", str(tiny_model_dir), "--dataset", str(corpus), "--max-steps", "4", "--seq-len", "32",
-              "--eval-blocks", "4", "--learning-rate", "0.01", "--logging-steps", "2", "--warmup-steps", "0",
-              "--overwrite", "true"]   # no --r: torchrun's own parser takes it for an abbreviation of its options
-    one = _train(*common, "--batch-size", "4", "--output-dir", str(tmp_path / "one"), cwd=tmp_path)
-    assert one.returncode == 0, one.stderr[-3000:]
+    # no --r: torchrun's own parser takes it for an abbreviation of its options
+    common = _against_one_process(tiny_model_dir, corpus) + ["--overwrite", "true"]
+    one = one_process_reference
+    assert one["returncode"] == 0, one["stderr"]
     two = _train_on_two_processes(*common, "--batch-size", "2", "--output-dir", str(tmp_path / "two"), cwd=tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.count("adapter saved to") == 1 and two.stdout.count("held-out perplexity before") == 1
-    metrics = {name: json.loads((tmp_path / name / "metrics.json").read_text()) for name in ("one", "two")}
+    metrics = {name: json.loads((folder / "metrics.json").read_text())
+               for name, folder in (("one", Path(one["output_dir"])), ("two", tmp_path / "two"))}
     assert metrics["two"]["processes"] == 2 and metrics["two"]["tokens_trained"] == metrics["one"]["tokens_trained"]
     # the same global batches: the same held-out perplexity after, up to the order of the gradient sums
-    assert metrics["two"]["heldout_perplexity_after"] == pytest.approx(metrics["one"]["heldout_perplexity_after"],
-                                                                      rel=1e-3)
+    assert metrics["two"]["heldout_perplexity_after"] == pytest.approx(
+        metrics["one"]["heldout_perplexity_after"], rel=1e-3)
     # the logged losses (the mean over the ranks) step for step
     steps_one, losses_one = zip(*metrics["one"]["loss_curve"])
     steps_two, losses_two = zip(*metrics["two"]["loss_curve"])
@@ -118,7 +140,8 @@ def test_recipe_trains_a_qlora_model_on_a_gpu(tiny_model_dir, tmp_path, fp8):
     4-bit bytes stay the storage and the base GEMMs run in fp8 (k / v of the tiny model are 24 wide: not adapted)."""
     corpus = code_corpus(tmp_path)
     out = tmp_path / "run"
-    extra = ["--fp8", "hybrid", "--fp8-layers", "all", "--target-modules", "q_proj,o_proj,gate_proj,up_proj,down_proj"] if fp8 else []
+    extra = ["--fp8", "hybrid", "--fp8-layers", "all", "--target-modules",
+             "q_proj,o_proj,gate_proj,up_proj,down_proj"] if fp8 else []
     proc = _train("--model", str(tiny_model_dir), "--dataset", str(corpus), "--output-dir", str(out),
                   "--base-quant", "nf4", "--max-steps", "12", "--batch-size", "4", "--seq-len", "32",
                   "--eval-blocks", "4", "--learning-rate", "0.01", "--r", "4", "--logging-steps", "4", *extra,
@@ -420,11 +443,14 @@ def test_dataset_file_checks_accept_what_the_loader_reads(tmp_path):
     "args,files,needle",
     [
         (["--dataset", "empty.jsonl"], {"empty.jsonl": ""}, "error: --dataset empty.jsonl: the file is empty"),
-        (["--dataset", "d.jsonl"], {"d.jsonl": '{"txt": "a"}\n{"txt": "b"}\n'}, "error: --dataset d.jsonl: record 1 has no 'text'"),
+        (["--dataset", "d.jsonl"], {"d.jsonl": '{"txt": "a"}\n{"txt": "b"}\n'},
+         "error: --dataset d.jsonl: record 1 has no 'text'"),
         (["--kernel", "cuda"], {}, "error: kernel='cuda' is invalid: allowed values are auto, triton, torch"),
         (["--output-dir", "run"], {"run/metrics.json": "{}"}, "error: output_dir run holds another run (metrics.json)"),
-        (["--output-dir", "run", "--resume", "true"], {"run/adapter/x": ""}, "error: resume=true: run holds no checkpoint-* folder"),
-        (["--resume", "true", "--overwrite", "true"], {}, "error: resume=true and overwrite=true contradict each other"),
+        (["--output-dir", "run", "--resume", "true"], {"run/adapter/x": ""},
+         "error: resume=true: run holds no checkpoint-* folder"),
+        (["--resume", "true", "--overwrite", "true"], {},
+         "error: resume=true and overwrite=true contradict each other"),
         (["--save-steps", "-1"], {}, "error: save_steps=-1 is invalid"),
     ],
 )
@@ -455,7 +481,8 @@ def test_checkpoint_and_resume_repeat_the_uninterrupted_run(tiny_model_dir, tmp_
     whole, interrupted = tmp_path / "whole", tmp_path / "interrupted"
     proc = _train(*common, "--output-dir", str(whole), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(p.name for p in whole.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-4", "checkpoint-8"]
+    assert sorted(p.name for p in whole.iterdir() if p.name.startswith("checkpoint-")) == \
+        ["checkpoint-4", "checkpoint-8"]
     interrupted.mkdir()
     shutil.copytree(whole / "checkpoint-4", interrupted / "checkpoint-4")  # what a run killed after step 4 leaves
     proc = _train(*common, "--output-dir", str(interrupted), "--resume", "true", cwd=tmp_path)
@@ -538,7 +565,7 @@ def test_int4_group_size_follows_a_block_quantized_gguf(tiny_model_dir):
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (in the test extra)")
-def test_recipe_under_zero3_matches_one_process_and_resumes(tiny_model_dir, tmp_path):
+def test_recipe_under_zero3_matches_one_process_and_resumes(tiny_model_dir, tmp_path, one_process_reference):
     """The recipe on 2 processes under DeepSpeed ZeRO-3 (what `accelerate launch --config_file
     recipes/configs/accelerate/deepspeed_zero3.yaml` sets in the environment; gloo and DeepSpeed's CPU accelerator
     here): the adapter rank 0 saves is whole and equals one process's at twice the per-rank batch; interrupted
@@ -551,21 +578,21 @@ def test_recipe_under_zero3_matches_one_process_and_resumes(tiny_model_dir, tmp_
     from safetensors.torch import load_file
 
     corpus = code_corpus(tmp_path)
-    common = ["--model", str(tiny_model_dir), "--dataset", str(corpus), "--max-steps", "4", "--seq-len", "32",
-              "--eval-blocks", "4", "--learning-rate", "0.01", "--logging-steps", "2", "--warmup-steps", "0"]
+    common = _against_one_process(tiny_model_dir, corpus)
     zero3 = without_deepspeed_shm_build({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"})
-    one = _train(*common, "--batch-size", "4", "--output-dir", str(tmp_path / "one"), cwd=tmp_path)
-    assert one.returncode == 0, one.stderr[-3000:]
+    one = one_process_reference
+    assert one["returncode"] == 0, one["stderr"]
     whole = tmp_path / "whole"
     two = _train_on_two_processes(*common, "--batch-size", "2", "--save-steps", "2", "--output-dir", str(whole),
                                   cwd=tmp_path, env=zero3)
     assert two.returncode == 0, two.stderr[-3000:]
     assert (whole / "checkpoint-2" / "global_step2").is_dir()   # DeepSpeed's own checkpoint: it did run ZeRO
-    metrics = {run: json.loads((tmp_path / run / "metrics.json").read_text()) for run in ("one", "whole")}
+    runs = {"one": Path(one["output_dir"]), "whole": whole}
+    metrics = {run: json.loads((folder / "metrics.json").read_text()) for run, folder in runs.items()}
     assert metrics["whole"]["processes"] == 2
-    assert metrics["whole"]["heldout_perplexity_after"] == pytest.approx(metrics["one"]["heldout_perplexity_after"],
-                                                                        rel=1e-4)
-    adapters = {run: load_file(str(tmp_path / run / "adapter" / "adapter_model.safetensors")) for run in ("one", "whole")}
+    assert metrics["whole"]["heldout_perplexity_after"] == pytest.approx(
+        metrics["one"]["heldout_perplexity_after"], rel=1e-4)
+    adapters = {run: load_file(str(folder / "adapter" / "adapter_model.safetensors")) for run, folder in runs.items()}
     assert adapters["whole"].keys() == adapters["one"].keys()
     for key, value in adapters["one"].items():   # measured 8.6e-7 apart at most
         assert adapters["whole"][key].shape == value.shape and rel_err(adapters["whole"][key], value) < 1e-4, key
