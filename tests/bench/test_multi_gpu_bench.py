@@ -8,11 +8,31 @@ import json
 
 import pytest
 import torch
-from conftest import bench_module, code_corpus
+from conftest import bench_module, code_corpus, shared_across_workers
+
+
+@pytest.fixture
+def shared_one_process(monkeypatch, tmp_path_factory):
+    """bench/multi_gpu.py's one-process reference (the unwrapped run every throughput call starts with) made once a
+    session for the same arguments: the smoke run and the --world 1 run ask for the same one (arm sits, the smoke
+    shape, batch, steps), the first to ask runs it and the other reads its row (conftest.shared_across_workers).
+    The wrapped runs are each test's own."""
+    bench = bench_module("multi_gpu")
+    real = bench.run_setting
+
+    def run_setting(shape, strategy, world, args, wrapped=True):
+        if wrapped:
+            return real(shape, strategy, world, args, wrapped)
+        key = "-".join(str(v) for v in (shape, strategy, world, args.arm, args.batch, args.seq, args.warmup,
+                                        args.steps, args.layers, args.smoke))
+        return shared_across_workers(tmp_path_factory, f"multi-gpu-one-process-{key}",
+                                     lambda folder: real(shape, strategy, world, args, wrapped))
+
+    monkeypatch.setattr(bench, "run_setting", run_setting)
 
 
 @pytest.mark.slow
-def test_smoke_run_measures_one_process_and_both_strategies(tmp_path):
+def test_smoke_run_measures_one_process_and_both_strategies(tmp_path, shared_one_process):
     bench = bench_module("multi_gpu")
     assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "multi_gpu.json").read_text())["rows"]
@@ -29,7 +49,7 @@ def test_smoke_run_measures_one_process_and_both_strategies(tmp_path):
 
 
 @pytest.mark.slow
-def test_wrappers_on_one_rank_and_the_fp8_base_train_as_one_process_does(tmp_path):
+def test_wrappers_on_one_rank_and_the_fp8_base_train_as_one_process_does(tmp_path, shared_one_process):
     """--world 1 (a machine with one GPU): each strategy's wrapper over a process group of one rank, against the
     unwrapped process; "ddp+static" (DDP with static_graph and gradient_as_bucket_view) changes no arithmetic either.
     --arm sits+fp8 (emulated on the CPU) advances the fp8 scales each step on every run; on 2 ranks every rank takes
@@ -84,7 +104,7 @@ def test_a_failed_run_names_the_ranks_exception_not_the_launchers_summary(tmp_pa
     assert bench._error_line(1, stderr) == "exited with 1: RuntimeError: Connection closed by peer"
     # a rank that failed left its traceback beside the result: that wins
     (tmp_path / "row.json.rank1.error").write_text("Traceback (most recent call last):\n  ...\n"
-                                                  "ValueError: shard sizes differ\n")
+                                                   "ValueError: shard sizes differ\n")
     assert bench._error_line(1, stderr, str(tmp_path)) == "exited with 1: rank 1: ValueError: shard sizes differ"
     assert bench._error_line(124, "", str(tmp_path)).startswith("ran out of its --run-timeout: rank 1")
 
