@@ -4,11 +4,13 @@ excused, the outputs written; a missing test dependency and a wrong file are ref
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
+from pathlib import Path
 
 import pytest
 
-from conftest import bench_module
+from conftest import bench_module, shared_across_workers
 
 peft_suite = bench_module("peft_suite")
 
@@ -52,8 +54,34 @@ def _fake_source(tmp_path, body=FAKE_TESTS):
     return source
 
 
-def test_three_modes_find_what_sits_lora_changes(tmp_path, capsys):
-    source, out = _fake_source(tmp_path), tmp_path / "out"
+@pytest.fixture
+def shared_source(monkeypatch, tmp_path_factory):
+    """The stand-in source made once a session, and its pytest processes too: the collection and every mode's run
+    that two tests ask with the same arguments (both collect it and run swap on all of it) run once, the first test
+    to ask runs it and the other reads its outcomes (conftest.shared_across_workers); main's own work on them (the
+    order of the modes, plain on failures, the differences and their excuses, the files) stays each test's own."""
+    source = shared_across_workers(tmp_path_factory, "peft-suite-source", lambda folder: str(_fake_source(folder)))
+    real_run, real_check = peft_suite.run_mode, peft_suite.check_collection
+
+    def shared(what, produce):
+        return shared_across_workers(tmp_path_factory, "peft-suite-" + hashlib.sha1(what.encode()).hexdigest(),
+                                     produce)
+
+    def check_collection(source_, files, keyword, env):
+        return shared(json.dumps(["collect", source_, files, keyword]),
+                      lambda folder: real_check(source_, files, keyword, env))
+
+    def run_mode(mode, source_, files, keyword, env, out, node_ids=None):
+        return shared(json.dumps(["run", mode, source_, files, keyword, node_ids]),
+                      lambda folder: real_run(mode, source_, files, keyword, env, str(folder), node_ids))
+
+    monkeypatch.setattr(peft_suite, "check_collection", check_collection)
+    monkeypatch.setattr(peft_suite, "run_mode", run_mode)
+    return Path(source)
+
+
+def test_three_modes_find_what_sits_lora_changes(tmp_path, capsys, shared_source):
+    source, out = shared_source, tmp_path / "out"
     code = peft_suite.main(["--out", str(out), "--peft-src", str(source), "--files", "test_fake.py", "-k", ""])
     assert code == 1   # two differences nobody has explained
     summary = json.loads((out / "peft_suite.json").read_text())
@@ -71,10 +99,10 @@ def test_three_modes_find_what_sits_lora_changes(tmp_path, capsys):
     assert "3 differences from plain PEFT, 3 unexplained" in capsys.readouterr().out
 
 
-def test_known_differences_are_excused_with_their_reason(tmp_path, monkeypatch):
+def test_known_differences_are_excused_with_their_reason(tmp_path, monkeypatch, shared_source):
     monkeypatch.setattr(peft_suite, "KNOWN_DIFFERENCES", {r"::test_the_config_class_is_peft_own$": "on purpose",
                                                           r"::test_peft_types_are_peft_own$": "registered type"})
-    source, out = _fake_source(tmp_path), tmp_path / "out"
+    source, out = shared_source, tmp_path / "out"
     assert peft_suite.main(["--out", str(out), "--peft-src", str(source), "--files", "test_fake.py", "-k", "",
                             "--modes", "swap", "--plain", "failures"]) == 0
     summary = json.loads((out / "peft_suite.json").read_text())
