@@ -143,7 +143,8 @@ def test_cast_saturates_and_maps_nonfinite_to_nan():
     amax = torch.zeros(1)
     for dtype, fmax in ((F.E4M3, 448.0), (F.E5M2, 57344.0)):
         q = F.fp8_cast_reference(x, torch.tensor([fmax / 100]), amax, dtype).float()
-        assert q[0, 1] == -fmax and torch.isnan(q[0, 2]) and torch.isnan(q[0, 3]) and q[0, 0] == pytest.approx(fmax / 100, rel=0.125)
+        assert q[0, 1] == -fmax and torch.isnan(q[0, 2]) and torch.isnan(q[0, 3])
+        assert q[0, 0] == pytest.approx(fmax / 100, rel=0.125)
     assert amax.item() == float("inf")
 
 
@@ -322,7 +323,8 @@ def test_trainer_callback_advances_scales_and_skips_the_bad_step(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-3,
                              logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True)
     callback = SitsHardwareCallback(report=False, policy="off", nan_policy="skip")
-    trainer = NativeLoraTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": ids, "labels": ids}),
+    trainer = NativeLoraTrainer(model=model, args=args,
+                                train_dataset=Dataset.from_dict({"input_ids": ids, "labels": ids}),
                                 data_collator=default_data_collator, callbacks=[callback])
     trainer.train()
     state = fp8_scaling_state(model)
@@ -535,7 +537,7 @@ def test_each_layer_runs_the_fused_path_of_the_base_it_holds():
     from peft import get_peft_model
 
     model = get_peft_model(fp8_llama(), SitsLoraConfig(r=8, target_modules=["q_proj", "down_proj"], fp8="hybrid",
-                                                        fp8_emulate=True))
+                                                       fp8_emulate=True))
 
     def check(m, fp8_layers: int):
         bases = _frozen_bases(m)
@@ -623,16 +625,19 @@ def test_generate_and_disabled_adapter_on_cpu():
     (dict(fp8="fp8"), "SitsLoraConfig.fp8='fp8' is invalid: allowed values are 'off', 'hybrid', 'e4m3'"),
     (dict(fp8="hybrid", fp8_amax_history_len=0), "fp8_amax_history_len=0 is invalid: it must be a positive integer"),
     (dict(fp8="hybrid", fp8_amax_history_len=2.5), "fp8_amax_history_len=2.5 is invalid"),
-    (dict(fp8="hybrid", fp8_amax_compute_algo="mean"), "fp8_amax_compute_algo='mean' is invalid: allowed values are 'max'"),
+    (dict(fp8="hybrid", fp8_amax_compute_algo="mean"),
+     "fp8_amax_compute_algo='mean' is invalid: allowed values are 'max'"),
     (dict(fp8="hybrid", fp8_margin=-1), "fp8_margin=-1 is invalid: it must be a non-negative integer"),
     (dict(fp8="hybrid", fp8_margin=0.5), "fp8_margin=0.5 is invalid"),
-    (dict(fp8="hybrid", fp8_weight_scale="block"), "fp8_weight_scale='block' is invalid: allowed values are 'tensor', 'row'"),
+    (dict(fp8="hybrid", fp8_weight_scale="block"),
+     "fp8_weight_scale='block' is invalid: allowed values are 'tensor', 'row'"),
     (dict(fp8="hybrid", fp8_keep_bf16_weight="yes"), "fp8_keep_bf16_weight='yes' is invalid: it must be True or False"),
     (dict(fp8="hybrid", fp8_emulate=1), "fp8_emulate=1 is invalid: it must be True or False"),
     (dict(fp8_margin=2), "fp8_margin=2 only apply with fp8 on, but fp8='off'"),
     (dict(fp8_emulate=True), "fp8_emulate=True only apply with fp8 on"),
     (dict(fp8="hybrid", use_dora=True), "cannot be combined with use_dora=True"),
-    (dict(fp8="hybrid", use_dynamic_rank=True, r=32, rank_scheduler="static"), "cannot be combined with use_dynamic_rank=True"),
+    (dict(fp8="hybrid", use_dynamic_rank=True, r=32, rank_scheduler="static"),
+     "cannot be combined with use_dynamic_rank=True"),
     (dict(fp8="hybrid", fp8_emulate=True, kernel="triton"), "kernel='triton' asks for the Triton kernels"),
     (dict(fp8="e4m3", kernel="torch"), "kernel='torch' asks for the plain PyTorch reference"),
 ])
@@ -743,7 +748,8 @@ def test_fp8_summary_reports_failed_arms_next_to_measured_ones(tmp_path, capsys)
     fp8_summary = bench_module("fp8_summary")
 
     layer = [{"d_in": 64, "d_out": 96, "r": 16, "arm": "frozen", "full_ms": 1.0, "vs_frozen": 1.0},
-             {"d_in": 64, "d_out": 96, "r": 16, "arm": "sits:fp8", "error": "RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED"}]
+             {"d_in": 64, "d_out": 96, "r": 16, "arm": "sits:fp8",
+              "error": "RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED"}]
     model = [{"arm": "frozen", "step_s": 0.57}, {"arm": "frozen+compile", "step_s": 0.52},
              {"arm": "sits+fp8", "step_s": 0.40}, {"arm": "sits+fp8+compile", "error": "RuntimeError: alias"},
              {"arm": "frozen+liger", "step_s": 0.45}, {"arm": "sits+fp8+liger", "step_s": 0.38}]
@@ -776,13 +782,11 @@ def test_fp8_gemms_bench_script_runs_and_its_triton_candidate_agrees(tmp_path):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the smoke run uses the interpreter; the GPU run is bench/fp8_gemms.py itself")
     import json
-    import subprocess
 
-    from conftest import REPO_ROOT as repo
+    from conftest import bench_module
 
-    proc = subprocess.run([sys.executable, os.path.join(repo, "bench", "fp8_gemms.py"), "--smoke", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the script's main in this process (TRITON_INTERPRET=1 here, as the script asks): no python of its own to start
+    assert bench_module("fp8_gemms").main(["--smoke", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "fp8_gemms_smoke.json").read_text())["rows"]
     ops = {(r["direction"], r["op"]) for r in rows}
     assert ("dX", "fp8 e5m2 Triton, W8 as stored") in ops and ("dX", "transpose W8 (Triton)") in ops
@@ -791,16 +795,16 @@ def test_fp8_gemms_bench_script_runs_and_its_triton_candidate_agrees(tmp_path):
 
 
 @pytest.mark.slow
-def test_profile_host_smoke_times_every_arm_and_writes_its_profiles(tmp_path):
-    """bench/profile_host.py --smoke on the CPU: a host time per layer arm and a cProfile table for each."""
+def test_profile_host_smoke_times_every_arm_and_writes_its_profiles(tmp_path, monkeypatch):
+    """bench/profile_host.py --smoke on the CPU: a host time per layer arm and a cProfile table for each (its main
+    in this process, with the command line it records)."""
     import json
-    import subprocess
 
-    from conftest import REPO_ROOT as repo
+    from conftest import bench_module
 
-    proc = subprocess.run([sys.executable, os.path.join(repo, "bench", "profile_host.py"), "--smoke", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    argv = ["--smoke", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", ["bench/profile_host.py", *argv])
+    assert bench_module("profile_host").main(argv) == 0
     report = json.loads((tmp_path / "host.json").read_text())
     assert set(report["layer_step_host_us"]) == {"frozen", "sits:cublas", "sits:fp8"}
     assert all(us > 0 for us in report["layer_step_host_us"].values())
