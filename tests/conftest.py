@@ -118,6 +118,23 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def assert_autocast_step_like_peft(sits, peft, ids, device_type: str, dtype) -> None:
+    """One training step of each model on ``ids`` under autocast to ``dtype``: the same loss (1e-2) and every LoRA
+    gradient fp32, finite and PEFT's (5e-2). The two models hold the same weights."""
+    losses = []
+    for model in (sits, peft):
+        with torch.autocast(device_type, dtype=dtype):
+            out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        losses.append(out.loss.detach())
+    assert rel_err(losses[0], losses[1]) < 1e-2
+    peft_params = dict(peft.named_parameters())
+    for n, p in sits.named_parameters():
+        if p.requires_grad:
+            assert p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all(), n
+            assert rel_err(p.grad, peft_params[n].grad) < 5e-2, n
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU tests skip without CUDA. SITS_LORA_TEST_ORDER=reverse or shuffle:SEED runs the collected tests in that
     order: a test that leaves the process broken (a CUDA generator, the allocator, a patched module) for the ones

@@ -10,7 +10,7 @@ from sits_lora import SitsLoraConfig, ops
 from sits_lora.ops.choice import GEMM_BACKENDS
 from sits_lora.ops.reference import lora_linear_reference
 
-from conftest import randomize_lora_weights, rel_err, tiny_llama
+from conftest import assert_autocast_step_like_peft, randomize_lora_weights, rel_err, tiny_llama
 
 pytestmark = pytest.mark.gpu
 
@@ -116,15 +116,4 @@ def test_an_fp32_model_under_bf16_autocast_leaves_the_reference_and_trains_like_
         assert plan_forward(layer, x).kernel in ("triton", "aten")
     assert plan_forward(layer, x).kernel == "torch"   # without autocast: fp32, the reference
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0)).cuda()
-    losses = []
-    for model in (sits, peft):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        losses.append(out.loss.detach())
-    assert rel_err(losses[0], losses[1]) < 1e-2
-    peft_params = dict(peft.named_parameters())
-    for n, p in sits.named_parameters():
-        if p.requires_grad:
-            assert p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all(), n
-            assert rel_err(p.grad, peft_params[n].grad) < 5e-2, n
+    assert_autocast_step_like_peft(sits, peft, ids, "cuda", torch.bfloat16)
