@@ -99,9 +99,11 @@ BAD_ARGUMENTS = [
                                                  "of 64"),
     (["--rank", "0"], "--rank 0 is invalid: it must be a positive integer, e.g. --rank 4"),
     (["--steps", "-3"], "--steps -3 is invalid: it must be a positive integer"),
-    (["--model", "sd3"], "--model 'sd3' is invalid: choose one of tiny, sd15, sdxl"),
+    (["--model", "sd3"], "--model 'sd3' is invalid: allowed values are 'tiny', 'sd15', 'sdxl'"),
     (["--adapter", "peft", "--kernel", "triton"], "--kernel triton applies to --adapter sits only"),
-    (["--lr", "-1"], "--lr -1.0 is invalid: it must be a positive number"),
+    (["--lr", "-1"], "--lr -1.0 is invalid: it must be a number >= 0, e.g. --lr 1e-4 (0: the model's default)"),
+    (["--save-every", "-2"], "--save-every -2 is invalid: it must be a non-negative integer (0: three checkpoints"),
+    (["--lora-alpha", "-1"], "--lora-alpha -1.0 is invalid: it must be a number >= 0 (0: the rank)"),
 ]
 
 

@@ -25,6 +25,7 @@ from .diffusion_models import (ATTENTION, BACKGROUNDS, COLORS, INSTANCE_PROMPT, 
                                Cache, Components, add_lora, build_models, caption_tokenizer, draw_shapes,
                                encode_captions, encode_dataset, predict_noise, sample_batch, step_generator,
                                text_configs, tiny_pipeline, unet_config, vae_config)
+from ..utils import validation
 from .train import KERNELS, true_or_false, write_json_atomically   # none of them imports torch
 
 MODELS = ("tiny", "sd15", "sdxl")
@@ -34,6 +35,7 @@ DOWNSAMPLING = {"tiny": (8, 2), "sd15": (8, 8), "sdxl": (8, 4)}
 NATIVE_RESOLUTION = {"tiny": 32, "sd15": 512, "sdxl": 1024}
 DEFAULT_LR = {"tiny": 1e-2, "sd15": 1e-4, "sdxl": 1e-4}
 EXIT_INTERRUPTED = 130
+
 
 
 @dataclass
@@ -70,27 +72,11 @@ class DiffusionRecipe:
                 "non-finite step is skipped on the GPU and stops the run as without it. CUDA GPU only"})
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "num_images", "rank"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{_flag(name)} {value!r} is invalid: it must be a positive integer, e.g. "
-                                 f"{_flag(name)} {DiffusionRecipe.__dataclass_fields__[name].default}")
-        for name, choices in (("model", MODELS), ("adapter", ADAPTERS), ("kernel", KERNELS)):
-            value = getattr(self, name)
-            if value not in choices:
-                raise ValueError(f"{_flag(name)} {value!r} is invalid: choose one of {', '.join(choices)}")
+        validation.validate(_OPTION_CHECKS, lambda name: getattr(self, name),
+                            lambda name, value: f"{_flag(name)} {value!r}")
         if self.kernel != "auto" and self.adapter != "sits":
             raise ValueError(f"--kernel {self.kernel} applies to --adapter sits only (PEFT's LoRA has one "
                              f"implementation); drop --kernel or use --adapter sits")
-        if isinstance(self.save_every, bool) or not isinstance(self.save_every, int) or self.save_every < 0:
-            raise ValueError(f"--save-every {self.save_every!r} is invalid: it must be 0 (three checkpoints per run) "
-                             f"or a positive integer")
-        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not (
-                self.lr >= 0 and math.isfinite(self.lr)):
-            raise ValueError(f"--lr {self.lr!r} is invalid: it must be a positive number (e.g. --lr 1e-4), or 0 for "
-                             f"the model's default")
-        if not (isinstance(self.lora_alpha, (int, float)) and self.lora_alpha >= 0):
-            raise ValueError(f"--lora-alpha {self.lora_alpha!r} is invalid: it must be positive, or 0 for the rank")
         if self.resume and self.overwrite:
             raise ValueError("--resume true and --overwrite true contradict each other: resume continues the run in "
                              "--output-dir, overwrite replaces it; choose one")
@@ -168,6 +154,20 @@ class DiffusionRecipe:
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+# The options' own checks, in the one validation style (sits_lora.utils.validation: standard library only, so a bad
+# value answers before torch loads); the rules between options follow them in DiffusionRecipe.__post_init__
+_OPTION_CHECKS: dict[str, validation.Check] = {
+    "model": validation.choice(MODELS),
+    "adapter": validation.choice(ADAPTERS),
+    "kernel": validation.choice(KERNELS),
+    **{name: validation.positive_int(f", e.g. {_flag(name)} {DiffusionRecipe.__dataclass_fields__[name].default}")
+       for name in ("steps", "batch_size", "num_images", "rank")},
+    "save_every": validation.non_negative_int(" (0: three checkpoints per run)"),
+    "lr": validation.non_negative_number(", e.g. --lr 1e-4 (0: the model's default)"),
+    "lora_alpha": validation.non_negative_number(" (0: the rank)"),
+}
 
 
 class NonFiniteTrainingError(FloatingPointError):
