@@ -251,6 +251,31 @@ def test_config_for_remembers_its_answer_until_a_tuning_result_replaces_it(monke
     assert tuning._load()["capabilities"] == {"FakeGPU": [9, 0]}   # what a GPU of the same kind may borrow
 
 
+def _fake_gpu_tuning(monkeypatch, tmp_path, gpu_name: str, packaged_table: dict, capability=lambda: [9, 0]):
+    """A GPU named ``gpu_name`` (compute capability ``capability()``) over a packaged tuning table and an empty user
+    cache: (the user cache's path, ``fresh``), where ``fresh(kernel, dims)`` is config_for's bf16 answer with both
+    tables read again."""
+    import json
+
+    from sits_lora.ops import tuning
+
+    packaged = tmp_path / "packaged.json"
+    packaged.write_text(json.dumps(packaged_table))
+    user = tmp_path / "user.json"
+    monkeypatch.setattr(tuning, "_packaged_path", lambda: str(packaged))
+    monkeypatch.setenv("SITS_LORA_TUNING_CACHE", str(user))
+    monkeypatch.setattr(tuning, "_device_name", lambda device: gpu_name)
+    monkeypatch.setattr(tuning, "_capability", lambda device: capability())
+    gpu = torch.device("cuda", 0)
+
+    def fresh(kernel: str, dims: tuple) -> dict:
+        monkeypatch.setattr(tuning, "_cache", None)
+        monkeypatch.setattr(tuning, "_answers", {})
+        return tuning.config_for(kernel, gpu, dims, torch.bfloat16)
+
+    return user, fresh
+
+
 def test_a_gpu_without_entries_takes_those_of_a_gpu_of_its_compute_capability(monkeypatch, tmp_path):
     """An H100 has no packaged entry; the H200's (same SMs, same compute capability) fit it better than the space's
     first configuration. Another capability's entries are not borrowed, and the GPU's own entry (a user's tuning,
@@ -260,31 +285,20 @@ def test_a_gpu_without_entries_takes_those_of_a_gpu_of_its_compute_capability(mo
     from sits_lora.ops import tuning
 
     h200 = dict(BLOCK_T=256, BLOCK_N=128, num_warps=8, num_stages=3)
-    packaged = tmp_path / "packaged.json"
-    packaged.write_text(json.dumps({"NVIDIA H200|dy_pass|8192x16|bfloat16": h200,
-                                    "capabilities": {"NVIDIA H200": [9, 0]}}))
-    user = tmp_path / "user.json"
-    monkeypatch.setattr(tuning, "_packaged_path", lambda: str(packaged))
-    monkeypatch.setenv("SITS_LORA_TUNING_CACHE", str(user))
-    monkeypatch.setattr(tuning, "_device_name", lambda device: "NVIDIA H100 80GB HBM3")
-    capability = [9, 0]
-    monkeypatch.setattr(tuning, "_capability", lambda device: capability)
-    gpu = torch.device("cuda", 0)
+    capability = {"now": [9, 0]}
+    user, fresh = _fake_gpu_tuning(monkeypatch, tmp_path, "NVIDIA H100 80GB HBM3",
+                                   {"NVIDIA H200|dy_pass|8192x16|bfloat16": h200,
+                                    "capabilities": {"NVIDIA H200": [9, 0]}}, lambda: capability["now"])
 
-    def fresh(**kw):
-        monkeypatch.setattr(tuning, "_cache", None)
-        monkeypatch.setattr(tuning, "_answers", {})
-        return tuning.config_for("dy_pass", gpu, **kw)
-
-    assert fresh(dims=(8192, 16), dtype=torch.bfloat16) == h200
-    assert fresh(dims=(2048, 16), dtype=torch.bfloat16) == tuning.CONFIG_SPACE["dy_pass"][0]   # no entry anywhere
-    capability = [8, 0]                                                                          # an A100
-    assert fresh(dims=(8192, 16), dtype=torch.bfloat16) == tuning.CONFIG_SPACE["dy_pass"][0]
-    capability = [9, 0]
+    assert fresh("dy_pass", (8192, 16)) == h200
+    assert fresh("dy_pass", (2048, 16)) == tuning.CONFIG_SPACE["dy_pass"][0]   # no entry anywhere
+    capability["now"] = [8, 0]                                                  # an A100
+    assert fresh("dy_pass", (8192, 16)) == tuning.CONFIG_SPACE["dy_pass"][0]
+    capability["now"] = [9, 0]
     own = dict(BLOCK_T=64, BLOCK_N=32, num_warps=4, num_stages=3)
     user.write_text(json.dumps({"NVIDIA H100 80GB HBM3|dy_pass|8192x16|bfloat16": own,
                                 "capabilities": {"NVIDIA H100 80GB HBM3": [9, 0]}}))
-    assert fresh(dims=(8192, 16), dtype=torch.bfloat16) == own
+    assert fresh("dy_pass", (8192, 16)) == own
     assert tuning._load()["capabilities"] == {"NVIDIA H200": [9, 0], "NVIDIA H100 80GB HBM3": [9, 0]}
 
 
@@ -297,25 +311,14 @@ def test_the_factored_x_pass_runs_the_plain_pass_configuration_until_its_own_is_
 
     plain = dict(BLOCK_T=128, BLOCK_K=128, num_warps=8, num_stages=3)
     own = dict(BLOCK_T=32, BLOCK_K=256, num_warps=4, num_stages=2)
-    packaged = tmp_path / "packaged.json"
-    packaged.write_text(json.dumps({"NVIDIA H200|x_pass|8192x16|bfloat16": plain,
-                                    "capabilities": {"NVIDIA H200": [9, 0]}}))
-    user = tmp_path / "user.json"
-    monkeypatch.setattr(tuning, "_packaged_path", lambda: str(packaged))
-    monkeypatch.setenv("SITS_LORA_TUNING_CACHE", str(user))
-    monkeypatch.setattr(tuning, "_device_name", lambda device: "NVIDIA H200")
-    monkeypatch.setattr(tuning, "_capability", lambda device: [9, 0])
-    gpu = torch.device("cuda", 0)
+    user, fresh = _fake_gpu_tuning(monkeypatch, tmp_path, "NVIDIA H200",
+                                   {"NVIDIA H200|x_pass|8192x16|bfloat16": plain,
+                                    "capabilities": {"NVIDIA H200": [9, 0]}})
 
-    def fresh(kernel, dims=(8192, 16)):
-        monkeypatch.setattr(tuning, "_cache", None)
-        monkeypatch.setattr(tuning, "_answers", {})
-        return tuning.config_for(kernel, gpu, dims, torch.bfloat16)
-
-    assert fresh("x_pass_product") == plain
+    assert fresh("x_pass_product", (8192, 16)) == plain
     assert fresh("x_pass_product", (4096, 16)) == tuning.CONFIG_SPACE["x_pass"][0]   # neither measured
     user.write_text(json.dumps({"NVIDIA H200|x_pass_product|8192x16|bfloat16": own}))
-    assert fresh("x_pass_product") == own and fresh("x_pass") == plain
+    assert fresh("x_pass_product", (8192, 16)) == own and fresh("x_pass", (8192, 16)) == plain
     assert tuning.config_for("x_pass_product", torch.device("cpu"), (8192, 16), torch.bfloat16) == \
         tuning.INTERPRETER_CONFIG["x_pass_product"]
 
