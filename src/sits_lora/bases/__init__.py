@@ -8,7 +8,7 @@ A SitsLoraLinear holds one base object (``layer.frozen_base``). The layer's forw
 - ``fuses_siblings``: whether layers on it can share one op with their siblings (q / k / v, gate / up).
 - ``kernels``: the implementations of its fused op a plan may name ("decode", "triton", "aten", "torch"; none for
   a base with one), with ``kernel_dtype(layer, x)`` (the dtype the kernel setting is resolved against:
-  autocast's when it is on; None: x's own), ``decodes(layer, x)`` and ``trains_weight(layer)`` (a trainable base
+  autocast's when it is on; None: x's own), ``decodes(layer, x, dtype)`` and ``trains_weight(layer)`` (a trainable base
   runs the reference).
 - ``fused_forward(layer, plan, x)``: the base GEMM and the LoRA branch of ``plan.adapter`` in one fused op
   (``sits_lora.ops``) on ``plan.kernel``.

@@ -74,9 +74,10 @@ class Bf16Base:
         return None
 
     @staticmethod
-    def decodes(layer, x: torch.Tensor) -> bool:
-        """Whether the decode kernel can read W as it is: in the activations' dtype (autocast casts both)."""
-        return autocast_dtype(x) is not None or layer.base_layer.weight.dtype == x.dtype
+    def decodes(layer, x: torch.Tensor, dtype: Optional[torch.dtype]) -> bool:
+        """Whether the decode kernel can read W as it is, for a call computed in ``dtype`` (``kernel_dtype``'s answer):
+        under autocast (which casts x and W alike), or W in the activations' dtype."""
+        return dtype is not None or layer.base_layer.weight.dtype == x.dtype
 
     @staticmethod
     def trains_weight(layer) -> bool:

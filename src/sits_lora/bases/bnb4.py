@@ -80,7 +80,7 @@ class Bnb4bitBase:
     module_type = bnb.nn.Linear4bit
     fuses_siblings = False
     kernels = ("triton", "torch")   # the implementations a plan may name (sits_lora.layers.forward_plan)
-    decodes = staticmethod(lambda layer, x: False)
+    decodes = staticmethod(lambda layer, x, dtype: False)
     trains_weight = staticmethod(lambda layer: False)
 
     @staticmethod

@@ -100,7 +100,7 @@ class Int4Base:
     module_type = Int4BaseLinear
     fuses_siblings = False  # the sibling op reads a dense W; each INT4 layer runs its own products
     kernels = ("triton", "torch")   # the implementations a plan may name (sits_lora.layers.forward_plan)
-    decodes = staticmethod(lambda layer, x: False)
+    decodes = staticmethod(lambda layer, x, dtype: False)
     trains_weight = staticmethod(lambda layer: False)
 
     @staticmethod

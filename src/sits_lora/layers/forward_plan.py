@@ -65,11 +65,12 @@ def plan_forward(layer, x: torch.Tensor, args: tuple = (), kwargs: Optional[dict
     # the fused op's implementation, from the adapter's SitsLoraConfig.kernel, the input and the base (one function
     # inline: this runs in every adapted layer's every call)
     requested = layer.sits_kernel[adapter]
-    kernel = ops.resolve_kernel(requested, x, layer.out_features, base.kernel_dtype(layer, x))
+    dtype = base.kernel_dtype(layer, x)
+    kernel = ops.resolve_kernel(requested, x, layer.out_features, dtype)
     if kernel == "triton":
         if ("decode" in base.kernels and ops.decode_call(x, layer.in_features)
                 and not (siblings and group.reuse_across_calls)   # a group answering from kept outputs
-                and not dropout_active(layer, adapter) and base.decodes(layer, x)):
+                and not dropout_active(layer, adapter) and base.decodes(layer, x, dtype)):
             kernel = "decode"
         elif base.trains_weight(layer):
             kernel = "torch"   # the fused kernels assume a frozen base (no dW / db); the reference computes them
