@@ -37,11 +37,24 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_model import MODELS, build, liger_patch_undone  # noqa: E402
+from bench_model import MODELS, build, import_unsloth, liger_patch_undone  # noqa: E402
 from harness import png, print_table, write_results  # noqa: E402
 
 ARMS = ["frozen+liger", "sits+liger", "sits+liger+saved", "sits+liger+gc", "sits+liger+offload", "peft", "peft+gc"]
+# asked for by name: a 4-bit (bitsandbytes NF4) frozen base, ours and Unsloth's QLoRA in its recommended mode
+# ("+gc": its checkpoints offloaded to the host); plan_memory does not plan them, so their search starts at --step
+FOUR_BIT_ARMS = ["sits+nf4+liger+offload", "sits+nf4+liger+gc", "unsloth+nf4+gc"]
 GIB = 2**30
+
+
+def planned(arm: str) -> bool:
+    """Whether plan_memory plans the arm (not a 4-bit base built on the meta device, not Unsloth's model)."""
+    return not ({"nf4"} & set(arm.split("+")) or arm.startswith("unsloth"))
+
+
+def offloaded(arm: str) -> bool:
+    """Whether the arm keeps its checkpointed layer inputs in host memory (ours "+offload", Unsloth's "+gc")."""
+    return "offload" in arm.split("+") or (arm.startswith("unsloth") and "gc" in arm.split("+"))
 
 
 def checkpointed(arm: str) -> bool:
@@ -68,7 +81,11 @@ def planned_longest(model_name: str, arm: str, cap_bytes: float, step: int, max_
                     host_cap_bytes: float = float("inf")) -> dict:
     """plan_memory's longest context for ``arm`` under ``cap_bytes`` of device memory and ``host_cap_bytes`` of
     pinned host memory (a CPU, the meta device). An "+offload" arm keeps on the device the inputs of as few
-    layers as the host cap requires (``keep_on_device``), the rest go to the host."""
+    layers as the host cap requires (``keep_on_device``), the rest go to the host. An arm the plan does not cover
+    (``planned``) gets a row without a plan."""
+    if not planned(arm):
+        return {"arm": arm, "planned_tokens": None, "planned_gib_at_it": None, "planned_host_gib_at_it": None,
+                "keep_on_device": 0, "hit_search_limit": False}
     from sits_lora import plan_memory
     from sits_lora.activations import enable_offloaded_checkpointing
 
@@ -127,16 +144,43 @@ def missing_layers_bytes(model_name: str, arm: str, layers: int, keep_on_device:
     return missing
 
 
+def measured_missing_bytes(model, arm: str, model_name: str, layers: int):
+    """seq -> what the layers a ``layers``-deep build lacks would hold on the device, read off the built model
+    instead of planned (for the arms plan_memory does not cover, ours and Unsloth's alike): each missing layer
+    as the first decoder layer holds its parameters (4-bit ones packed), plus a gradient and two AdamW states for
+    each trainable one, plus its kept input (seq x hidden, bf16) unless the arm offloads it to the host."""
+    full = MODELS[model_name]["num_hidden_layers"]
+    if not layers or layers >= full:
+        return lambda seq: 0
+    first = next(m for name, m in model.named_modules() if name.endswith("layers") and isinstance(m, torch.nn.ModuleList))[0]
+    held = sum(t.numel() * t.element_size() for t in list(first.parameters()) + list(first.buffers()))
+    for param in first.parameters():  # bitsandbytes keeps a 4-bit weight's scales beside it, not as parameters
+        state = getattr(param, "quant_state", None)
+        while state is not None:
+            held += state.absmax.numel() * state.absmax.element_size()
+            state = getattr(state, "state2", None)
+    trainable = sum(p.numel() * p.element_size() for p in first.parameters() if p.requires_grad)
+    per_layer = held + 3 * trainable
+    kept = 0 if offloaded(arm) else 2 * MODELS[model_name]["hidden_size"]
+
+    return lambda seq: (full - layers) * (per_layer + kept * seq)
+
+
 def worker(args) -> None:
     """One arm: build once, probe from the planned length outwards, print RESULT json."""
+    if args.arm.startswith("unsloth"):
+        import_unsloth(args.arm, "cuda")
     total = torch.cuda.get_device_properties(0).total_memory
-    missing = missing_layers_bytes(args.model, args.arm, args.layers, args.keep_on_device)
+    missing = missing_layers_bytes(args.model, args.arm, args.layers, args.keep_on_device) if planned(args.arm) \
+        else (lambda seq: 0)
 
     def cap_for(seq: int) -> None:
         torch.cuda.set_per_process_memory_fraction(max(min((args.cap_gib * GIB - missing(seq)) / total, 1.0), 0.01))
 
     cap_for(args.step)
-    model, params = build(args.model, args.arm, "cuda", torch.bfloat16, args.layers)
+    model, params = build(args.model, args.arm, "cuda", torch.bfloat16, args.layers, args.max_tokens)
+    if not planned(args.arm):
+        missing = measured_missing_bytes(model, args.arm, args.model, args.layers)
     if args.keep_on_device and not (args.layers and args.layers < MODELS[args.model]["num_hidden_layers"]):
         from sits_lora.activations import enable_offloaded_checkpointing
 
@@ -289,9 +333,16 @@ def main(argv=None) -> int:
         return 0
     if args.smoke:
         args.model, args.cap_gib, args.step, args.max_tokens = "tiny", 0.01, 64, 64 * 1024
-    unknown = [a for a in args.arms if a not in ARMS]
+    unknown = [a for a in args.arms if a not in ARMS + FOUR_BIT_ARMS]
     if unknown:
-        parser.error(f"--arms {', '.join(unknown)}: unknown; allowed: {', '.join(ARMS)}")
+        parser.error(f"--arms {', '.join(unknown)}: unknown; allowed: {', '.join(ARMS + FOUR_BIT_ARMS)}")
+    unplanned = [a for a in args.arms if not planned(a)]
+    if unplanned and args.plan and not args.measure:
+        parser.error(f"--arms {', '.join(unplanned)}: plan_memory does not plan a 4-bit base built on the meta device "
+                     "or Unsloth's model; measure them (--measure, a GPU)")
+    if args.layers and any(not planned(a) and not checkpointed(a) for a in args.arms):
+        parser.error("--layers: the 4-bit and Unsloth arms stand in for the missing layers by what the built layers "
+                     "hold, which needs checkpointing (+gc / +offload); give --layers 0 or a checkpointed arm")
     if not (args.plan or args.measure):
         parser.error("give --plan (a CPU), --measure (a GPU), or both")
     if args.measure and not torch.cuda.is_available():
@@ -304,7 +355,11 @@ def main(argv=None) -> int:
         # the plan is the full model's (--layers only makes the measurement shallower)
         row = planned_longest(args.model, arm, args.cap_gib * GIB, args.step, args.max_tokens, 0,
                               args.host_cap_gib * GIB)
-        print(f"[{arm}] planned {row['planned_tokens']:,} tokens ({row['planned_gib_at_it']:.1f} GiB)", flush=True)
+        if row["planned_tokens"] is None:
+            print(f"[{arm}] not planned (plan_memory does not cover it): the search starts at {args.step} tokens",
+                  flush=True)
+        else:
+            print(f"[{arm}] planned {row['planned_tokens']:,} tokens ({row['planned_gib_at_it']:.1f} GiB)", flush=True)
         if args.measure:
             measured = run_arm(args, arm, row["planned_tokens"] or args.step, row["keep_on_device"])
             row.update(measured)

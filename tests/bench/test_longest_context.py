@@ -75,3 +75,38 @@ def test_profile_rebuild_smoke(tmp_path):
     assert profile_rebuild.main(["--smoke", "--out", str(tmp_path)]) == 0
     rows = json.load(open(os.path.join(tmp_path, "profile_rebuild.json")))["rows"]
     assert [r["arm"] for r in rows] == ["sits", "sits+saved"] and all(r["step_s"] > 0 for r in rows)
+
+
+def test_four_bit_and_unsloth_arms_are_measured_not_planned(capsys):
+    longest_context = bench_module("longest_context")
+    assert not longest_context.planned("unsloth+nf4+gc") and not longest_context.planned("sits+nf4+liger+offload")
+    assert longest_context.planned("sits+liger+offload")
+    assert longest_context.offloaded("unsloth+nf4+gc") and longest_context.offloaded("sits+nf4+liger+offload")
+    assert not longest_context.offloaded("sits+nf4+liger+gc")
+    row = longest_context.planned_longest("8b", "unsloth+nf4+gc", 80 * 2**30, 1024, 2**20)
+    assert row["planned_tokens"] is None and row["keep_on_device"] == 0
+    with pytest.raises(SystemExit):
+        longest_context.main(["--plan", "--arms", "unsloth+nf4+gc"])
+    assert "--arms unsloth+nf4+gc: plan_memory does not plan" in capsys.readouterr().err
+
+
+def test_missing_layers_read_off_the_built_model():
+    """The stand-in for the layers a shallow build lacks, for the arms without a plan: what its first decoder layer
+    holds (parameters, and a gradient and two AdamW states for each trainable one) per missing layer, plus a kept
+    bf16 input per missing layer unless the arm offloads it."""
+    import torch
+
+    longest_context = bench_module("longest_context")
+    bench_model = bench_module("bench_model")
+    full = bench_model.MODELS["tiny"]["num_hidden_layers"]
+    hidden = bench_model.MODELS["tiny"]["hidden_size"]
+    model, params = bench_model.build("tiny", "peft+gc", "cpu", torch.float32, 1)
+    first = model.base_model.model.model.layers[0]
+    held = sum(p.numel() * p.element_size() for p in first.parameters())
+    trainable = sum(p.numel() * p.element_size() for p in first.parameters() if p.requires_grad)
+    assert trainable > 0
+    missing = longest_context.measured_missing_bytes(model, "peft+gc", "tiny", 1)
+    assert missing(64) == (full - 1) * (held + 3 * trainable + 2 * hidden * 64)
+    offload = longest_context.measured_missing_bytes(model, "unsloth+nf4+gc", "tiny", 1)
+    assert offload(64) == offload(128) == (full - 1) * (held + 3 * trainable)
+    assert longest_context.measured_missing_bytes(model, "peft+gc", "tiny", full)(64) == 0
