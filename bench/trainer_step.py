@@ -4,9 +4,10 @@
     python bench/trainer_step.py --smoke --out OUT              # a CPU: the tiny shape (checks the script)
 
 What the gate's step arms leave out: the Trainer's own loop around the step (the DataLoader, accelerate's copy of
-each batch to the GPU, the callbacks, the loss bookkeeping). Arms: ``non-blocking`` (the trainer as it ships:
-pinned batches copied with ``non_blocking``) and ``blocking`` (accelerate's default copy, which waits for every
-kernel queued before it, so the host cannot prepare the next step while the GPU runs this one). The model is
+each batch to the GPU, the callbacks, the loss bookkeeping). Arms: ``non-blocking`` (pinned batches copied with
+``TrainingArguments(accelerator_config={"non_blocking": True})``) and ``blocking`` (accelerate's default copy,
+which waits for every kernel queued before it, so the host cannot prepare the next step while the GPU runs this
+one). The model is
 bench_model's ``sits+default`` build (Liger's RMSNorm / SwiGLU / RoPE, sits_lora r16 on the seven projections),
 bf16, fixed-length batches (the step is recorded as CUDA graphs where it can be). Each arm runs in its own process;
 the arms alternate over ``--repeats``. Time per step: the wall time from the end of step ``--warmup`` to the end of
@@ -41,7 +42,8 @@ def worker(args) -> None:
     from sits_lora.training import NativeLoraTrainer
 
     cuda = torch.cuda.is_available() and not args.smoke
-    if args.arm == "blocking":   # the trainer with accelerate's default copy
+    if args.arm == "blocking" and hasattr(trainer_module, "copies_batches_without_blocking"):
+        # a trainer that turns the non-blocking copy on by itself keeps accelerate's default copy here
         trainer_module.copies_batches_without_blocking = lambda training_args: False
     model_name, seq, batch = ("tiny", 32, 2) if args.smoke else (args.model, args.seq, args.batch)
     model, _ = build(model_name, "sits+default" if cuda else "sits", "cuda" if cuda else "cpu",
@@ -63,7 +65,7 @@ def worker(args) -> None:
         output_dir=os.path.join(args.out, "trainer"), max_steps=steps, per_device_train_batch_size=batch,
         learning_rate=1e-4, bf16=cuda, use_cpu=not cuda, report_to="none", save_strategy="no",
         logging_steps=max(steps, 1), disable_tqdm=True, dataloader_num_workers=0, dataloader_pin_memory=cuda,
-        seed=0)
+        seed=0, accelerator_config={"non_blocking": args.arm == "non-blocking"})
     trainer = NativeLoraTrainer(model=model, args=training_args, train_dataset=data, callbacks=[Clock()])
     trainer.train()
     step_s = (marks[steps] - marks[args.warmup]) / args.steps

@@ -10,26 +10,19 @@ stamp start gate
 # 1. the gate at HEAD (issue 48; issue 50's "gate within 3 %")
 python3 bench/regress.py --out $S/gate --shapes 1b 0.5b 8b --repeats 2 --no-graph-breaks \
     --arms frozen+liger sits+default > $S/gate.log 2>&1; stamp gate rc $?
-# 2. the GPU tests of what this tree changed (the trainer's batch copy): training, recipe, CLI, in one process
-python3 -m pytest -v -p no:cacheprovider -p random_order --random-order-bucket=global --random-order-seed=4040 -m gpu \
-    -rfEX tests/training tests/recipe tests/cli 2>&1 | while IFS= read -r line; do printf "%s %s\n" "$SECONDS" "$line"; done > $S/suite_training.log
-stamp suite_training rc ${PIPESTATUS[0]}
-# 3. the Trainer's step with batches copied blocking or not (issue 48's host wait)
+# 2. the Trainer's step with batches copied blocking or not (issue 48's host wait; the trainer change that turns the
+# non-blocking copy on is on branch trainer-nonblocking until its GPU suite runs)
 python3 bench/trainer_step.py --out $S/trainer_step --repeats 2 --steps 20 > $S/trainer_step.log 2>&1; stamp trainer_step rc $?
-# 3b. the rest of the GPU suite, one process
-python3 -m pytest -v -p no:cacheprovider -p random_order --random-order-bucket=global --random-order-seed=4040 -m gpu \
-    -rfEX tests --ignore=tests/training --ignore=tests/recipe --ignore=tests/cli 2>&1 | while IFS= read -r line; do printf "%s %s\n" "$SECONDS" "$line"; done > $S/suite_rest.log
-stamp suite_rest rc ${PIPESTATUS[0]}
-# 4. Unsloth beside us, bf16 at 1B and 8B (4 layers) (issue 49)
+# 3. Unsloth beside us, bf16 at 1B and 8B (4 layers) (issue 49)
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_u .whl_unsloth/*.whl > $S/pip_unsloth.txt 2>&1
 export PYTHONPATH=/tmp/site_u:$STD HF_HUB_OFFLINE=1
 python3 bench/regress.py --out $S/unsloth --shapes 1b 8b --repeats 1 --no-graph-breaks --arm-timeout 400 \
     --arms frozen+liger sits+default unsloth > $S/unsloth.log 2>&1; stamp unsloth rc $?
-# 5. QLoRA on the whole 8B shape: ours against Unsloth's, peak memory beside
+# 4. QLoRA on the whole 8B shape: ours against Unsloth's, peak memory beside
 python3 bench/regress.py --out $S/qlora --shapes 8b-full --repeats 1 --no-graph-breaks --arm-timeout 500 \
     --arms sits+nf4+liger unsloth+nf4 > $S/qlora.log 2>&1; stamp qlora rc $?
 export PYTHONPATH=$STD; unset HF_HUB_OFFLINE
-# 6. the skip test alone, three processes (it failed in 2 of 6 before its eager-attention fix)
+# 5. the skip test alone, three processes (it failed in 2 of 6 before its eager-attention fix)
 for i in 1 2 3; do
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/training/test_guardrails_gpu.py -k skip >> $S/skip.log 2>&1
     stamp skip $i rc $?
