@@ -153,12 +153,9 @@ def measured_missing_bytes(model, arm: str, model_name: str, layers: int):
     if not layers or layers >= full:
         return lambda seq: 0
     first = next(m for name, m in model.named_modules() if name.endswith("layers") and isinstance(m, torch.nn.ModuleList))[0]
-    held = sum(t.numel() * t.element_size() for t in list(first.parameters()) + list(first.buffers()))
-    for param in first.parameters():  # bitsandbytes keeps a 4-bit weight's scales beside it, not as parameters
-        state = getattr(param, "quant_state", None)
-        while state is not None:
-            held += state.absmax.numel() * state.absmax.element_size()
-            state = getattr(state, "state2", None)
+    from sits_lora.utils.model_structure import stored_bytes   # a 4-bit weight's quantization state included
+
+    held = sum(stored_bytes(t) for t in list(first.parameters()) + list(first.buffers()))
     trainable = sum(p.numel() * p.element_size() for p in first.parameters() if p.requires_grad)
     per_layer = held + 3 * trainable
     kept = 0 if offloaded(arm) else 2 * MODELS[model_name]["hidden_size"]
