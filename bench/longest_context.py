@@ -152,7 +152,8 @@ def measured_missing_bytes(model, arm: str, model_name: str, layers: int):
     full = MODELS[model_name]["num_hidden_layers"]
     if not layers or layers >= full:
         return lambda seq: 0
-    first = next(m for name, m in model.named_modules() if name.endswith("layers") and isinstance(m, torch.nn.ModuleList))[0]
+    first = next(m for name, m in model.named_modules()
+                 if name.endswith("layers") and isinstance(m, torch.nn.ModuleList))[0]
     from sits_lora.utils.model_structure import stored_bytes   # a 4-bit weight's quantization state included
 
     held = sum(stored_bytes(t) for t in list(first.parameters()) + list(first.buffers()))

@@ -80,7 +80,9 @@ def worker(args) -> None:
 def run_arm(args, arm: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--arm", arm, "--model", args.model,
            "--seq", str(args.seq), "--batch", str(args.batch), "--layers", str(args.layers),
-           "--warmup", str(args.warmup), "--steps", str(args.steps), "--out", args.out] + (["--smoke"] if args.smoke else [])
+           "--warmup", str(args.warmup), "--steps", str(args.steps), "--out", args.out]
+    if args.smoke:
+        cmd.append("--smoke")
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.arm_timeout)
     except subprocess.TimeoutExpired:

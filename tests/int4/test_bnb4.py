@@ -228,3 +228,22 @@ def test_the_memory_plan_counts_what_the_4bit_weights_store(model_dir):
     largest_w = max(m.in_features * m.out_features * 4 for m in layers_of(model, "SitsLoraLinear4bit"))  # fp32
     assert state > 14 * (1024 + 64)   # each layer's nested code table (256 fp32) and NF4 table (16 fp32) at least
     assert plan_memory(model, batch_size=2, seq_len=16).frozen_weights == frozen + largest_w
+
+
+def test_the_memory_plan_names_a_4bit_layer_not_quantized_yet():
+    """A bitsandbytes 4-bit model built on the meta device (its weights not quantized: no stored size yet) gets an
+    error that names the layer and the fix, not an AttributeError from inside the plan."""
+    from conftest import bench_module
+
+    from sits_lora.training.memory import plan_memory
+
+    bench_model = bench_module("bench_model")
+    with torch.device("meta"):
+        model = tiny_llama(0, hidden_size=64, intermediate_size=128)
+    bench_model.to_bitsandbytes_nf4(model, torch.float32)
+    model = get_peft_model(model, SitsLoraConfig(r=8, target_modules=PROJECTIONS))
+    assert layers_of(model, "SitsLoraLinear4bit")
+    with pytest.raises(ValueError, match=r"plan_memory: the 4-bit weight of \S+q_proj \(and \d+ more\) holds no "
+                                         r"quantization state yet.*load_in_4bit=True"):
+        plan_memory(model, batch_size=1, seq_len=16)
+

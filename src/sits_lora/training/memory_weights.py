@@ -91,7 +91,15 @@ def parameter_bytes(inner: nn.Module, blocks: Sequence[nn.Module], notes: list) 
                           for m in inner.modules() if isinstance(m, Int4BaseLinear)), default=0)
     # the same for the bitsandbytes 4-bit bases of SitsLoraLinear4bit layers (W in the dtype it was quantized from),
     # and a buffer of its own, one byte a value, for those that form W in e4m3 for fp8 GEMMs (a buffer per dtype)
-    bnb4 = [m for m in inner.modules() if type(m).__name__ == "SitsLoraLinear4bit"]
+    named_bnb4 = [(name, m) for name, m in inner.named_modules() if type(m).__name__ == "SitsLoraLinear4bit"]
+    bnb4 = [m for _, m in named_bnb4]
+    unquantized = [name for name, m in named_bnb4 if getattr(m.get_base_layer().weight, "quant_state", None) is None]
+    if unquantized:
+        raise ValueError(f"plan_memory: the 4-bit weight of {unquantized[0]} (and {len(unquantized) - 1} more) "
+                         "holds no quantization state yet, so its stored size is unknown (a bitsandbytes layer built "
+                         "on the meta device, or not yet moved to its device): plan the model once it is loaded "
+                         "quantized, e.g. "
+                         "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))")
     dequant_buffer = max([dequant_buffer] + [
         m.in_features * m.out_features * m.get_base_layer().weight.quant_state.dtype.itemsize
         for m in bnb4 if not hasattr(m.frozen_base, "w_inv")])
