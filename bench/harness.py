@@ -17,6 +17,7 @@ import contextlib
 import csv
 import json
 import os
+import subprocess
 import sys
 import uuid
 from typing import Callable, Iterable, Optional
@@ -89,6 +90,24 @@ def peak_memory_gib(fn: Callable[[], object]) -> Optional[float]:
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def run_worker(cmd: list[str], timeout_s: Optional[float], identity: dict,
+               echo: Callable[[str], bool] = lambda line: False) -> dict:
+    """Run one worker process (a script's own ``--worker`` mode, one arm or run) and return the dict it printed
+    last as ``RESULT {json}``; where it timed out or failed, ``identity`` with ``"error"``: the timeout, or the last
+    line of its stderr. Lines of its output that ``echo`` selects are printed (a search's progress)."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {**identity, "error": f"timed out after {timeout_s:.0f} s"}
+    for line in proc.stdout.splitlines():
+        if echo(line):
+            print(line, flush=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        return {**identity, "error": (proc.stderr.strip().splitlines() or ["no output"])[-1][-300:]}
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 def host_share(row: dict) -> Optional[float]:

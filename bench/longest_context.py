@@ -29,7 +29,6 @@ import argparse
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -38,7 +37,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_model import MODELS, build, import_unsloth, liger_patch_undone  # noqa: E402
-from harness import png, print_table, write_results  # noqa: E402
+from harness import png, print_table, run_worker, write_results  # noqa: E402
 
 ARMS = ["frozen+liger", "sits+liger", "sits+liger+saved", "sits+liger+gc", "sits+liger+offload", "peft", "peft+gc"]
 # asked for by name: a 4-bit (bitsandbytes NF4) frozen base, ours and Unsloth's QLoRA in its recommended mode
@@ -274,17 +273,7 @@ def run_arm(args, arm: str, start: int, keep_on_device: int = 0) -> dict:
            "--keep-on-device", str(keep_on_device),
            "--cap-gib", str(args.cap_gib), "--step", str(args.step), "--max-tokens", str(args.max_tokens),
            "--start", str(start), "--probe-timeout", str(args.probe_timeout), "--layers", str(args.layers)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.arm_timeout)
-    except subprocess.TimeoutExpired:
-        return {"arm": arm, "error": f"over {args.arm_timeout:.0f} s"}
-    for line in proc.stdout.splitlines():
-        if line.startswith("  "):
-            print(line, flush=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        return {"arm": arm, "error": ((proc.stderr.strip().splitlines() or ["no output"])[-1])[-300:]}
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_worker(cmd, args.arm_timeout, {"arm": arm}, echo=lambda line: line.startswith("  "))
 
 
 def _plot(rows: list[dict], path: str, cap_gib: float) -> None:

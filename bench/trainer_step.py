@@ -7,8 +7,7 @@ What the gate's step arms leave out: the Trainer's own loop around the step (the
 each batch to the GPU, the callbacks, the loss bookkeeping). Arms: ``non-blocking`` (pinned batches copied with
 ``TrainingArguments(accelerator_config={"non_blocking": True})``) and ``blocking`` (accelerate's default copy,
 which waits for every kernel queued before it, so the host cannot prepare the next step while the GPU runs this
-one). The model is
-bench_model's ``sits+default`` build (Liger's RMSNorm / SwiGLU / RoPE, sits_lora r16 on the seven projections),
+one). The model is bench_model's ``sits+default`` build (Liger's RMSNorm / SwiGLU / RoPE, sits_lora r16 on the seven projections),
 bf16, fixed-length batches (the step is recorded as CUDA graphs where it can be). Each arm runs in its own process;
 the arms alternate over ``--repeats``. Time per step: the wall time from the end of step ``--warmup`` to the end of
 the last step, the GPU synchronized at both ends, over the steps between. Writes OUT/trainer_step.json / .csv /
@@ -21,7 +20,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -30,7 +28,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_model import MODELS, build  # noqa: E402
-from harness import png, print_table, write_results  # noqa: E402
+from harness import png, print_table, run_worker, write_results  # noqa: E402
 
 ARMS = ("non-blocking", "blocking")
 
@@ -83,14 +81,7 @@ def run_arm(args, arm: str) -> dict:
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--out", args.out]
     if args.smoke:
         cmd.append("--smoke")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.arm_timeout)
-    except subprocess.TimeoutExpired:
-        return {"arm": arm, "error": f"over {args.arm_timeout:.0f} s"}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        return {"arm": arm, "error": ((proc.stderr.strip().splitlines() or ["no output"])[-1])[-300:]}
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_worker(cmd, args.arm_timeout, {"arm": arm})
 
 
 def summarize(runs: list[dict]) -> list[dict]:

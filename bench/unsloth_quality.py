@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 
 import torch
@@ -31,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from dynamic_rank_harness import evaluate_model, load_blocks, load_eval_model, settings_for, train_model  # noqa: E402
 from bench_model import import_unsloth  # noqa: E402
-from harness import png, write_results  # noqa: E402
+from harness import png, run_worker, write_results  # noqa: E402
 
 ARMS = ("sits", "unsloth")
 RANK, ALPHA = 16, 32
@@ -120,14 +119,7 @@ def run_one(arm: str, size: str, seed: int, lr: float, timeout_s: float) -> dict
         return {"arm": arm, "seed": seed, "error": f"arm {arm}: skipped: Unsloth runs on a CUDA GPU only"}
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", arm, "--size", size, "--seed", str(seed),
            "--lr", str(lr)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"arm": arm, "seed": seed, "error": f"timed out after {timeout_s:.0f} s"}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        return {"arm": arm, "seed": seed, "error": (proc.stderr.strip().splitlines() or ["no output"])[-1][-300:]}
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_worker(cmd, timeout_s, {"arm": arm, "seed": seed})
 
 
 def verdict(runs: list[dict]) -> dict:

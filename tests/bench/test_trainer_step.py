@@ -12,7 +12,7 @@ def test_each_arm_is_the_median_of_its_runs_against_the_blocking_copy():
     trainer_step = bench_module("trainer_step")
     runs = [{"arm": "non-blocking", "step_s": s, "tokens_per_s": 8192 / s, "recorded": True} for s in (0.10, 0.30, 0.11)]
     runs += [{"arm": "blocking", "step_s": s, "tokens_per_s": 8192 / s, "recorded": True} for s in (0.12, 0.125)]
-    runs.append({"arm": "blocking", "error": "over 300 s"})
+    runs.append({"arm": "blocking", "error": "timed out after 300 s"})
     rows = {r["arm"]: r for r in trainer_step.summarize(runs)}
     assert rows["non-blocking"]["step_s"] == 0.11 and rows["non-blocking"]["runs"] == 3
     assert rows["non-blocking"]["tokens_per_s"] == pytest.approx(8192 / 0.11)
