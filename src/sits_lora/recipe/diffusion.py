@@ -37,7 +37,6 @@ DEFAULT_LR = {"tiny": 1e-2, "sd15": 1e-4, "sdxl": 1e-4}
 EXIT_INTERRUPTED = 130
 
 
-
 @dataclass
 class DiffusionRecipe:
     model: str = field(default="tiny", metadata={
