@@ -48,7 +48,8 @@ class NativeLoraTrainer(Trainer):
       is given (without one, nothing holds the mean active rank at ``target_mean_rank``).
 
     Batches are copied to the GPU without blocking the host (``accelerator_config.non_blocking`` is turned on where
-    ``dataloader_pin_memory`` is, the default): a blocking copy waits for the step before it to finish.
+    ``dataloader_pin_memory`` is, the default): a blocking copy waits for the step before it to finish. To keep
+    the blocking copy, set ``dataloader_pin_memory=False``.
 
     ``record_step`` ("auto", True, False): on one CUDA GPU, with batches of fixed shapes, one optimizer step
     per batch (``gradient_accumulation_steps=1``) and torch's fused AdamW (the default ``optim``), the whole
