@@ -231,6 +231,29 @@ def no_decode_kernel():
         ops.set_decode_kernel(True)
 
 
+@pytest.fixture
+def small_interpreter_blocks(monkeypatch):
+    """The interpreter at the small blocks (sits_lora.ops.tuning.SMALL_BLOCKS_CONFIG) rather than its usual large
+    ones: the kernel tests' odd shapes then span several programs along every dimension, which is what tests the
+    kernels' tiling. Geometry remembered at other blocks is forgotten on the way in and out."""
+    from sits_lora.ops import tuning
+
+    monkeypatch.setattr(tuning, "INTERPRETER_CONFIG", tuning.SMALL_BLOCKS_CONFIG)
+    tuning.forget_answers()
+    yield
+    tuning.forget_answers()
+
+
+KERNEL_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ops")
+
+
+@pytest.fixture(autouse=True)
+def _kernel_tests_at_small_blocks(request):
+    """tests/ops, the kernel tests, run the interpreter at small blocks (small_interpreter_blocks)."""
+    if str(request.node.path).startswith(KERNEL_TESTS + os.sep):
+        request.getfixturevalue("small_interpreter_blocks")
+
+
 def _gloo_rank(rank: int, world: int, port: int, queue, body) -> None:
     import datetime
 

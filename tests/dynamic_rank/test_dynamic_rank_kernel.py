@@ -17,6 +17,9 @@ from sits_lora.ops.fused import limit_grad, lora_expand, lora_shrink, lora_shrin
 from conftest import rel_err
 from test_dynamic_rank import dyn_model, ids, layers
 
+# the kernels' tiling: their odd shapes span several programs (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("small_interpreter_blocks")
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
 

@@ -323,6 +323,19 @@ def test_the_factored_x_pass_runs_the_plain_pass_configuration_until_its_own_is_
         tuning.INTERPRETER_CONFIG["x_pass_product"]
 
 
+def test_fp32_on_a_gpu_keeps_the_small_blocks_and_the_interpreter_takes_its_own():
+    """fp32 on a GPU (the tests against the fp32 reference) runs the small blocks whatever the interpreter uses; the
+    interpreter's own blocks apply to CPU tensors only (here the kernel tests' fixture has set them small too)."""
+    from sits_lora.ops import tuning
+
+    for kernel in tuning.SMALL_BLOCKS_CONFIG:
+        assert tuning.config_for(kernel, torch.device("cuda"), (64, 16), torch.float32) == \
+            tuning.SMALL_BLOCKS_CONFIG[kernel]
+        assert tuning.config_for(kernel, torch.device("cpu"), (64, 16), torch.float32) == \
+            tuning.INTERPRETER_CONFIG[kernel]
+    assert set(tuning.SMALL_BLOCKS_CONFIG) == set(tuning.INTERPRETER_CONFIG)
+
+
 def test_an_fp8_layer_past_32_bit_offsets_names_the_way_out(monkeypatch):
     """The fp8 kernels have no unquantized reference to fall back to: a call past 2**31 elements (here the limit is
     lowered to 64) is an error that says what to do, before any kernel runs."""

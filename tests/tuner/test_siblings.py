@@ -12,7 +12,7 @@ from sits_lora.layers.siblings import SiblingGroup
 from conftest import randomize_lora_weights, rel_err, tiny_llama
 
 # these tests count the sibling-group / ATen paths at sizes the decode path would take (tests/ops/test_decode.py)
-pytestmark = pytest.mark.usefixtures("no_decode_kernel")
+pytestmark = pytest.mark.usefixtures("no_decode_kernel", "small_interpreter_blocks")
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

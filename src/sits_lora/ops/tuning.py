@@ -8,7 +8,7 @@ cache. The package ships the
 choices for the GPUs it was tuned on (tuned_configs.json, from bench/tune_kernels.py). A GPU without an entry of
 its own takes the entry of a GPU of the same compute capability (the same kind of SM and shared memory, which is
 what these block sizes fit); without either the kernels use the first configuration of
-each space below, and the interpreter uses small blocks that keep CPU tests fast.
+each space below; fp32 on a GPU and the interpreter (tests) use one configuration each.
 """
 
 from __future__ import annotations
@@ -74,8 +74,9 @@ CONFIG_SPACE: dict[str, list[dict]] = {
     ],
 }
 
-# Small blocks for the Triton interpreter and fp32 (tests): one config, no tuning.
-INTERPRETER_CONFIG = {
+# fp32 on a GPU (tests against the fp32 reference): small blocks, one config, no tuning. The kernel tests also run
+# the interpreter at these (tests/ops), so that their odd shapes span several programs along every dimension.
+SMALL_BLOCKS_CONFIG = {
     "shrink": dict(BLOCK_T=32, BLOCK_K=32, num_warps=4, num_stages=1),
     "expand": dict(BLOCK_T=32, BLOCK_N=32, num_warps=4, num_stages=1),
     "dy_pass": dict(BLOCK_T=32, BLOCK_N=32, num_warps=4, num_stages=1),
@@ -83,6 +84,18 @@ INTERPRETER_CONFIG = {
     "x_pass_product": dict(BLOCK_T=32, BLOCK_K=32, num_warps=4, num_stages=1),
     "decode": dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1),
     "decode_gemv": dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1),
+}
+
+# The Triton interpreter (CPU tensors, tests only): a program costs about the same whatever its block holds, so
+# blocks as large as a test's layer make a launch one or a few programs.
+INTERPRETER_CONFIG = {
+    "shrink": dict(BLOCK_T=128, BLOCK_K=64, num_warps=4, num_stages=1),
+    "expand": dict(BLOCK_T=128, BLOCK_N=64, num_warps=4, num_stages=1),
+    "dy_pass": dict(BLOCK_T=128, BLOCK_N=64, num_warps=4, num_stages=1),
+    "x_pass": dict(BLOCK_T=128, BLOCK_K=64, num_warps=4, num_stages=1),
+    "x_pass_product": dict(BLOCK_T=128, BLOCK_K=64, num_warps=4, num_stages=1),
+    "decode": dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=1),
+    "decode_gemv": dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=1),
 }
 
 # A kernel whose configuration, where none was measured for it, is its sibling kernel's at the same dims.
@@ -139,8 +152,10 @@ def config_for(kernel: str, device: torch.device, dims: tuple, dtype: torch.dtyp
     """The launch configuration for ``kernel`` on ``device`` at ``dims`` (K, N, R-block...): this GPU's entry, else
     the entry of a GPU of the same compute capability, else its FALLBACK kernel's configuration, else the space's
     first configuration."""
-    if device.type != "cuda" or dtype == torch.float32:
+    if device.type != "cuda":
         return INTERPRETER_CONFIG[kernel]
+    if dtype == torch.float32:
+        return SMALL_BLOCKS_CONFIG[kernel]
     answer_key = (kernel, device, dims, dtype)
     found = _answers.get(answer_key)
     if found is None:
@@ -180,6 +195,12 @@ def remembered(key: tuple):
     """A value derived from the configurations (a launch's grid and splits at one shape: ops.fused) stored by
     :func:`remember`, or None. Forgotten, with config_for's answers, whenever a tuning result is stored."""
     return _answers.get(key)
+
+
+def forget_answers() -> None:
+    """Forget config_for's answers and every value remembered with them: for tests that change the configurations
+    themselves (the interpreter's blocks)."""
+    _answers.clear()
 
 
 def remember(key: tuple, value):
