@@ -8,7 +8,7 @@ nproc >> $S/gpu.txt; lscpu | grep -E "Model name|^CPU\(s\)" >> $S/gpu.txt
 STD=$PYTHONPATH
 stamp start gate
 # 1. the gate at HEAD (issue 48's targets; issue 50's "gate within 3 %"): 1B with 3 repeats (0.5B and 8B in 5.)
-python3 bench/regress.py --out $S/gate_1b --shapes 1b --repeats 3 --no-graph-breaks \
+python3 bench/regress.py --out $S/gate_1b --shapes 1b --repeats ${GATE_REPEATS:-3} --no-graph-breaks \
     --arms frozen+liger sits+default > $S/gate_1b.log 2>&1; stamp gate_1b rc $?
 # 2. the whole GPU suite in one process, shuffled, with the Trainer's non-blocking copy back on main (c65dcf2)
 timeout 900 python3 -m pytest -v -p no:cacheprovider -p random_order --random-order-bucket=global \
