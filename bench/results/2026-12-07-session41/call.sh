@@ -5,7 +5,7 @@ S=.gpu_state/s41
 mkdir -p .gpu_state/gguf_s41; for d in .gg1 .gg2 .gg3; do [ -f $d/part ] && cp $d/* .gpu_state/gguf_s41/ && mv .gpu_state/gguf_s41/part .gpu_state/gguf_s41/$d.part; done
 if [ ! -f $S/started ]; then
     mkdir -p $S && touch $S/started
-    GATE_REPEATS=${GATE_REPEATS:-3} setsid bash bench/results/2026-12-07-session41/driver.sh > $S/driver.out 2>&1 < /dev/null &
+    GATE_REPEATS=${GATE_REPEATS:-3} SUITE_FIRST=${SUITE_FIRST:-0} setsid bash bench/results/2026-12-07-session41/driver.sh > $S/driver.out 2>&1 < /dev/null &
 fi
 for i in $(seq 1 ${WAIT:-114}); do grep -q ' done$' $S/driver.log 2>/dev/null && break; sleep 5; done
 cp -r $S/. $OUT/ 2>/dev/null; rm -f $OUT/started

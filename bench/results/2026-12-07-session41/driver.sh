@@ -6,13 +6,19 @@ stamp() { printf '%s %s\n' "$SECONDS" "$*" >> $S/driver.log; }
 python3 -c "import torch, triton, transformers, peft, liger_kernel; print(torch.__version__, triton.__version__, transformers.__version__, peft.__version__)" >> $S/gpu.txt 2>&1
 nproc >> $S/gpu.txt; lscpu | grep -E "Model name|^CPU\(s\)" >> $S/gpu.txt
 STD=$PYTHONPATH
-stamp start gate
+stamp start
+gate_1b() {
 # 1. the gate at HEAD (issue 48's targets; issue 50's "gate within 3 %"): 1B with 3 repeats (0.5B and 8B in 5.)
 python3 bench/regress.py --out $S/gate_1b --shapes 1b --repeats ${GATE_REPEATS:-3} --no-graph-breaks \
     --arms frozen+liger sits+default > $S/gate_1b.log 2>&1; stamp gate_1b rc $?
+}
+gpu_suite() {
 # 2. the whole GPU suite in one process, shuffled, with the Trainer's non-blocking copy back on main (c65dcf2)
 timeout 900 python3 -m pytest -v -p no:cacheprovider -p random_order --random-order-bucket=global \
     --random-order-seed=4141 -m gpu -rfEX tests > $S/gpu_tests.log 2>&1; stamp gpu_tests rc $?
+}
+# SUITE_FIRST=1 (little device time left): the GPU suite before the gate
+if [ "${SUITE_FIRST:-0}" = 1 ]; then gpu_suite; gate_1b; else gate_1b; gpu_suite; fi
 # 3. the Trainer's step with batches copied blocking or not
 python3 bench/trainer_step.py --out $S/trainer_step --repeats 1 --steps 20 > $S/trainer_step.log 2>&1; stamp trainer_step rc $?
 # 4. Unsloth beside us, bf16 at 1B and 8B (4 layers) (issue 49)
