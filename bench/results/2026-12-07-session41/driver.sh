@@ -13,7 +13,7 @@ python3 bench/regress.py --out $S/gate_1b --shapes 1b --repeats ${GATE_REPEATS:-
     --arms frozen+liger sits+default > $S/gate_1b.log 2>&1; stamp gate_1b rc $?
 }
 gpu_suite() {
-# 2. the whole GPU suite in one process, shuffled, with the Trainer's non-blocking copy back on main (c65dcf2)
+# 2. the whole GPU suite in one process, shuffled, with the Trainer's non-blocking copy back on main (git revert ce92a23 first)
 timeout 900 python3 -m pytest -v -p no:cacheprovider -p random_order --random-order-bucket=global \
     --random-order-seed=4141 -m gpu -rfEX tests > $S/gpu_tests.log 2>&1; stamp gpu_tests rc $?
 }
