@@ -246,4 +246,3 @@ def test_the_memory_plan_names_a_4bit_layer_not_quantized_yet():
     with pytest.raises(ValueError, match=r"plan_memory: the 4-bit weight of \S+q_proj \(and \d+ more\) holds no "
                                          r"quantization state yet.*load_in_4bit=True"):
         plan_memory(model, batch_size=1, seq_len=16)
-

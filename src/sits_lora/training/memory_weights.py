@@ -95,7 +95,8 @@ def parameter_bytes(inner: nn.Module, blocks: Sequence[nn.Module], notes: list) 
     bnb4 = [m for _, m in named_bnb4]
     unquantized = [name for name, m in named_bnb4 if getattr(m.get_base_layer().weight, "quant_state", None) is None]
     if unquantized:
-        raise ValueError(f"plan_memory: the 4-bit weight of {unquantized[0]} (and {len(unquantized) - 1} more) "
+        more = f" (and {len(unquantized) - 1} more)" if len(unquantized) > 1 else ""
+        raise ValueError(f"plan_memory: the 4-bit weight of {unquantized[0]}{more} "
                          "holds no quantization state yet, so its stored size is unknown (a bitsandbytes layer built "
                          "on the meta device, or not yet moved to its device): plan the model once it is loaded "
                          "quantized, e.g. "
