@@ -9,9 +9,9 @@ each batch to the GPU, the callbacks, the loss bookkeeping). Arms: ``non-blockin
 which waits for every kernel queued before it, so the host cannot prepare the next step while the GPU runs this
 one). The model is bench_model's ``sits+default`` build (Liger's RMSNorm / SwiGLU / RoPE, sits_lora r16 on the
 seven projections), bf16, fixed-length batches (the step is recorded as CUDA graphs where it can be). Each arm runs
-in its own process; the arms alternate over ``--repeats``. Time per step: the wall time from the end of step ``--warmup`` to the end of
-the last step, the GPU synchronized at both ends, over the steps between. Writes OUT/trainer_step.json / .csv /
-.png.
+in its own process; the arms alternate over ``--repeats``. Time per step: the wall time from the end of step
+``--warmup`` to the end of the last step, the GPU synchronized at both ends, over the steps between. Writes
+OUT/trainer_step.json / .csv / .png.
 """
 
 from __future__ import annotations
