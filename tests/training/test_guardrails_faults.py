@@ -540,6 +540,26 @@ def test_native_trainer_adds_one_default_callback():
     assert [c for c in trainer.callback_handler.callbacks if isinstance(c, SitsHardwareCallback)] == [mine]
 
 
+def test_native_trainer_copies_batches_to_the_gpu_without_blocking(monkeypatch):
+    """A CUDA run with pinned batches (the default) copies each batch with non_blocking, so the host does not wait
+    for the step before; with pinning off, or on a CPU run, the user's setting stays."""
+    from types import SimpleNamespace
+
+    from transformers import TrainingArguments
+
+    from sits_lora.training.trainer import copies_batches_without_blocking
+
+    args = TrainingArguments(output_dir="unused", use_cpu=True, report_to="none")
+    trainer = NativeLoraTrainer(model=make_model(), args=args, train_dataset=make_dataset(4))
+    assert trainer.accelerator.non_blocking is False and args.accelerator_config.non_blocking is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert copies_batches_without_blocking(SimpleNamespace(dataloader_pin_memory=True, use_cpu=False))
+    assert not copies_batches_without_blocking(SimpleNamespace(dataloader_pin_memory=False, use_cpu=False))
+    assert not copies_batches_without_blocking(SimpleNamespace(dataloader_pin_memory=True, use_cpu=True))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not copies_batches_without_blocking(SimpleNamespace(dataloader_pin_memory=True, use_cpu=False))
+
+
 def test_native_trainer_adds_the_rank_budget_for_dynamic_rank_models(tmp_path):
     """The issue-5 snippet, NativeLoraTrainer(model=model, ...) with no callback: the rank budget is there and λ moves."""
     import warnings

@@ -294,6 +294,7 @@ def test_the_trainer_records_its_step_on_fixed_shapes(tmp_path, caplog):
             trainer.train()
         losses[record] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
         assert all("grad_norm" in e and e["grad_norm"] > 0 for e in trainer.state.log_history if "loss" in e)
+        assert trainer.accelerator.non_blocking   # pinned batches copied without the host waiting for the GPU
         if record == "auto":
             assert trainer.step_recording.on, trainer.step_recording.reason
             assert trainer._train_step.recorded.replays == 4

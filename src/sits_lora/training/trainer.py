@@ -20,6 +20,12 @@ logger = logging.getLogger("sits_lora")
 RECORD_STEP_VALUES = ("auto", True, False)
 
 
+def copies_batches_without_blocking(args) -> bool:
+    """Whether NativeLoraTrainer turns on accelerate's non-blocking batch copy for these TrainingArguments: a CUDA
+    run whose DataLoader pins its batches."""
+    return bool(args.dataloader_pin_memory) and torch.cuda.is_available() and not args.use_cpu
+
+
 class NativeLoraTrainer(Trainer):
     """``transformers.Trainer`` plus :class:`SitsHardwareCallback` (added with its defaults when none is given).
 
@@ -40,6 +46,10 @@ class NativeLoraTrainer(Trainer):
     - a model with dynamic-rank adapters (``SitsLoraConfig(use_dynamic_rank=True)``) trains under
       its rank budget: a :class:`sits_lora.DynamicRankCallback` with its defaults is added when none
       is given (without one, nothing holds the mean active rank at ``target_mean_rank``).
+
+    Batches are copied to the GPU without blocking the host (``accelerator_config.non_blocking`` is turned on where
+    ``dataloader_pin_memory`` is, the default): a blocking copy waits for the step before it to finish. To keep
+    the blocking copy, set ``dataloader_pin_memory=False``.
 
     ``record_step`` ("auto", True, False): on one CUDA GPU, with batches of fixed shapes, one optimizer step
     per batch (``gradient_accumulation_steps=1``) and torch's fused AdamW (the default ``optim``), the whole
@@ -75,6 +85,15 @@ class NativeLoraTrainer(Trainer):
                 if not any(isinstance(c, DynamicRankCallback) or c is DynamicRankCallback for c in callbacks):
                     callbacks.append(DynamicRankCallback())
         super().__init__(*args, callbacks=callbacks, **kwargs)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        # Each batch reaches the GPU without the host waiting: a blocking copy (accelerate's default) waits for every
+        # kernel queued before it, so the host could not prepare the next step while the GPU runs this one (a recorded
+        # step then waits once a step). The DataLoader already pins its batches (dataloader_pin_memory), which is what
+        # makes a non-blocking copy safe and asynchronous; with pinning off the copy stays as the user set it.
+        if copies_batches_without_blocking(self.args):
+            self.args.accelerator_config.non_blocking = True
+        super().create_accelerator_and_postprocess()
 
     def train(self, *args, **kwargs):
         try:
