@@ -21,15 +21,15 @@ timeout 900 python3 -m pytest -v -p no:cacheprovider -p random_order --random-or
 if [ "${SUITE_FIRST:-0}" = 1 ]; then gpu_suite; gate_1b; else gate_1b; gpu_suite; fi
 # 3. the Trainer's step with batches copied blocking or not
 python3 bench/trainer_step.py --out $S/trainer_step --repeats 1 --steps 20 > $S/trainer_step.log 2>&1; stamp trainer_step rc $?
-# 4. Unsloth beside us, bf16 at 1B and 8B (4 layers) (issue 49)
+# 4. the gate at 0.5B and 8B, two repeats
+python3 bench/regress.py --out $S/gate_05b_8b --shapes 0.5b 8b --repeats 2 --no-graph-breaks \
+    --arms frozen+liger sits+default > $S/gate_05b_8b.log 2>&1; stamp gate_05b_8b rc $?
+# 5. Unsloth beside us, bf16 at 1B and 8B (4 layers) (issue 49)
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_u .whl_unsloth/*.whl > $S/pip_unsloth.txt 2>&1
 export PYTHONPATH=/tmp/site_u:$STD HF_HUB_OFFLINE=1
 python3 bench/regress.py --out $S/unsloth --shapes 1b 8b --repeats 1 --no-graph-breaks --arm-timeout 400 \
     --arms frozen+liger sits+default unsloth unsloth+gc > $S/unsloth.log 2>&1; stamp unsloth rc $?
 export PYTHONPATH=$STD; unset HF_HUB_OFFLINE
-# 5. the gate at 0.5B and 8B, two repeats
-python3 bench/regress.py --out $S/gate_05b_8b --shapes 0.5b 8b --repeats 2 --no-graph-breaks \
-    --arms frozen+liger sits+default > $S/gate_05b_8b.log 2>&1; stamp gate_05b_8b rc $?
 export PYTHONPATH=/tmp/site_u:$STD HF_HUB_OFFLINE=1
 # 6. QLoRA on the whole 8B shape: ours against Unsloth's, peak memory beside
 python3 bench/regress.py --out $S/qlora --shapes 8b-full --repeats 1 --no-graph-breaks --arm-timeout 500 \
