@@ -8,6 +8,6 @@ if [ ! -f $S/started ]; then
     GATE_REPEATS=${GATE_REPEATS:-3} SUITE_FIRST=${SUITE_FIRST:-0} setsid bash bench/results/2026-12-07-session41/driver.sh > $S/driver.out 2>&1 < /dev/null &
 fi
 for i in $(seq 1 ${WAIT:-114}); do grep -q ' done$' $S/driver.log 2>/dev/null && break; sleep 5; done
-cp -r $S/. $OUT/ 2>/dev/null; rm -f $OUT/started
-find $OUT -name '*.png' -size +2M -delete
-cat $S/driver.log; tail -3 $S/*.log | tail -40
+# one archive: a call brings back at most 8 files (the device README), so a folder copied file by file loses most
+tar czf $OUT/state.tgz --exclude='*.png' --exclude=started -C $S . ; cp $S/driver.log $OUT/ 2>/dev/null
+cat $S/driver.log; tail -n 3 $S/*.log | tail -n 40
