@@ -14,7 +14,8 @@ import pytest
 import torch
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "release_adapters")
-MADE_BY = json.loads(open(os.path.join(HERE, "made_by.json")).read())
+with open(os.path.join(HERE, "made_by.json")) as _f:
+    MADE_BY = json.load(_f)
 
 
 @pytest.mark.parametrize("name", list(MADE_BY["adapters"]))
