@@ -15,7 +15,9 @@ import os
 import subprocess
 import sys
 
+import peft
 import torch
+import transformers
 from peft import get_peft_model
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -57,14 +59,15 @@ def _revision() -> str:
 
 def main() -> int:
     base_dir = os.path.join(HERE, "base")
-    _base().save_pretrained(base_dir, safe_serialization=True)
+    base = _base()
+    base.save_pretrained(base_dir, safe_serialization=True)
     generator = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(0, 97, (2, 12), generator=generator)
+    input_ids = torch.randint(0, base.config.vocab_size, (2, 12), generator=generator)
     outputs = {"input_ids": input_ids}
     for name, arguments in ADAPTERS.items():
         model = get_peft_model(LlamaForCausalLM.from_pretrained(base_dir).eval(), sits_lora.SitsLoraConfig(**arguments))
         with torch.no_grad():  # PEFT starts lora_B at zero; an adapter that changes nothing would prove nothing
-            for parameter_name, parameter in model.named_parameters():
+            for parameter in model.parameters():
                 if parameter.requires_grad:
                     parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
         model.eval()
@@ -74,8 +77,6 @@ def main() -> int:
             outputs[name] = model(input_ids=input_ids).logits.float().contiguous()
         print(name, "saved")
     save_file(outputs, os.path.join(HERE, "logits.safetensors"))
-    import peft
-    import transformers
     made_by = dict(sits_lora_revision=_revision(), torch=torch.__version__, peft=peft.__version__,
                    transformers=transformers.__version__, adapters=ADAPTERS)
     with open(os.path.join(HERE, "made_by.json"), "w") as f:
