@@ -356,6 +356,23 @@ def test_model_source_resolution(tiny_model_dir, tmp_path):
         resolve_model_source(str(tmp_path / ".."))
 
 
+def test_a_gguf_load_builds_each_tensor_name_map_once_and_puts_gguf_back():
+    gguf = pytest.importorskip("gguf")
+    from sits_lora.recipe.loading import one_tensor_name_map_per_architecture
+
+    original = gguf.get_tensor_name_map
+    llama = gguf.MODEL_ARCH.LLAMA
+    with one_tensor_name_map_per_architecture():
+        first = gguf.get_tensor_name_map(llama, 2)
+        assert gguf.get_tensor_name_map(llama, 2) is first             # asked again: the same map, not rebuilt
+        assert gguf.get_tensor_name_map(llama, 3) is not first          # another block count: its own map
+        assert first.get_name("model.layers.1.self_attn.q_proj") == "blk.1.attn_q"
+    assert gguf.get_tensor_name_map is original
+    with pytest.raises(RuntimeError), one_tensor_name_map_per_architecture():
+        raise RuntimeError("a load that fails")
+    assert gguf.get_tensor_name_map is original                         # put back after a failed load too
+
+
 def test_a_hub_id_the_machine_cannot_fetch_fails_at_once(tiny_model_dir, monkeypatch):
     """Not in the local cache and the hub's host does not answer: one line naming both, without huggingface_hub's
     retries; HF_HUB_OFFLINE says so itself; behind a proxy, a local folder or a cached model: no probe."""

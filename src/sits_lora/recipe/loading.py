@@ -7,6 +7,8 @@ needs no hub. transformers dequantizes GGUF weights to float32 when loading.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
 import tempfile
@@ -138,6 +140,22 @@ def _forget_gguf_quantization(model) -> None:
         del model.config.quantization_config
 
 
+@contextlib.contextmanager
+def one_tensor_name_map_per_architecture():
+    """While a GGUF file's tensors are matched to the model's, ``gguf.get_tensor_name_map`` answers each (architecture,
+    block count) once. transformers asks it again for every submodule of the model (a few hundred times for a
+    small Llama) and gguf builds the whole map on every call, the larger part of the match's time; the map is only
+    read once built. The original function is back on the way out."""
+    import gguf
+
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
+
+
 def load_model(spec: Optional[str] = None, dtype=None, quantization_config=None):
     """(model, source) for a --model value (folder, .gguf or hub id), without a tokenizer.
 
@@ -162,7 +180,8 @@ def load_model(spec: Optional[str] = None, dtype=None, quantization_config=None)
         return quantized, source
     if quantization_config is not None:
         kwargs["quantization_config"] = quantization_config
-    model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
+    with one_tensor_name_map_per_architecture() if source.gguf_file else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
     if source.gguf_file:
         _forget_gguf_quantization(model)
         # PEFT writes name_or_path into adapter_config.json as base_model_name_or_path: the folder a GGUF was
