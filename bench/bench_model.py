@@ -84,8 +84,9 @@ OPTIONAL_ARMS = ["peft+liger", "sits+liger", "sits+gc", "peft+gc", "sits+fp8", "
                  "frozen+liger+nolce", "sits+liger+nolce",
                  # "+default": the step NativeLoraTrainer runs by default on a GPU
                  # (sits_lora.training.default_train_step: its own sync-free fused linear cross-entropy, clipping,
-                 # CUDA graphs after warm-up) over Liger's RMSNorm, SwiGLU and RoPE
-                 "sits+default"]
+                 # CUDA graphs after warm-up) over Liger's RMSNorm, SwiGLU and RoPE; "+nf4+default" the same step
+                 # over the projections as bitsandbytes NF4 layers
+                 "sits+default", "sits+nf4+default"]
 # Unsloth's LoRA ("unsloth") and QLoRA ("+nf4": its 4-bit load, bitsandbytes NF4), with its gradient checkpointing
 # off or ("+gc") in the mode it recommends, use_gradient_checkpointing="unsloth" (offloaded to the host)
 UNSLOTH_ARMS = ["unsloth", "unsloth+gc", "unsloth+nf4", "unsloth+nf4+gc"]

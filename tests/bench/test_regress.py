@@ -332,11 +332,13 @@ def test_the_default_step_against_peft_compile_and_the_memory_of_sits_liger():
     bare = _by_what(regress.compare(_rows("1b", frozen=1.0, sits=1.1), None, [], regress.TARGETS), "target")
     assert bare[("1b", "default step <= 1.10x floor")]["ok"] is None
     assert "sits+default" in regress.ARMS and "sits+default" not in regress.SMOKE_ARMS
+    assert "sits+nf4+default" in regress.NF4_SITS   # the NF4 targets (against PEFT's and Unsloth's QLoRA) count it
 
 
-def test_the_default_arm_refuses_with_its_reason_before_building():
-    """Without sits_lora.training.default_train_step the arm says so; with it, on a CPU, that it needs CUDA. In this
-    process: the refusal comes before the model is built."""
+@pytest.mark.parametrize("arm", ["sits+default", "sits+nf4+default"])
+def test_the_default_arm_refuses_with_its_reason_before_building(arm):
+    """Without sits_lora.training.default_train_step the arm says so; with it, on a CPU, that it needs CUDA (over a
+    bf16 or an NF4 base). In this process: the refusal comes before the model is built."""
     import argparse
 
     import torch
@@ -345,7 +347,7 @@ def test_the_default_arm_refuses_with_its_reason_before_building():
 
     if torch.cuda.is_available():
         pytest.skip("the refusals on a machine without a GPU")
-    args = argparse.Namespace(arm="sits+default", model="tiny", layers=0, batch=2, seq=32, smoke=True)
+    args = argparse.Namespace(arm=arm, model="tiny", layers=0, batch=2, seq=32, smoke=True)
     with pytest.raises(SystemExit) as refused:
         bench_module("bench_model").worker(args)
     reason = ("needs a CUDA GPU" if hasattr(sits_lora.training, "default_train_step")
