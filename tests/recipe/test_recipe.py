@@ -356,21 +356,46 @@ def test_model_source_resolution(tiny_model_dir, tmp_path):
         resolve_model_source(str(tmp_path / ".."))
 
 
-def test_a_gguf_load_builds_each_tensor_name_map_once_and_puts_gguf_back():
-    gguf = pytest.importorskip("gguf")
-    from sits_lora.recipe.loading import one_tensor_name_map_per_architecture
+def _write_gguf(path, value):
+    import gguf
+    import numpy as np
 
-    original = gguf.get_tensor_name_map
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint32("test.value", value)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_gguf_load_reads_each_file_once_builds_each_tensor_name_map_once_and_puts_gguf_back(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from sits_lora.recipe.loading import gguf_read_once
+
+    original_reader, original_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, 1)
     llama = gguf.MODEL_ARCH.LLAMA
-    with one_tensor_name_map_per_architecture():
-        first = gguf.get_tensor_name_map(llama, 2)
-        assert gguf.get_tensor_name_map(llama, 2) is first             # asked again: the same map, not rebuilt
-        assert gguf.get_tensor_name_map(llama, 3) is not first          # another block count: its own map
-        assert first.get_name("model.layers.1.self_attn.q_proj") == "blk.1.attn_q"
-    assert gguf.get_tensor_name_map is original
-    with pytest.raises(RuntimeError), one_tensor_name_map_per_architecture():
+    with gguf_read_once():
+        first = gguf.GGUFReader(str(path))
+        assert int(first.fields["test.value"].contents()) == 1
+        assert gguf.GGUFReader(str(tmp_path / "." / "m.gguf")) is first   # the same file again: not parsed again
+        with gguf_read_once():                                              # nested: the outer load's caches
+            assert gguf.GGUFReader(str(path)) is first
+        _write_gguf(path, 2)                                                # rewritten while loading: read anew
+        os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 1_000_000))
+        second = gguf.GGUFReader(str(path))
+        assert second is not first and int(second.fields["test.value"].contents()) == 2
+        name_map = gguf.get_tensor_name_map(llama, 2)
+        assert gguf.get_tensor_name_map(llama, 2) is name_map               # asked again: the same map, not rebuilt
+        assert gguf.get_tensor_name_map(llama, 3) is not name_map           # another block count: its own map
+        assert name_map.get_name("model.layers.1.self_attn.q_proj") == "blk.1.attn_q"
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (original_reader, original_map)
+    assert isinstance(gguf.GGUFReader(str(path)), original_reader)
+    with pytest.raises(RuntimeError), gguf_read_once():
         raise RuntimeError("a load that fails")
-    assert gguf.get_tensor_name_map is original                         # put back after a failed load too
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (original_reader, original_map)  # put back after a failure
 
 
 def test_a_hub_id_the_machine_cannot_fetch_fails_at_once(tiny_model_dir, monkeypatch):

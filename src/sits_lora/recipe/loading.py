@@ -141,19 +141,39 @@ def _forget_gguf_quantization(model) -> None:
 
 
 @contextlib.contextmanager
-def one_tensor_name_map_per_architecture():
-    """While a GGUF file's tensors are matched to the model's, ``gguf.get_tensor_name_map`` answers each (architecture,
-    block count) once. transformers asks it again for every submodule of the model (a few hundred times for a
-    small Llama) and gguf builds the whole map on every call, the larger part of the match's time; the map is only
-    read once built. The original function is back on the way out."""
+def gguf_read_once():
+    """While a model and its tokenizer load from a GGUF file, the file is read once and each tensor name map built
+    once. transformers opens a new ``gguf.GGUFReader`` for the config, the tokenizer and the weights, and each
+    reader parses every metadata field (the vocabulary and merges: a few hundred thousand small reads); it also
+    asks ``gguf.get_tensor_name_map`` again for every submodule, and gguf builds the whole map on every call. Both
+    are only read once built, so one reader per file (keyed by path, size and modification time) and one map per
+    (architecture, block count) serve the whole load. Nested uses share the outer one's caches; the originals are
+    back on the way out, a failed load included."""
     import gguf
 
-    original = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    if getattr(gguf.GGUFReader, "_sits_lora_shared", False):
+        yield
+        return
+    original_reader, original_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers = {}
+
+    def shared_reader(path, mode="r"):
+        if mode != "r":  # a writable map is not shared
+            return original_reader(path, mode)
+        stat = os.stat(path)
+        key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+        if key not in readers:
+            readers[key] = original_reader(path, mode)
+        return readers[key]
+
+    shared_reader._sits_lora_shared = True
+    gguf.GGUFReader = shared_reader
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original_map)
     try:
         yield
     finally:
-        gguf.get_tensor_name_map = original
+        gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_map
+        readers.clear()
 
 
 def load_model(spec: Optional[str] = None, dtype=None, quantization_config=None):
@@ -180,7 +200,7 @@ def load_model(spec: Optional[str] = None, dtype=None, quantization_config=None)
         return quantized, source
     if quantization_config is not None:
         kwargs["quantization_config"] = quantization_config
-    with one_tensor_name_map_per_architecture() if source.gguf_file else contextlib.nullcontext():
+    with gguf_read_once() if source.gguf_file else contextlib.nullcontext():
         model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
     if source.gguf_file:
         _forget_gguf_quantization(model)
@@ -194,9 +214,11 @@ def load_model_and_tokenizer(spec: Optional[str] = None, dtype=None, quantizatio
     """(model, tokenizer, source) for a --model value; the tokenizer gets a pad token if it lacks one."""
     from transformers import AutoTokenizer
 
-    model, source = load_model(spec, dtype, quantization_config)
-    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
+    source = resolve_model_source(spec)
+    with gguf_read_once() if source.gguf_file else contextlib.nullcontext():
+        model, source = load_model(spec, dtype, quantization_config)
+        kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+        tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer, source
