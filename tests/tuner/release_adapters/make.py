@@ -37,6 +37,11 @@ ADAPTERS = {
     "int4_base": dict(r=4, lora_alpha=8, target_modules=TARGETS, base_quant="int4", int4_group_size=32),
     "fp8_base_emulated": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], fp8="hybrid",
                               fp8_emulate=True, fp8_layers="all"),
+    # the default scheduler: each router reads the entropy its layer's probe predicts (fitted below as
+    # TokenEntropySampler leaves a probe: weights set, ``fitted`` on)
+    "dynamic_rank_entropy_gated": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+                                       use_dynamic_rank=True, rank_buckets=[2, 4, 8], rank_scheduler="entropy-gated",
+                                       target_mean_rank=4.0),
 }
 
 
@@ -70,6 +75,15 @@ def main() -> int:
             for parameter in model.parameters():
                 if parameter.requires_grad:
                     parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+            for key, parameter in model.named_parameters():   # an entropy probe: frozen, fitted apart from training
+                if "lora_entropy_probe" in key and not parameter.requires_grad:
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+            for key, buffer in model.named_buffers():
+                if "lora_entropy_probe" in key and key.endswith(".fitted"):
+                    buffer.fill_(True)
+            for key, parameter in model.named_parameters():   # large enough that the probe decides some buckets
+                if key.endswith("entropy_weight"):
+                    parameter.mul_(50)
         model.eval()
         model.save_pretrained(os.path.join(HERE, name))
         os.remove(os.path.join(HERE, name, "README.md"))  # PEFT's model card: nothing the load reads
