@@ -65,7 +65,12 @@ def _decide(model, requested="auto", optimizer=None, nan_policy="skip", dataset=
     return decide_recording(requested, model=model, args=types.SimpleNamespace(**arguments), optimizer=optimizer,
                             callback=callback, accelerator=accelerator, train_dataset=dataset or _Blocks([16] * 4),
                             data_collator=None, inputs=inputs or {"input_ids": torch.zeros(2, 16, dtype=torch.long)},
-                            fused_loss=fused_loss_support(model), callbacks=callbacks)
+                            loss=_loss_label(model), callbacks=callbacks)
+
+
+def _loss_label(model):
+    supported, why = fused_loss_support(model)
+    return ("the fused linear cross-entropy without host syncs", "" if supported else why)
 
 
 def test_the_decision_names_each_blocker_and_its_fix(monkeypatch):
@@ -75,7 +80,8 @@ def test_the_decision_names_each_blocker_and_its_fix(monkeypatch):
         assert not off.on and off.reason.startswith("off: the model is not on a CUDA GPU")
         with pytest.raises(ValueError, match=r"record_step=True\): the step cannot be recorded: the model is not on"):
             _decide(model, requested=True)
-    assert _decide(model, requested=False).reason == "off (record_step=False): eager steps"
+    assert _decide(model, requested=False).reason == ("off (record_step=False): eager steps; loss: the fused linear "
+                                                      "cross-entropy without host syncs")
     # the rest as if on a GPU
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
@@ -307,7 +313,7 @@ def _trainer_run(tmp_path, record, nan_at=None, nan_policy="skip", steps=5, monk
     step (from 1) whose first trainable gradient is made NaN."""
     from transformers import TrainingArguments
 
-    import sits_lora.training.trainer as trainer_module
+    import sits_lora.training.native as trainer_module
     from sits_lora import SitsHardwareCallback
     from sits_lora.training import NativeLoraTrainer
     from sits_lora.training.recording import RecordingDecision
@@ -355,24 +361,32 @@ def test_a_loss_of_the_trainer_s_own_keeps_the_model_s_loss(tmp_path):
     from transformers import TrainingArguments
 
     from sits_lora.training import NativeLoraTrainer
+    from sits_lora.training.objectives import CausalLMObjective
 
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, label_smoothing_factor=0.1)
     trainer = NativeLoraTrainer(model=_adapted(), args=args)
     ids = torch.zeros(2, 4, dtype=torch.long)
-    assert trainer._loss_of_its_own({"input_ids": ids, "labels": ids}) == "label_smoothing_factor=0.1"
+
+    def why(trainer, inputs):
+        return CausalLMObjective().unsupported(trainer, trainer.model, inputs)
+
+    assert why(trainer, {"input_ids": ids, "labels": ids}) == "label_smoothing_factor=0.1"
     trainer.args.label_smoothing_factor = 0.0
-    assert trainer._loss_of_its_own({"input_ids": ids, "labels": ids}) == ""
-    assert trainer._loss_of_its_own({"input_ids": ids, "labels": ids, "token_type_ids": ids}) == (
-        "the batches carry token_type_ids")
+    assert why(trainer, {"input_ids": ids, "labels": ids}) == ""
+    assert why(trainer, {"input_ids": ids, "labels": ids, "token_type_ids": ids}) == "the batches carry token_type_ids"
     trainer.compute_loss_func = lambda outputs, labels, num_items_in_batch=None: outputs.loss
-    assert trainer._loss_of_its_own({"input_ids": ids, "labels": ids}) == "compute_loss_func is set"
+    assert why(trainer, {"input_ids": ids, "labels": ids}) == "compute_loss_func is set"
+    trainer.compute_loss_func = None
+    handle = trainer.model.register_forward_pre_hook(lambda module, args: None)
+    assert why(trainer, {"input_ids": ids, "labels": ids}).startswith("forward hooks on the model (function)")
+    handle.remove()
 
     class Custom(NativeLoraTrainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     custom = Custom(model=_adapted(), args=args)
-    assert custom._loss_of_its_own({"input_ids": ids, "labels": ids}) == "Custom overrides compute_loss"
+    assert why(custom, {"input_ids": ids, "labels": ids}) == "Custom overrides compute_loss"
 
 
 def test_the_trainer_s_recorded_path_trains_as_its_eager_path(tmp_path, monkeypatch):
@@ -383,7 +397,7 @@ def test_the_trainer_s_recorded_path_trains_as_its_eager_path(tmp_path, monkeypa
     assert ours.step_recording.on and ours._train_step is not None and ours._train_step.recorded is None
     assert ours.args.logging_nan_inf_filter is True                 # turned off while training, then put back
     plans = {name: t.sits_callback().memory_plan for name, t in (("eager", eager), ("ours", ours))}
-    assert plans["eager"].loss == "model" and plans["ours"].loss == "fused"   # the plan follows the loss that runs
+    assert plans["eager"].loss == plans["ours"].loss == "fused"   # the plan follows the loss that runs: the fused one
     logged = {name: [[e[k] for k in ("loss", "grad_norm", "learning_rate")] for e in t.state.log_history if "loss" in e]
               for name, t in (("eager", eager), ("ours", ours))}
     assert len(logged["ours"]) == 5

@@ -1,7 +1,9 @@
 """Training guard rails: hardware report and constraints, memory plan, NaN / Inf guards.
 
-``SitsHardwareCallback`` works with any transformers ``Trainer``; ``NativeLoraTrainer`` is a
-``Trainer`` that installs it and runs the gradient guard before gradient clipping. ``plan_memory``
+``SitsHardwareCallback`` works with any transformers ``Trainer``; ``native_step(TrainerClass)`` gives any
+``Trainer`` subclass (TRL's ``SFTTrainer`` and ``DPOTrainer`` among them) sits_lora's step: the fused loss with the
+trainer's metrics on the GPU, the recorded optimizer step, the guard before gradient clipping;
+``NativeLoraTrainer`` is ``native_step(Trainer)``. ``plan_memory``
 predicts the peak device memory of a LoRA training step. ``graph_train_step`` records a whole training step as
 a CUDA graph and replays it (the host's time to issue a step's kernels leaves the step); ``default_train_step`` is
 the recorded optimizer step NativeLoraTrainer runs by default (fused cross-entropy, guard, clipping, update).
@@ -25,6 +27,7 @@ __all__ = [
     "HardwareReport",
     "MemoryPlan",
     "NativeLoraTrainer",
+    "NativeStepMixin",
     "NonFiniteActivationError",
     "NonFiniteGradientError",
     "PeakMemoryMeter",
@@ -35,6 +38,7 @@ __all__ = [
     "choose_offloaded_layers",
     "default_train_step",
     "graph_train_step",
+    "native_step",
     "plan_memory",
     "probe_hardware",
 ]
@@ -46,4 +50,8 @@ def __getattr__(name: str):
         from .trainer import NativeLoraTrainer
 
         return NativeLoraTrainer
+    if name in ("NativeStepMixin", "native_step"):
+        from . import native
+
+        return getattr(native, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

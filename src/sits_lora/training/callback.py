@@ -250,15 +250,15 @@ class SitsHardwareCallback(TrainerCallback, ExportableState):
         if sync:
             self._guard_step(state)
 
-    def plan_fused_loss(self, model: nn.Module) -> None:
-        """Called by NativeLoraTrainer when its recorded step computes the loss with the fused linear cross-entropy:
-        ``memory_plan`` becomes that step's (the fused loss and what the recording holds). The check at train begin
-        planned the model's own loss, the larger."""
+    def plan_fused_loss(self, model: nn.Module, recorded: bool = True) -> None:
+        """Called by the native step when it computes the loss with the fused linear cross-entropy: ``memory_plan``
+        becomes that step's (the fused loss and, when ``recorded``, what the recording holds). The check at train
+        begin planned the model's own loss, the larger, and the model's gradient checkpointing as it was then."""
         if self._plan_inputs is None or self.memory_plan is None:
             return
         batch, seq_len, plan_kwargs = self._plan_inputs
         try:
-            self.memory_plan = plan_memory(model, batch, seq_len, **plan_kwargs, fused_loss=True, recorded=True)
+            self.memory_plan = plan_memory(model, batch, seq_len, **plan_kwargs, fused_loss=True, recorded=recorded)
         except Exception as error:  # a plan must never stop training by itself
             logger.warning("sits_lora: plan_memory failed for the fused loss (%s: %s); the plan keeps the model's "
                            "loss", type(error).__name__, error)

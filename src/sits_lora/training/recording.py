@@ -1,4 +1,5 @@
-"""Whether NativeLoraTrainer records its optimizer step as CUDA graphs, and the one line that says why.
+"""Whether the native step (NativeLoraTrainer, ``native_step(SFTTrainer)``, ...) records its optimizer step as CUDA
+graphs, and the one line that says why.
 
 A recording stands for one batch shape and one whole optimizer step: it pays where the shapes repeat (fixed-length
 blocks, or lengths padded to a few buckets) and every step is one batch, on one GPU, with an optimizer that can
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from ..dynamic_rank.budget import dynamic_rank_layers
+from ..utils.cuda_graphs import first_line
 from .step import skips_updates_on_device
 
 # examples looked at to tell fixed from varying lengths (the dataset is not read whole)
@@ -25,26 +27,98 @@ _MAX_BUCKET_GRAPHS = 8
 
 @dataclass
 class RecordingDecision:
-    """``on``: the step is recorded; ``reason``: the line the trainer prints; ``max_graphs``: recordings kept."""
+    """``on``: the step is recorded; ``reason``: the line the trainer prints; ``max_graphs``: recordings kept;
+    ``checkpointing_off``: gradient checkpointing is to be switched off for the run."""
 
     on: bool
     reason: str
     max_graphs: int = 2
+    checkpointing_off: bool = False
+
+
+@dataclass
+class CheckpointingPlan:
+    """Gradient checkpointing as the model has it: ``on``; ``swap``: switch it off for the run (the step without
+    it fits the GPU's memory); ``detail``: the planned peak against the memory available, or why it stays on."""
+
+    on: bool
+    swap: bool = False
+    detail: str = ""
+
+
+# the share of the memory available to this process that a step planned without checkpointing may take: the
+# plan is within a few percent of the measured peak (docs/memory.md), the rest is room for the allocator
+_CHECKPOINTING_HEADROOM = 0.85
+
+
+def _checkpointing_on(model: nn.Module, args: Any) -> bool:
+    # transformers renamed the property (the old name warns); either says the same
+    checkpointing = getattr(model, "is_activation_checkpointing", None)
+    if checkpointing is None:
+        checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    if not checkpointing:
+        checkpointing = getattr(args, "activation_checkpointing", None)
+    if checkpointing is None:
+        checkpointing = getattr(args, "gradient_checkpointing", False)
+    return bool(checkpointing)
+
+
+def plan_without_checkpointing(model: nn.Module, args: Any, inputs: dict,
+                               available_bytes: Optional[int] = None) -> CheckpointingPlan:
+    """Whether gradient checkpointing, where it is on, can be switched off for the run: the memory plan of this
+    batch's step without it (sits_lora's LoRA layers rebuilding their inputs in backward where they do, the fused
+    loss, the recording) within ``_CHECKPOINTING_HEADROOM`` of the memory available (``available_bytes``: by
+    default the GPU's free memory plus what this process holds)."""
+    if not _checkpointing_on(model, args):
+        return CheckpointingPlan(False)
+    ids = inputs.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return CheckpointingPlan(True, detail="the batches carry no 2-d input_ids to plan the step's memory with")
+    if available_bytes is None:
+        device = next((p.device for p in model.parameters() if p.is_cuda), None)
+        if device is None:
+            return CheckpointingPlan(True, detail="the model is not on a CUDA GPU, whose memory the plan is held to")
+        free, _ = torch.cuda.mem_get_info(device)
+        available_bytes = free + torch.cuda.memory_allocated(device)
+    from .memory import plan_memory
+
+    autocast = torch.bfloat16 if getattr(args, "bf16", False) else (
+        torch.float16 if getattr(args, "fp16", False) else None)
+    try:
+        plan = plan_memory(model, int(ids.shape[0]), int(ids.shape[1]), gradient_checkpointing=False,
+                           autocast_dtype=autocast, fused_loss=True, recorded=True,
+                           padded="attention_mask" in inputs)
+    except Exception as error:  # noqa: BLE001 (a plan never stops training: checkpointing stays)
+        return CheckpointingPlan(True, detail=f"the step's memory could not be planned ({type(error).__name__}: "
+                                              f"{first_line(error)})")
+    planned, room = plan.total / 2**30, _CHECKPOINTING_HEADROOM * available_bytes / 2**30
+    if plan.total > _CHECKPOINTING_HEADROOM * available_bytes:
+        return CheckpointingPlan(True, detail=f"the step without it is planned at {planned:.1f} GiB, over "
+                                              f"{room:.1f} GiB ({_CHECKPOINTING_HEADROOM:.0%} of the GPU memory "
+                                              "available)")
+    return CheckpointingPlan(True, swap=True, detail=f"the step without it is planned at {planned:.1f} GiB of "
+                                                     f"{room:.1f} GiB available")
 
 
 def example_lengths(train_dataset: Any, limit: int = _LENGTH_SAMPLE) -> Optional[list]:
-    """The ``input_ids`` lengths of the first ``limit`` examples, or None when the dataset cannot be indexed (an
-    iterable dataset) or its examples have no ``input_ids``."""
+    """The ``input_ids`` lengths of the first ``limit`` examples (a preference pair's: its prompt and longer
+    completion), or None when the dataset cannot be indexed (an iterable dataset) or its examples have neither."""
     if train_dataset is None or not hasattr(train_dataset, "__len__") or not hasattr(train_dataset, "__getitem__"):
         return None
     lengths = []
     try:
         for i in range(min(len(train_dataset), limit)):
             example = train_dataset[i]
-            ids = example.get("input_ids") if isinstance(example, Mapping) else None
-            if ids is None:
+            if not isinstance(example, Mapping):
                 return None
-            lengths.append(len(ids))
+            if example.get("input_ids") is not None:
+                lengths.append(len(example["input_ids"]))
+            elif all(example.get(k) is not None for k in ("prompt_ids", "chosen_ids", "rejected_ids")):
+                # a preference pair (TRL's DPO): the prompt with the longer of its two completions
+                lengths.append(len(example["prompt_ids"]) + max(len(example["chosen_ids"]),
+                                                                len(example["rejected_ids"])))
+            else:
+                return None
     except (KeyError, IndexError, TypeError):
         return None
     return lengths
@@ -103,7 +177,7 @@ def _gradient_hooks(model: nn.Module) -> list:
 
 
 def _blockers(model: nn.Module, args: Any, optimizer: Any, callback: Any, accelerator: Any,
-              callbacks: Any = ()) -> list:
+              callbacks: Any = (), checkpointing: Optional[CheckpointingPlan] = None) -> list:
     """Every condition, other than the batch shapes, that keeps the step from being recorded, each with its fix."""
     found = []
     params = [p for p in model.parameters() if p.requires_grad]
@@ -140,16 +214,13 @@ def _blockers(model: nn.Module, args: Any, optimizer: Any, callback: Any, accele
         found.append("dynamic-rank adapters (their budget is adjusted on the host between steps)")
     if any(callable(getattr(m, "sits_after_optimizer_step", None)) for m in model.modules()):
         found.append("an fp8 base or another module with per-step state advanced outside the step (not recorded yet)")
-    # transformers renamed the property (the old name warns); either says the same
-    checkpointing = getattr(model, "is_activation_checkpointing", None)
     if checkpointing is None:
-        checkpointing = getattr(model, "is_gradient_checkpointing", False)
-    if not checkpointing:
-        checkpointing = getattr(args, "activation_checkpointing", None)
-    if checkpointing is None:
-        checkpointing = getattr(args, "gradient_checkpointing", False)
-    if checkpointing:
-        found.append("gradient checkpointing (its recomputation is not recorded yet)")
+        checkpointing = CheckpointingPlan(_checkpointing_on(model, args))
+    if checkpointing.on and not checkpointing.swap:
+        found.append("gradient checkpointing (its recomputation is not recorded"
+                     + (f"; it stays on: {checkpointing.detail})" if checkpointing.detail else ")"))
+    if getattr(args, "activation_offloading", False):
+        found.append("activation_offloading=True (TRL's offload of activations to the host)")
     hooked = _optimizer_step_callbacks(callbacks, callback)
     if hooked:
         found.append(f"callback {', '.join(hooked)} (the recorded step applies the update inside training_step, so "
@@ -178,13 +249,22 @@ def _pads_only_on_the_right(inputs: dict) -> tuple[bool, str]:
 
 
 def decide_recording(requested, *, model: nn.Module, args: Any, optimizer: Any, callback: Any, accelerator: Any,
-                     train_dataset: Any, data_collator: Any, inputs: dict,
-                     fused_loss: tuple[bool, str], callbacks: Any = ()) -> RecordingDecision:
-    """Whether NativeLoraTrainer(record_step=``requested``) records (module docstring). ``requested`` True raises
-    ValueError naming every condition that fails."""
+                     train_dataset: Any, data_collator: Any, inputs: dict, loss: tuple[str, str],
+                     callbacks: Any = (), checkpointing: Optional[CheckpointingPlan] = None,
+                     owner: str = "NativeLoraTrainer") -> RecordingDecision:
+    """Whether the native step (``record_step=requested``) records (module docstring). ``loss``: (how the
+    objective's loss is named, why the trainer's own loss runs instead, "" when it does not). ``checkpointing``:
+    gradient checkpointing's plan (:func:`plan_without_checkpointing`; None: as the model and args have it, kept).
+    ``requested`` True raises ValueError naming every condition that fails (and ``owner``, the trainer's class)."""
+    label, why_not = loss
+    swap = checkpointing is not None and checkpointing.swap
+    swap_note = (f"; gradient checkpointing off for this run (sits_lora's LoRA layers rebuild their inputs in "
+                 f"backward instead; {checkpointing.detail})" if swap else "")
+    loss_note = f"loss: {label}" if not why_not else f"loss: the trainer's own (the fused one does not apply: {why_not})"
     if requested is False:
-        return RecordingDecision(False, "off (record_step=False): eager steps")
-    blockers = _blockers(model, args, optimizer, callback, accelerator, callbacks)
+        return RecordingDecision(False, f"off (record_step=False): eager steps; {loss_note}{swap_note}",
+                                 checkpointing_off=swap)
+    blockers = _blockers(model, args, optimizer, callback, accelerator, callbacks, checkpointing)
     fixed, shapes, graphs = batch_shapes(train_dataset, data_collator)
     if fixed is False:
         blockers.append(shapes)
@@ -193,16 +273,14 @@ def decide_recording(requested, *, model: nn.Module, args: Any, optimizer: Any, 
         blockers.append(why)
     if blockers:
         if requested is True:
-            raise ValueError("NativeLoraTrainer(record_step=True): the step cannot be recorded: " + "; ".join(blockers)
+            raise ValueError(f"{owner}(record_step=True): the step cannot be recorded: " + "; ".join(blockers)
                              + ". Fix these, or pass record_step='auto' to train with eager steps")
-        return RecordingDecision(False, "off: " + "; ".join(blockers) + " (eager steps; record_step=False hides "
-                                 "this line)")
-    supported, why_not = fused_loss
-    loss = ("the fused linear cross-entropy without host syncs" if supported
-            else f"the model's own loss (the fused one does not apply: {why_not})")
+        return RecordingDecision(False, "off: " + "; ".join(blockers) + f" (eager steps; {loss_note}{swap_note}; "
+                                 "record_step=False hides this line)", checkpointing_off=swap)
     return RecordingDecision(True, f"on: CUDA graphs of the whole optimizer step after 2 eager steps ({shapes}); "
-                                   f"loss: {loss}; the Trainer's logging_nan_inf_filter off (the guard leaves a "
-                                   "non-finite step unapplied on the GPU)", graphs)
+                                   f"{loss_note}; the Trainer's logging_nan_inf_filter off (the guard leaves a "
+                                   f"non-finite step unapplied on the GPU){swap_note}", graphs, checkpointing_off=swap)
 
 
-__all__ = ["RecordingDecision", "batch_shapes", "decide_recording", "example_lengths"]
+__all__ = ["CheckpointingPlan", "RecordingDecision", "batch_shapes", "decide_recording", "example_lengths",
+           "plan_without_checkpointing"]

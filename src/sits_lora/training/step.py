@@ -43,7 +43,7 @@ DECODER_INPUTS = ("input_ids", "attention_mask", "position_ids")
 IGNORE_INDEX = -100
 
 
-def _causal_lm(model: nn.Module) -> nn.Module:
+def causal_lm(model: nn.Module) -> nn.Module:
     """The transformers model under a PeftModel (or the model itself)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
@@ -51,7 +51,7 @@ def _causal_lm(model: nn.Module) -> nn.Module:
 
 def fused_loss_support(model: nn.Module) -> tuple[bool, str]:
     """(whether :func:`causal_lm_loss` computes this model's loss, why not when it does not)."""
-    lm = _causal_lm(model)
+    lm = causal_lm(model)
     config = getattr(lm, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in FUSED_LOSS_MODEL_TYPES:
@@ -71,7 +71,7 @@ def causal_lm_loss(model: nn.Module, inputs: dict, num_items_in_batch: Any = Non
     -100 ignored; the sum over ``num_items_in_batch`` when given, else the mean over labelled tokens), computed
     from the decoder's hidden states by the fused linear cross-entropy: no logits tensor, no host sync. Only for
     models :func:`fused_loss_support` accepts."""
-    lm = _causal_lm(model)
+    lm = causal_lm(model)
     unknown = sorted(set(inputs) - set(DECODER_INPUTS) - {"labels", "shift_labels"})
     if unknown:
         raise ValueError(f"causal_lm_loss: inputs {unknown} are not decoder inputs ({', '.join(DECODER_INPUTS)}) "
@@ -88,16 +88,19 @@ def causal_lm_loss(model: nn.Module, inputs: dict, num_items_in_batch: Any = Non
 @dataclass
 class StepOutcome:
     """One call's results, as device tensors (reading them waits for the step): ``loss``, ``grad_norm`` (before
-    clipping) and ``nonfinite``, one flag per gradient in ``TrainStep.gradient_names`` order."""
+    clipping), ``nonfinite``, one flag per gradient in ``TrainStep.gradient_names`` order, and ``metrics``, what
+    the loss function returned beside the loss (None when it returned the loss alone)."""
 
     loss: torch.Tensor
     grad_norm: torch.Tensor
     nonfinite: torch.Tensor
+    metrics: Optional[torch.Tensor] = None
 
 
 class TrainStep:
     """A whole optimizer step (module docstring), recorded as CUDA graphs when ``record``. Made by
-    :func:`default_train_step`; :class:`NativeLoraTrainer` makes one per run."""
+    :func:`default_train_step`; the native step (:mod:`sits_lora.training.native`) makes one per run.
+    ``loss(model, inputs, num_items_in_batch)`` returns the loss, or (the loss, a metrics tensor)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm: float = 0.0,
                  nan_policy: str = "skip", loss: Optional[Callable] = None, record: bool = True, warmup: int = 2,
@@ -145,6 +148,9 @@ class TrainStep:
 
     def _step(self, inputs: dict, num_items_in_batch: Any) -> tuple:
         loss = self.loss(self.model, inputs, num_items_in_batch)
+        metrics = None
+        if isinstance(loss, tuple):           # (loss, metrics): an objective's (sits_lora.training.objectives)
+            loss, metrics = loss
         loss.backward()
         with_grad = [(n, p.grad) for n, p in self._named if p.grad is not None]
         if not with_grad:
@@ -172,7 +178,7 @@ class TrainStep:
             if self._guarded:
                 del self.optimizer.found_inf
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach(), total, nonfinite
+        return loss.detach(), total, nonfinite, None if metrics is None else metrics.detach()
 
 
 def _by_dtype(tensors: list) -> dict:
@@ -232,5 +238,5 @@ def _model_loss(model: nn.Module, inputs: dict, num_items_in_batch: Any = None) 
     return model(**inputs, **kwargs).loss
 
 
-__all__ = ["DECODER_INPUTS", "FUSED_LOSS_MODEL_TYPES", "StepOutcome", "TrainStep", "causal_lm_loss",
+__all__ = ["DECODER_INPUTS", "FUSED_LOSS_MODEL_TYPES", "StepOutcome", "TrainStep", "causal_lm", "causal_lm_loss",
            "default_train_step", "fused_loss_support", "gradient_norms", "skips_updates_on_device"]
