@@ -77,6 +77,12 @@ RUNS = {
         "host": script("profile_host", "--out", "{out}/host", timeout=120),
         "gate": script("regress", "--out", "{out}/regress", "{args}"),
     }),
+    "trl": Run("the loop users run: the native step's GPU tests, then trl_loop.py (ARGS go to it; the Unsloth arms "
+               "take .whl_unsloth/)", {
+        "tests": tests("tests/training/test_trl.py", "tests/training/test_step_recording.py",
+                       "tests/ops/test_cross_entropy.py", timeout=300),
+        "loop": script("trl_loop", "--out", "{out}/loop", "{args}"),
+    }),
     "memory": Run("activation memory: GPU tests, the longest context, the gate's memory arms, the rebuild profile", {
         "tests": tests("tests/activations", timeout=120),
         "context": script("longest_context", "--measure", "--model", "8b", "--layers", "4", "--max-tokens", "450560",

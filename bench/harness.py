@@ -93,12 +93,13 @@ def peak_memory_gib(fn: Callable[[], object]) -> Optional[float]:
 
 
 def run_worker(cmd: list[str], timeout_s: Optional[float], identity: dict,
-               echo: Callable[[str], bool] = lambda line: False) -> dict:
+               echo: Callable[[str], bool] = lambda line: False, env: Optional[dict] = None) -> dict:
     """Run one worker process (a script's own ``--worker`` mode, one arm or run) and return the dict it printed
     last as ``RESULT {json}``; where it timed out or failed, ``identity`` with ``"error"``: the timeout, or the last
-    line of its stderr. Lines of its output that ``echo`` selects are printed (a search's progress)."""
+    line of its stderr. Lines of its output that ``echo`` selects are printed (a search's progress). ``env``: the
+    process's environment (default: this one's)."""
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         return {**identity, "error": f"timed out after {timeout_s:.0f} s"}
     for line in proc.stdout.splitlines():

@@ -8,7 +8,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # suite -> its scripts, the first one the default; grouped by what they measure
 SUITES = {
     "gate": ["regress"],
-    "step": ["bench_model", "trainer_step", "graph_breaks", "profile_host"],
+    "step": ["bench_model", "trl_loop", "trainer_step", "graph_breaks", "profile_host"],
     "layer": ["bench_layer", "bench_parts", "profile_layer", "profile_rebuild", "bench_dynamic_rank_layer",
               "decode_kernels", "tune_kernels"],
     "memory": ["longest_context", "memory_plan", "memory_plan_vs_model"],

@@ -36,7 +36,7 @@ ARMS = ("non-blocking", "blocking")
 def worker(args) -> None:
     from transformers import TrainerCallback, TrainingArguments
 
-    import sits_lora.training.trainer as trainer_module
+    import sits_lora.training.native as trainer_module
     from sits_lora.training import NativeLoraTrainer
 
     cuda = torch.cuda.is_available() and not args.smoke
