@@ -46,13 +46,15 @@ ARMS = {
     "hand": ("hand", "sits", ()),
     "unsloth-sft": ("unsloth-sft", "unsloth", ()),
     "unsloth-sft-gc": ("unsloth-sft", "unsloth", ("gc",)),
+    # Unsloth's model in SFTTrainer with TRL's defaults as they are: the Trainer's gradient checkpointing on
+    "unsloth-sft-trl-defaults": ("unsloth-sft", "unsloth", ("trl-gc",)),
     "dpo-lora": ("dpo", "lora", ()),
     "dpo-native": ("native-dpo", "sits", ("gc",)),
     # the same step under the TRL that Unsloth's wheel set carries (1.15), in that set's site (--unsloth-wheels)
     "sft-native-trl115": ("native-sft", "sits", ("gc",)),
 }
 # the arms that run in the site of Unsloth's wheels (its TRL 1.15 and datasets 4.x) instead of this process's
-UNSLOTH_SITE_ARMS = ("unsloth-sft", "unsloth-sft-gc", "sft-native-trl115")
+UNSLOTH_SITE_ARMS = ("unsloth-sft", "unsloth-sft-gc", "unsloth-sft-trl-defaults", "sft-native-trl115")
 UNSLOTH_SITE = "/tmp/site_unsloth"
 DEFAULT_ARMS = ["sft-lora", "sft-sits", "sft-native", "native", "hand"]
 SMOKE_ARMS = ["sft-lora", "sft-native", "native", "dpo-lora", "dpo-native"]
@@ -184,8 +186,9 @@ def worker(args) -> None:
                                   device="cuda")
         model, tokenizer = FastLanguageModel.from_pretrained(model_name=folder, max_seq_length=args.seq, dtype=dtype,
                                                              load_in_4bit=False, local_files_only=True)
-        model = FastLanguageModel.get_peft_model(model, **unsloth_lora_kwargs(args.arm.replace("-gc", "+gc")))
-        common["gradient_checkpointing"] = False   # Unsloth's own ("unsloth") is set on the model above
+        model = FastLanguageModel.get_peft_model(model, **unsloth_lora_kwargs("unsloth+gc" if gc else "unsloth"))
+        # Unsloth's own checkpointing ("unsloth") is set on the model above; the Trainer's only under "trl-gc"
+        common["gradient_checkpointing"] = "trl-gc" in settings
     elif kind == "hand":
         raise SystemExit("the hand arm runs bench_model's worker (run_arm)")
     else:
