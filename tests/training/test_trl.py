@@ -103,6 +103,52 @@ def test_sft_packed_batches_are_trl_s_bit_for_bit(tmp_path, torch_path):
     _assert_logged_equal(theirs, ours, SFT_METRICS)
 
 
+def test_packed_batches_padded_to_a_fixed_budget_train_as_trl_s(tmp_path, torch_path, monkeypatch):
+    """The budget path a GPU records (here eagerly, with the block-diagonal reference attention): every batch one
+    shape, the same losses and metrics as TRL's own packed step to float rounding (the loss sums over the padded
+    budget), the model's attention put back after train()."""
+    import sits_lora.training.native as native
+    from sits_lora.training.packing import ATTENTION, FixedTokenBudget
+
+    data = _sft_data([5, 23, 11, 17, 8, 24, 3, 19, 9, 14, 21, 6] * 2)
+    packed = dict(packing=True, max_length=32)
+    _, theirs = _train(trl.SFTTrainer, trl.SFTConfig, data, tmp_path / "trl", steps=6, **packed)
+    monkeypatch.setattr(native, "_budget_blocker", lambda device: "")
+    shapes = []
+    real_step = native.NativeStepMixin.compute_loss
+
+    def watch(self, model, inputs, *args, **kwargs):
+        shapes.append((tuple(inputs["input_ids"].shape), tuple(inputs["cu_seq_lens_q"].shape)))
+        assert causal_lm_attention(model) == ATTENTION
+        return real_step(self, model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(native.NativeStepMixin, "compute_loss", watch)
+    trainer, ours = _train(native_step(trl.SFTTrainer), trl.SFTConfig, data, tmp_path / "ours", steps=6, **packed)
+    assert isinstance(trainer._packing, type(None)) and causal_lm_attention(trainer.model) == "sdpa"
+    line = trainer.step_recording.reason
+    assert line.startswith("off: the model is not on a CUDA GPU") and "packed" not in line   # packing blocks nothing
+    # 4 rows of at most 32 tokens, at most 4 documents a row (and one pad sequence): one shape for every batch
+    assert set(shapes) == {((1, 128), (4 * (4 + 1) + 1,))}, shapes
+    _assert_logged_equal(theirs, ours, ("num_tokens", "learning_rate"),
+                         close=("loss", "grad_norm", "entropy", "mean_token_accuracy"))
+    budget = FixedTokenBudget(lambda examples: examples[0], budget=16, max_length=8, capacity=6, pad_token_id=0)
+    batch = budget([{"input_ids": torch.arange(1, 6)[None], "labels": torch.arange(1, 6)[None],
+                     "position_ids": torch.tensor([[0, 1, 2, 0, 1]]), "cu_seq_lens_q": torch.tensor([0, 3, 5])}])
+    assert batch["cu_seq_lens_q"].tolist() == [0, 3, 5, 13, 16, 16, 16]      # pads: 8 + 3 tokens, then empty
+    assert batch["position_ids"][0, 5:].tolist() == list(range(8)) + [0, 1, 2]
+    assert batch["labels"][0, 5:].eq(-100).all() and batch["packed_tokens"].item() == 5
+    with pytest.raises(ValueError, match="over the capacity of 2"):
+        FixedTokenBudget(lambda examples: examples[0], 16, 8, 2, 0)(
+            [{"input_ids": torch.arange(1, 6)[None], "labels": torch.arange(1, 6)[None],
+              "position_ids": torch.tensor([[0, 1, 2, 0, 1]]), "cu_seq_lens_q": torch.tensor([0, 3, 5])}])
+
+
+def causal_lm_attention(model):
+    from sits_lora.training.step import causal_lm
+
+    return causal_lm(model).config._attn_implementation
+
+
 @pytest.mark.parametrize("loss_type, config", [
     ("sigmoid", {}), ("ipo", {}), ("hinge", {"beta": 0.5}), ("robust", {"label_smoothing": 0.1}),
     ("sigmoid", {"precompute_ref_log_probs": True}), (["sigmoid", "bco_pair"], {"loss_weights": [1.0, 0.5]}),
@@ -273,3 +319,22 @@ def test_the_recorded_dpo_step_equals_the_eager_one(tmp_path):
     assert recorded._train_step.recorded.replays == 8 - 3
     _assert_close_logs(eager_logs, logs, ("loss", "grad_norm", "rewards/chosen", "rewards/margins", "logps/chosen",
                                           "logps/rejected", "entropy"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_recorded_packed_sft_step_equals_the_eager_one(tmp_path):
+    """Packed batches: recorded at a fixed budget through the varlen kernel, against eager steps on TRL's own
+    packed batches (record_step=False: transformers' sdpa with the packed mask)."""
+    gen = torch.Generator().manual_seed(1)
+    data = _sft_data(torch.randint(3, 33, (256,), generator=gen).tolist())
+    packed = dict(packing=True, max_length=32, gradient_checkpointing=False)
+    _, eager_logs = _gpu_train(trl.SFTTrainer, trl.SFTConfig, data, tmp_path / "eager", False, **packed)
+    recorded, logs = _gpu_train(trl.SFTTrainer, trl.SFTConfig, data, tmp_path / "recorded", "auto", **packed)
+    line = recorded.step_recording.reason
+    if "varlen" in line and not recorded.step_recording.on:
+        pytest.skip(line)      # this PyTorch has no varlen kernel: the line says so, and the steps ran eagerly
+    assert recorded.step_recording.on and "packed into 128 tokens a batch" in line, line
+    assert recorded._train_step.recorded.replays == 8 - 3
+    _assert_close_logs(eager_logs, logs, ("loss", "grad_norm", "entropy", "mean_token_accuracy"))
+    assert [e["num_tokens"] for e in logs] == [e["num_tokens"] for e in eager_logs]

@@ -17,6 +17,9 @@ turns a trainer already built into one. What the mixin changes, and nothing else
   step that says whether it records and why not (``trainer.step_recording``);
 - gradient checkpointing, when the memory plan puts the step without it within the GPU's memory: switched off for
   the run (sits_lora's LoRA layers rebuild their inputs in backward instead), and said in the same line;
+- packed SFT batches (``SFTConfig(packing=True)``): padded to a fixed token budget with their sequence boundaries
+  as device tensors, and the model's attention read from those boundaries (:mod:`sits_lora.training.packing`),
+  so that they record too;
 - :class:`SitsHardwareCallback`'s guard right after the backward, before the gradient norm; batches copied to the
   GPU without blocking the host.
 """
@@ -33,8 +36,9 @@ from ..utils.cuda_graphs import first_line
 from .callback import SitsHardwareCallback
 from .graphs import GraphCaptureError
 from .objectives import objective_for
+from .packing import ATTENTION, budget_packing_support, register_varlen_attention, varlen_kernel_support
 from .recording import RecordingDecision, decide_recording, plan_without_checkpointing
-from .step import TrainStep
+from .step import TrainStep, causal_lm
 
 logger = logging.getLogger("sits_lora")
 RECORD_STEP_VALUES = ("auto", True, False)
@@ -69,6 +73,14 @@ def _with_callbacks(callbacks: Optional[list], model: Any) -> list:
             if not any(isinstance(c, DynamicRankCallback) or c is DynamicRankCallback for c in callbacks):
                 callbacks.append(DynamicRankCallback())
     return callbacks
+
+
+def _budget_blocker(device: torch.device) -> str:
+    """Why packed batches keep TRL's own shapes on ``device`` ("" when they take a fixed budget): a budget pays only
+    where the step records, on a CUDA GPU with a varlen attention kernel."""
+    if device.type != "cuda":
+        return "the model is not on a CUDA GPU"
+    return varlen_kernel_support(device)
 
 
 def _set_checkpointing(model: nn.Module, on: bool, args: Any) -> None:
@@ -110,6 +122,8 @@ class NativeStepMixin:
         self._recorded_grad_norm = None
         self._nan_filter_setting = None
         self._checkpointing_off = False     # switched off by the decision; back on when train() returns
+        self._packing = None                # (the budget collator, the attention it replaced) for packed batches
+        self._packing_why_not = ""
 
     def create_accelerator_and_postprocess(self) -> None:
         # Each batch reaches the GPU without the host waiting: a blocking copy (accelerate's default) waits for every
@@ -125,11 +139,41 @@ class NativeStepMixin:
         try:
             return super().train(*args, **kwargs)
         finally:
+            if self._packing is not None:
+                causal_lm(self.model).set_attn_implementation(self._packing[1])
+                self._packing = None
             if self._nan_filter_setting is not None:
                 self.args.logging_nan_inf_filter, self._nan_filter_setting = self._nan_filter_setting, None
             if self._checkpointing_off:
                 self._checkpointing_off = False
                 _set_checkpointing(self.model, True, self.args)
+
+    def get_train_dataloader(self):
+        # Packed batches that can be recorded are padded to a fixed budget from the first batch on: the decision at
+        # the first step then sees batches of one shape (sits_lora.training.packing)
+        self._packing_why_not, budget = self._budget_packing()
+        if budget is None:
+            return super().get_train_dataloader()
+        register_varlen_attention()
+        lm = causal_lm(self.model)
+        self._packing = (budget, lm.config._attn_implementation)
+        lm.set_attn_implementation(ATTENTION)
+        collator, self.data_collator = self.data_collator, budget
+        try:
+            return super().get_train_dataloader()
+        finally:
+            self.data_collator = collator
+
+    def _budget_packing(self) -> tuple:
+        """(why packed batches keep TRL's own shapes, "" when they take a fixed budget; the budget collator)."""
+        if self.record_step is False or not any(
+                c.__name__ == "SFTTrainer" and c.__module__.split(".")[0] == "trl" for c in type(self).__mro__):
+            return "", None
+        why, budget = budget_packing_support(self)
+        if budget is None:
+            return ("" if why == "not packed padding-free" else why), None
+        why = _budget_blocker(next((p.device for p in self.model.parameters()), torch.device("cpu")))
+        return (why, None) if why else ("", budget)
 
     def sits_callback(self) -> Optional[SitsHardwareCallback]:
         """The SitsHardwareCallback this trainer runs (the Trainer may replace it when restoring callback state)."""
@@ -200,12 +244,13 @@ class NativeStepMixin:
         checkpointing = None
         if self._objective is not None and self.record_step is not False:
             checkpointing = plan_without_checkpointing(model, self.args, inputs)
+        packed = self._packing[0] if self._packing is not None else None
         decision = decide_recording(self.record_step, model=model, args=self.args, optimizer=optimizer,
                                     callback=callback, accelerator=self.accelerator,
                                     train_dataset=self.train_dataset, data_collator=self.data_collator,
                                     inputs=inputs, loss=(self._objective.label if self._objective else "", why_not),
                                     callbacks=self.callback_handler.callbacks, checkpointing=checkpointing,
-                                    owner=type(self).__name__)
+                                    owner=type(self).__name__, packed=(packed, self._packing_why_not))
         self.step_recording = decision
         logger.warning("sits_lora: step recording %s", decision.reason)
         if decision.checkpointing_off:

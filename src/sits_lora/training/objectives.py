@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops.cross_entropy import linear_cross_entropy_rows
+from .packing import PACKED_TOKENS
 from .step import DECODER_INPUTS, IGNORE_INDEX, causal_lm, causal_lm_loss, fused_loss_support
 
 # What TRL's collator adds to a padding-free (packed) batch, passed to the decoder as TRL's own forward passes it:
@@ -183,7 +184,7 @@ class SFTObjective(Objective):
             return "compute_loss_func is set"
         if getattr(trainer, "label_smoother", None) is not None:
             return f"label_smoothing_factor={args.label_smoothing_factor}"
-        extra = sorted(set(inputs) - set(DECODER_INPUTS) - set(PACKED_INPUTS) - {"labels"})
+        extra = sorted(set(inputs) - set(DECODER_INPUTS) - set(PACKED_INPUTS) - {"labels", PACKED_TOKENS})
         if extra:
             return f"the batches carry {', '.join(extra)}"
         if "labels" not in inputs:
@@ -199,7 +200,9 @@ class SFTObjective(Objective):
         if self.average_tokens and num_items_in_batch is not None and self.processes != 1:
             loss = loss * self.processes
         num_valid = label_mask.sum()
-        if "attention_mask" in inputs:
+        if PACKED_TOKENS in inputs:            # a packed batch padded to its budget: TRL counts it unpadded
+            tokens = inputs[PACKED_TOKENS]
+        elif "attention_mask" in inputs:
             tokens = inputs["attention_mask"].sum()
         else:
             tokens = torch.full((), inputs["input_ids"].shape[-1], device=labels.device)

@@ -233,11 +233,12 @@ def _blockers(model: nn.Module, args: Any, optimizer: Any, callback: Any, accele
     return found
 
 
-def _pads_only_on_the_right(inputs: dict) -> tuple[bool, str]:
+def _pads_only_on_the_right(inputs: dict, packed_why_not: str = "") -> tuple[bool, str]:
     """Whether the first batch's attention mask is causal attention without a mask (no mask, all ones, or ones
     then zeros per row: right padding, exact under causal attention) and no packing (no position_ids)."""
     if "position_ids" in inputs:
-        return False, "the batches carry position_ids (packed sequences need their mask)"
+        why = f" ({packed_why_not})" if packed_why_not else ""
+        return False, f"packed batches of varying shape{why}, as their position_ids say"
     mask = inputs.get("attention_mask")
     if mask is None:
         return True, ""
@@ -251,10 +252,11 @@ def _pads_only_on_the_right(inputs: dict) -> tuple[bool, str]:
 def decide_recording(requested, *, model: nn.Module, args: Any, optimizer: Any, callback: Any, accelerator: Any,
                      train_dataset: Any, data_collator: Any, inputs: dict, loss: tuple[str, str],
                      callbacks: Any = (), checkpointing: Optional[CheckpointingPlan] = None,
-                     owner: str = "NativeLoraTrainer") -> RecordingDecision:
+                     owner: str = "NativeLoraTrainer", packed: tuple = (None, "")) -> RecordingDecision:
     """Whether the native step (``record_step=requested``) records (module docstring). ``loss``: (how the
     objective's loss is named, why the trainer's own loss runs instead, "" when it does not). ``checkpointing``:
     gradient checkpointing's plan (:func:`plan_without_checkpointing`; None: as the model and args have it, kept).
+    ``packed``: (the fixed-budget collator packed batches take, or None; why they do not, "" where there are none).
     ``requested`` True raises ValueError naming every condition that fails (and ``owner``, the trainer's class)."""
     label, why_not = loss
     swap = checkpointing is not None and checkpointing.swap
@@ -265,12 +267,17 @@ def decide_recording(requested, *, model: nn.Module, args: Any, optimizer: Any, 
         return RecordingDecision(False, f"off (record_step=False): eager steps; {loss_note}{swap_note}",
                                  checkpointing_off=swap)
     blockers = _blockers(model, args, optimizer, callback, accelerator, callbacks, checkpointing)
-    fixed, shapes, graphs = batch_shapes(train_dataset, data_collator)
-    if fixed is False:
-        blockers.append(shapes)
-    right, why = _pads_only_on_the_right(inputs)
-    if not right:
-        blockers.append(why)
+    budget, packed_why_not = packed
+    if budget is not None:
+        fixed, shapes, graphs = True, (f"packed into {budget.budget} tokens a batch, at most {budget.capacity} "
+                                       f"sequences, attention read from their boundaries"), 2
+    else:
+        fixed, shapes, graphs = batch_shapes(train_dataset, data_collator)
+        if fixed is False and "position_ids" not in inputs:
+            blockers.append(shapes)
+        right, why = _pads_only_on_the_right(inputs, packed_why_not)
+        if not right:
+            blockers.append(why)
     if blockers:
         if requested is True:
             raise ValueError(f"{owner}(record_step=True): the step cannot be recorded: " + "; ".join(blockers)
