@@ -136,6 +136,7 @@ class NativeStepMixin:
 
     def train(self, *args, **kwargs):
         self.step_recording = self._train_step = self._objective = None   # decided again at this run's first step
+        self._pending_metrics = []
         try:
             return super().train(*args, **kwargs)
         finally:
