@@ -44,7 +44,8 @@ DEFERRED_IMPORTS = {
     "sits_lora.ops.cross_entropy": "Triton is optional: the chunked PyTorch path runs without it",
     "sits_lora.serving.mixed_batch": "Triton is optional: without the kernels a mixed batch takes PEFT's loop",
     "sits_lora.training": "transformers' Trainer loads when the trainer is asked for",
-    "sits_lora.training.trainer": "the dynamic-rank callback loads only for a dynamic-rank adapter",
+    "sits_lora.training.native": "the dynamic-rank callback loads only for a dynamic-rank adapter; transformers' "
+                                 "Trainer only when native_step is given a trainer",
 }
 ENTRY_POINTS = ("sits_lora.__main__",)  # ``python -m sits_lora`` is the command line
 # private attributes that are another library's, which the package sets in one module and reads in another

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..dynamic_rank.budget import dynamic_rank_layers
 from ..utils.cuda_graphs import first_line
+from .memory import plan_memory
 from .step import skips_updates_on_device
 
 # examples looked at to tell fixed from varying lengths (the dataset is not read whole)
@@ -80,8 +81,6 @@ def plan_without_checkpointing(model: nn.Module, args: Any, inputs: dict,
             return CheckpointingPlan(True, detail="the model is not on a CUDA GPU, whose memory the plan is held to")
         free, _ = torch.cuda.mem_get_info(device)
         available_bytes = free + torch.cuda.memory_allocated(device)
-    from .memory import plan_memory
-
     autocast = torch.bfloat16 if getattr(args, "bf16", False) else (
         torch.float16 if getattr(args, "fp16", False) else None)
     try:
