@@ -215,6 +215,9 @@ def worker(args) -> None:
                                    liger_kernel_config={"fused_linear_cross_entropy": False}, **common)
         ids = torch.randint(4, vocab, (args.batch * total, args.seq), generator=torch.Generator().manual_seed(0))
         data = [{"input_ids": row, "labels": row} for row in ids]
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft_config)    # the TRL arms get theirs from peft_config
         cls, rows_per_step = NativeLoraTrainer, args.batch
     kwargs = dict(model=model, args=config, train_dataset=data, callbacks=[clock.callback()])
     if cls is not sits_lora.NativeLoraTrainer:
@@ -232,13 +235,15 @@ def worker(args) -> None:
     losses = [e.get("loss", e.get("train_loss")) for e in trainer.state.log_history if "loss" in e or "train_loss" in e]
     host = statistics.median(clock.host) if clock.host else None
     host_wall = statistics.median(clock.walls) if clock.walls else None
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     print("RESULT " + json.dumps({
         "arm": args.arm, "model": shape, "layers": layers or MODELS[shape]["num_hidden_layers"], "batch": args.batch,
         "seq": args.seq, "step_s": step_s, "tokens_per_s": tokens / step_s, "host_s": host,
         "host_share": host / host_wall if host and host_wall else None,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "recorded": bool(recording and recording.on), "recording": recording.reason if recording else None,
-        "loss": losses[-1] if losses else None, "train_wall_s": wall, "trl": trl.__version__,
+        "loss": losses[-1] if losses else None, "train_wall_s": wall, "trainable_params": trainable,
+        "trl": trl.__version__,
         "unsloth": _version("unsloth") if kind == "unsloth-sft" else None}), flush=True)
 
 

@@ -47,3 +47,17 @@ def test_a_cpu_run_without_smoke_and_bad_counts_are_named(capsys):
     with pytest.raises(SystemExit):
         trl_loop.main(["--warmup", "2", "--smoke"])
     assert "records at its third call" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_every_smoke_arm_trains_the_adapter_alone(tmp_path):
+    """On the CPU, the tiny shape: each arm trains LoRA's parameters only (the same count in every arm), through
+    its own trainer (a first GPU run's NativeLoraTrainer arm trained the whole model)."""
+    trl_loop = bench_module("trl_loop")
+    pytest.importorskip("trl")
+    args = trl_loop.argparse.Namespace(unsloth_site="", smoke=True, seq=32, batch=2, layers=0, warmup=3, steps=1,
+                                       host_steps=1, out=str(tmp_path), arm_timeout=300)
+    rows = [trl_loop.run_arm(args, "tiny", arm) for arm in ("native", "sft-native")]
+    assert all("error" not in r for r in rows), rows
+    counts = {r["trainable_params"] for r in rows}
+    assert len(counts) == 1 and 0 < counts.pop() < 10**5, rows

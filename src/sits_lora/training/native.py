@@ -75,12 +75,12 @@ def _with_callbacks(callbacks: Optional[list], model: Any) -> list:
     return callbacks
 
 
-def _budget_blocker(device: torch.device) -> str:
+def _budget_blocker(device: torch.device, head_dim: int) -> str:
     """Why packed batches keep TRL's own shapes on ``device`` ("" when they take a fixed budget): a budget pays only
-    where the step records, on a CUDA GPU with a varlen attention kernel."""
+    where the step records, on a CUDA GPU with a varlen attention kernel for heads of ``head_dim``."""
     if device.type != "cuda":
         return "the model is not on a CUDA GPU"
-    return varlen_kernel_support(device)
+    return varlen_kernel_support(device, head_dim)
 
 
 def _set_checkpointing(model: nn.Module, on: bool, args: Any) -> None:
@@ -173,7 +173,9 @@ class NativeStepMixin:
         why, budget = budget_packing_support(self)
         if budget is None:
             return ("" if why == "not packed padding-free" else why), None
-        why = _budget_blocker(next((p.device for p in self.model.parameters()), torch.device("cpu")))
+        config = causal_lm(self.model).config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        why = _budget_blocker(next((p.device for p in self.model.parameters()), torch.device("cpu")), head_dim)
         return (why, None) if why else ("", budget)
 
     def sits_callback(self) -> Optional[SitsHardwareCallback]:

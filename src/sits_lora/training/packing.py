@@ -41,13 +41,16 @@ def _varlen_kernel():
     return varlen_attn
 
 
-def varlen_kernel_support(device: torch.device) -> str:
-    """Why packed batches cannot run through the varlen kernel on ``device`` ("" when they can)."""
+def varlen_kernel_support(device: torch.device, head_dim: Optional[int] = None) -> str:
+    """Why packed batches cannot run through the varlen kernel on ``device`` with heads of ``head_dim`` ("" when
+    they can)."""
     if device.type != "cuda":
         return ""   # the block-diagonal reference runs anywhere; only CUDA records
     if _varlen_kernel() is None:
         return (f"PyTorch {torch.__version__} has no varlen flash attention (torch.nn.attention.varlen, PyTorch 2.10 "
                 "and later)")
+    if head_dim is not None and (head_dim % 8 or head_dim > 256):
+        return f"attention heads of {head_dim} (the varlen flash kernel takes multiples of 8 up to 256)"
     return ""
 
 
