@@ -82,12 +82,9 @@ class CausalLMObjective(Objective):
     def unsupported(self, trainer, model, inputs) -> str:
         from transformers import Trainer
 
-        supported, why = fused_loss_support(model)
-        if not supported:
+        why = _model_unsupported(model)
+        if why:
             return why
-        hooks = skipped_hooks(model)
-        if hooks:
-            return hooks
         if trainer.compute_loss_func is not None:
             return "compute_loss_func is set"
         if getattr(trainer.args, "label_smoothing_factor", 0):
@@ -139,13 +136,17 @@ def _mean_or_zero(total: Tensor, count: Tensor) -> Tensor:
     return torch.where(count > 0, total / count.clamp(min=1), torch.zeros_like(total, dtype=torch.float32))
 
 
-def _common_unsupported(trainer: Any, model: nn.Module, inputs: dict, own_class: str) -> str:
+def _model_unsupported(model: nn.Module) -> str:
+    """Why the fused loss cannot stand for ``model``'s own ("" when it can): its head, or hooks it would skip."""
     supported, why = fused_loss_support(model)
-    if not supported:
+    return why if not supported else skipped_hooks(model)
+
+
+def _common_unsupported(trainer: Any, model: nn.Module, inputs: dict, own_class: str) -> str:
+    """What the TRL objectives share of :meth:`Objective.unsupported`."""
+    why = _model_unsupported(model)
+    if why:
         return why
-    hooks = skipped_hooks(model)
-    if hooks:
-        return hooks
     head = causal_lm(model).lm_head
     if head.weight.requires_grad:
         return "the lm_head trains (the per-token loss leaves its weight without a gradient)"
