@@ -7,8 +7,8 @@
 
 Random bf16 weights in Llama-3 shapes (bench_model.MODELS; 8B at --layers 4 unless given), LoRA r16 alpha 32 on the
 seven projections with lora_B drawn N(0, 0.02) in every arm, fused AdamW, bf16, batches of --batch rows x --seq
-tokens (DPO: --batch / 2 pairs, each pair a chosen and a rejected row of --seq tokens, prompt half of it). Liger-Kernel's
-RMSNorm / RoPE / SwiGLU on every arm but Unsloth's (``use_liger_kernel=True``; TRL keeps its fused linear
+tokens (DPO: --batch / 2 pairs, each pair a chosen and a rejected row of --seq tokens, prompt half of it).
+Liger-Kernel's RMSNorm / RoPE / SwiGLU on every arm but Unsloth's (``use_liger_kernel=True``; TRL keeps its fused linear
 cross-entropy off). Arms (ARMS) run each in its own process, alternating over --repeats; each row is the median of
 its runs. Per run: --warmup steps, then --steps timed with the GPU synchronized at both ends (tokens/s), then
 --host-steps with the GPU synchronized before each step, where the host's time from the step's begin to its end
@@ -182,8 +182,8 @@ def worker(args) -> None:
     if kind == "unsloth-sft":
         from unsloth import FastLanguageModel
 
-        folder = local_checkpoint(shape, layers, dtype, os.environ.get("SITS_BENCH_CHECKPOINTS", "/tmp/sits_bench_ckpt"),
-                                  device="cuda")
+        root = os.environ.get("SITS_BENCH_CHECKPOINTS", "/tmp/sits_bench_ckpt")
+        folder = local_checkpoint(shape, layers, dtype, root, device="cuda")
         model, tokenizer = FastLanguageModel.from_pretrained(model_name=folder, max_seq_length=args.seq, dtype=dtype,
                                                              load_in_4bit=False, local_files_only=True)
         model = FastLanguageModel.get_peft_model(model, **unsloth_lora_kwargs("unsloth+gc" if gc else "unsloth"))
@@ -194,9 +194,8 @@ def worker(args) -> None:
     else:
         model = _model(shape, layers, device, dtype)
     if kind in ("sft", "native-sft", "unsloth-sft"):
-        config = trl.SFTConfig(per_device_train_batch_size=args.batch, max_length=args.seq, packing="packed" in settings,
-                               **({"pad_to_multiple_of": args.batch * args.seq} if "packed" in settings else {}),
-                               **common)
+        config = trl.SFTConfig(per_device_train_batch_size=args.batch, max_length=args.seq,
+                               packing="packed" in settings, **common)
         data = _sft_data(args.batch * total, args.seq, vocab, "packed" in settings)
         cls = sits_lora.native_step(trl.SFTTrainer) if kind == "native-sft" else trl.SFTTrainer
         rows_per_step = args.batch

@@ -57,7 +57,8 @@ def _dpo_data(shapes, seed=0):
     def words(n):
         return " ".join(f"t{i}" for i in torch.randint(2, 97, (n,), generator=gen).tolist())
 
-    return Dataset.from_dict({"prompt": [words(p) for p, _, _ in shapes], "chosen": [" " + words(c) for _, c, _ in shapes],
+    return Dataset.from_dict({"prompt": [words(p) for p, _, _ in shapes],
+                              "chosen": [" " + words(c) for _, c, _ in shapes],
                               "rejected": [" " + words(r) for _, _, r in shapes]})
 
 

@@ -52,9 +52,9 @@ def copies_batches_without_blocking(args) -> bool:
 
 def _check_record_step(record_step, owner: str) -> None:
     if record_step not in RECORD_STEP_VALUES or not isinstance(record_step, (str, bool)):
-        raise ValueError(f"{owner}(record_step={record_step!r}) is invalid: allowed values are 'auto' (record the optimizer "
-                         "step as CUDA graphs where it can be), True (always; raise where it cannot) and False "
-                         "(eager steps)")
+        raise ValueError(f"{owner}(record_step={record_step!r}) is invalid: allowed values are 'auto' (record the "
+                         "optimizer step as CUDA graphs where it can be), True (always; raise where it cannot) and "
+                         "False (eager steps)")
 
 
 def _with_callbacks(callbacks: Optional[list], model: Any) -> list:

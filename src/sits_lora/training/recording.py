@@ -261,7 +261,8 @@ def decide_recording(requested, *, model: nn.Module, args: Any, optimizer: Any, 
     swap = checkpointing is not None and checkpointing.swap
     swap_note = (f"; gradient checkpointing off for this run (sits_lora's LoRA layers rebuild their inputs in "
                  f"backward instead; {checkpointing.detail})" if swap else "")
-    loss_note = f"loss: {label}" if not why_not else f"loss: the trainer's own (the fused one does not apply: {why_not})"
+    loss_note = (f"loss: {label}" if not why_not
+                 else f"loss: the trainer's own (the fused one does not apply: {why_not})")
     if requested is False:
         return RecordingDecision(False, f"off (record_step=False): eager steps; {loss_note}{swap_note}",
                                  checkpointing_off=swap)
