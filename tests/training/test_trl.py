@@ -171,7 +171,9 @@ def test_a_dpo_setting_not_computed_here_keeps_trl_s_loss_and_says_why(tmp_path,
     trainer, ours = _train(native_step(trl.DPOTrainer), trl.DPOConfig, data, tmp_path / "ours", steps=2,
                            loss_type="aot")
     assert trainer._objective is None
-    assert "loss: the trainer's own (the fused one does not apply: loss_type 'aot'" in trainer.step_recording.reason
+    line = trainer.step_recording.reason
+    assert "loss: the trainer's own (the fused one does not apply: loss_type 'aot'" in line
+    assert "TRL's own compute_loss reads its metrics on the host at every step" in line
     _assert_logged_equal(theirs, ours, DPO_METRICS, close=("logits/chosen", "logits/rejected"))
 
 

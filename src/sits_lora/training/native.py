@@ -75,6 +75,14 @@ def _with_callbacks(callbacks: Optional[list], model: Any) -> list:
     return callbacks
 
 
+def _own_loss_waits(trainer: Any) -> str:
+    """Why the trainer's own loss cannot be recorded ("" where a recording may be tried): TRL's trainers read their
+    metrics on the host at every step."""
+    if any(c.__module__.split(".")[0] == "trl" for c in type(trainer).__mro__):
+        return "TRL's own compute_loss reads its metrics on the host at every step (.item())"
+    return ""
+
+
 def _budget_blocker(device: torch.device, head_dim: int) -> str:
     """Why packed batches keep TRL's own shapes on ``device`` ("" when they take a fixed budget): a budget pays only
     where the step records, on a CUDA GPU with a varlen attention kernel for heads of ``head_dim``."""
@@ -253,7 +261,8 @@ class NativeStepMixin:
                                     train_dataset=self.train_dataset, data_collator=self.data_collator,
                                     inputs=inputs, loss=(self._objective.label if self._objective else "", why_not),
                                     callbacks=self.callback_handler.callbacks, checkpointing=checkpointing,
-                                    owner=type(self).__name__, packed=(packed, self._packing_why_not))
+                                    owner=type(self).__name__, packed=(packed, self._packing_why_not),
+                                    own_loss_waits=_own_loss_waits(self))
         self.step_recording = decision
         logger.warning("sits_lora: step recording %s", decision.reason)
         if decision.checkpointing_off:

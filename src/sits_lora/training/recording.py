@@ -251,11 +251,13 @@ def _pads_only_on_the_right(inputs: dict, packed_why_not: str = "") -> tuple[boo
 def decide_recording(requested, *, model: nn.Module, args: Any, optimizer: Any, callback: Any, accelerator: Any,
                      train_dataset: Any, data_collator: Any, inputs: dict, loss: tuple[str, str],
                      callbacks: Any = (), checkpointing: Optional[CheckpointingPlan] = None,
-                     owner: str = "NativeLoraTrainer", packed: tuple = (None, "")) -> RecordingDecision:
+                     owner: str = "NativeLoraTrainer", packed: tuple = (None, ""),
+                     own_loss_waits: str = "") -> RecordingDecision:
     """Whether the native step (``record_step=requested``) records (module docstring). ``loss``: (how the
     objective's loss is named, why the trainer's own loss runs instead, "" when it does not). ``checkpointing``:
     gradient checkpointing's plan (:func:`plan_without_checkpointing`; None: as the model and args have it, kept).
     ``packed``: (the fixed-budget collator packed batches take, or None; why they do not, "" where there are none).
+    ``own_loss_waits``: why the trainer's own loss, where it runs, cannot be recorded ("" when it can be tried).
     ``requested`` True raises ValueError naming every condition that fails (and ``owner``, the trainer's class)."""
     label, why_not = loss
     swap = checkpointing is not None and checkpointing.swap
@@ -267,6 +269,8 @@ def decide_recording(requested, *, model: nn.Module, args: Any, optimizer: Any, 
         return RecordingDecision(False, f"off (record_step=False): eager steps; {loss_note}{swap_note}",
                                  checkpointing_off=swap)
     blockers = _blockers(model, args, optimizer, callback, accelerator, callbacks, checkpointing)
+    if why_not and own_loss_waits:
+        blockers.append(own_loss_waits)
     budget, packed_why_not = packed
     if budget is not None:
         fixed, shapes, graphs = True, (f"packed into {budget.budget} tokens a batch, at most {budget.capacity} "
