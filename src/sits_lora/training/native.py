@@ -35,7 +35,7 @@ from torch import nn
 from ..utils.cuda_graphs import first_line
 from .callback import SitsHardwareCallback
 from .graphs import GraphCaptureError
-from .objectives import objective_for
+from .objectives import objective_for, trl_trainer
 from .packing import ATTENTION, budget_packing_support, register_varlen_attention, varlen_kernel_support
 from .recording import RecordingDecision, decide_recording, plan_without_checkpointing
 from .step import TrainStep, causal_lm
@@ -78,7 +78,7 @@ def _with_callbacks(callbacks: Optional[list], model: Any) -> list:
 def _own_loss_waits(trainer: Any) -> str:
     """Why the trainer's own loss cannot be recorded ("" where a recording may be tried): TRL's trainers read their
     metrics on the host at every step."""
-    if any(c.__module__.split(".")[0] == "trl" for c in type(trainer).__mro__):
+    if trl_trainer(trainer):
         return "TRL's own compute_loss reads its metrics on the host at every step (.item())"
     return ""
 
@@ -175,12 +175,11 @@ class NativeStepMixin:
 
     def _budget_packing(self) -> tuple:
         """(why packed batches keep TRL's own shapes, "" when they take a fixed budget; the budget collator)."""
-        if self.record_step is False or not any(
-                c.__name__ == "SFTTrainer" and c.__module__.split(".")[0] == "trl" for c in type(self).__mro__):
+        if self.record_step is False or not trl_trainer(self, "SFTTrainer"):
             return "", None
         why, budget = budget_packing_support(self)
         if budget is None:
-            return ("" if why == "not packed padding-free" else why), None
+            return why, None
         config = causal_lm(self.model).config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         why = _budget_blocker(next((p.device for p in self.model.parameters()), torch.device("cpu")), head_dim)

@@ -44,9 +44,10 @@ DPO_LOSSES = ("sigmoid", "hinge", "ipo", "robust", "bco_pair", "sppo_hard", "nca
               "sigmoid_norm")
 
 
-def _trl_class(trainer: Any, name: str) -> bool:
-    """Whether ``trainer`` is TRL's ``name`` or a subclass of it, without importing TRL (read from the MRO)."""
-    return any(cls.__name__ == name and cls.__module__.split(".")[0] == "trl" for cls in type(trainer).__mro__)
+def trl_trainer(trainer: Any, name: Optional[str] = None) -> bool:
+    """Whether ``trainer`` is TRL's trainer ``name`` or a subclass of it (any of TRL's when ``name`` is None), without
+    importing TRL (read from the MRO)."""
+    return any(cls.__module__.split(".")[0] == "trl" and name in (None, cls.__name__) for cls in type(trainer).__mro__)
 
 
 def _defining_class(trainer: Any, method: str) -> type:
@@ -227,7 +228,7 @@ class DPOObjective(Objective):
 
     label = "TRL DPOTrainer's loss and metrics (rewards, margins, accuracies, log-probabilities, logits, entropy) " \
             "by the fused linear cross-entropy, the reference with the adapters disabled, on the GPU"
-    metric_names = ("entropy_sum", "entropy_tokens", "num_tokens", "chosen_logit_sum", "chosen_tokens",
+    metric_names = ("entropy", "num_tokens", "chosen_logit_sum", "chosen_tokens",
                     "rejected_logit_sum", "rejected_tokens", "mean_token_accuracy", "rewards/chosen",
                     "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
 
@@ -339,12 +340,11 @@ class DPOObjective(Objective):
         chosen_mask, rejected_mask = mask.chunk(2, dim=0)
         chosen_mean_logits, rejected_mean_logits = rows.mean_logit.chunk(2, dim=0)
         chosen_top1, _ = rows.is_top1.chunk(2, dim=0)
-        entropy_tokens = mask.sum()
         chosen_tokens = chosen_mask.sum()
         chosen_rewards = self.beta * chosen_ratios.detach()
         rejected_rewards = self.beta * rejected_ratios.detach()
         values = [
-            (rows.entropy * mask).sum(), entropy_tokens, inputs["attention_mask"].sum(),
+            _mean_or_zero((rows.entropy * mask).sum(), mask.sum()), inputs["attention_mask"].sum(),
             (chosen_mean_logits * chosen_mask).sum(), chosen_tokens,
             (rejected_mean_logits * rejected_mask).sum(), rejected_mask.sum(),
             _mean_or_zero((chosen_top1 & chosen_mask.bool()).sum(), chosen_tokens),
@@ -357,10 +357,8 @@ class DPOObjective(Objective):
         metrics = trainer._metrics["train"]
         for row in rows:
             values = dict(zip(self.metric_names, row))
-            # in TRL's order and arithmetic: the entropy an fp32 division on the device there as here, the mean
-            # logits divided on the host in double precision
-            entropy_tokens = values["entropy_tokens"]
-            metrics["entropy"].append(_fp32_ratio(values["entropy_sum"], entropy_tokens))
+            # in TRL's order; the mean logits divided on the host in double precision, as TRL divides them
+            metrics["entropy"].append(values["entropy"])
             trainer._total_train_tokens += int(values["num_tokens"]) // getattr(trainer, "_tp_size", 1)
             for side in ("chosen", "rejected"):
                 tokens = int(values[f"{side}_tokens"])
@@ -371,24 +369,17 @@ class DPOObjective(Objective):
         metrics["num_tokens"] = [trainer._total_train_tokens]
 
 
-def _fp32_ratio(total: float, count: float) -> float:
-    """total / count in fp32 as a Python float (TRL's ``(sum / count).item()`` of an fp32 sum and an integer count),
-    0 for no count."""
-    if count <= 0:
-        return 0.0
-    return float(torch.tensor(total, dtype=torch.float32) / torch.tensor(int(count)))
-
-
 def objective_for(trainer: Any) -> Optional[Objective]:
     """The objective of ``trainer``'s kind (TRL's SFTTrainer, DPOTrainer, else a transformers Trainer); None for a
     trainer of another library's kind (its own loss then runs)."""
-    if _trl_class(trainer, "SFTTrainer"):
+    if trl_trainer(trainer, "SFTTrainer"):
         return SFTObjective(trainer)
-    if _trl_class(trainer, "DPOTrainer"):
+    if trl_trainer(trainer, "DPOTrainer"):
         return DPOObjective(trainer)
-    if any(cls.__module__.split(".")[0] == "trl" for cls in type(trainer).__mro__):
+    if trl_trainer(trainer):
         return None     # TRL's other trainers (GRPO, KTO, ...): their own losses
     return CausalLMObjective()
 
 
-__all__ = ["DPO_LOSSES", "CausalLMObjective", "DPOObjective", "Objective", "SFTObjective", "objective_for"]
+__all__ = ["DPO_LOSSES", "CausalLMObjective", "DPOObjective", "Objective", "SFTObjective", "objective_for",
+           "trl_trainer"]

@@ -186,12 +186,12 @@ def packed_rows_capacity(train_dataset: Any, batch_size: int) -> Optional[int]:
 
 
 def budget_packing_support(trainer: Any) -> tuple[str, Optional[FixedTokenBudget]]:
-    """(why the trainer's packed batches cannot take a fixed budget, "" when they can; the collator that pads them)
-    for a TRL SFTTrainer trained with ``packing=True`` and padding-free batches."""
+    """(why the trainer's packed batches cannot take a fixed budget, "" when they can or when it packs none; the
+    collator that pads them, or None) for a TRL SFTTrainer trained with ``packing=True`` and padding-free batches."""
     args = trainer.args
     # TRL's trainer turns padding-free on by itself for its best-fit-decreasing packing (trainer.padding_free)
     if not (getattr(args, "packing", False) and getattr(trainer, "padding_free", getattr(args, "padding_free", False))):
-        return "not packed padding-free", None
+        return "", None
     collator = trainer.data_collator
     if type(collator).__name__ != "DataCollatorForLanguageModeling" or not getattr(collator, "padding_free", False):
         return f"a collator of its own ({type(collator).__name__})", None
