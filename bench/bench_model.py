@@ -85,8 +85,9 @@ OPTIONAL_ARMS = ["peft+liger", "sits+liger", "sits+gc", "peft+gc", "sits+fp8", "
                  # "+default": the step NativeLoraTrainer runs by default on a GPU
                  # (sits_lora.training.default_train_step: its own sync-free fused linear cross-entropy, clipping,
                  # CUDA graphs after warm-up) over Liger's RMSNorm, SwiGLU and RoPE; "+nf4+default" the same step
-                 # over the projections as bitsandbytes NF4 layers
-                 "sits+default", "sits+nf4+default"]
+                 # over the projections as bitsandbytes NF4 layers; "+fp8+default" over the fp8 base, its delayed
+                 # scaling advanced inside the recorded step ("+nf4+fp8+default": NF4 storage, fp8 compute)
+                 "sits+default", "sits+nf4+default", "sits+fp8+default", "sits+nf4+fp8+default"]
 # Unsloth's LoRA ("unsloth") and QLoRA ("+nf4": its 4-bit load, bitsandbytes NF4), with its gradient checkpointing
 # off or ("+gc") in the mode it recommends, use_gradient_checkpointing="unsloth" (offloaded to the host)
 UNSLOTH_ARMS = ["unsloth", "unsloth+gc", "unsloth+nf4", "unsloth+nf4+gc"]

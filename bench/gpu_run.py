@@ -33,7 +33,8 @@ from suites import summary  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SITE = "/tmp/site"
-PYTEST = ["{python}", "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rfE", "--tb=short", "-m", "gpu"]
+PYTEST = ["{python}", "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rfE", "--tb=short", "--durations=15", "-m",
+          "gpu"]
 # noise the benchmark scripts print on every call (torch's and transformers' warnings, glog lines), kept in the
 # log only; so are pytest -v's per-test lines (the summary at the end names each failure)
 NOISE = re.compile(r"Warning|warnings\.warn|^W\d{4} |^tests/\S+::")

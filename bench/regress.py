@@ -90,9 +90,9 @@ ARMS = ["frozen", "frozen+compile", "frozen+liger", "peft", "peft+compile",
 SMOKE_ARMS = ["frozen", "frozen+compile", "peft", "sits", "sits+compile", "sits+fp8"]
 BF16_SITS = ("sits", "sits+compile", "sits+liger", "sits+liger+compile")
 GRAPHED_SITS = ("sits+graph", "sits+liger+graph")
-FP8_SITS = ("sits+fp8", "sits+fp8+liger")
+FP8_SITS = ("sits+fp8", "sits+fp8+liger", "sits+fp8+default")
 NF4_SITS = ("sits+nf4", "sits+nf4+liger", "sits+nf4+bnbdq+liger", "sits+nf4+fp8", "sits+nf4+fp8+liger",
-            "sits+nf4+default")
+            "sits+nf4+default", "sits+nf4+fp8+default")
 INT4_SITS = ("sits+int4", "sits+int4+liger")
 UNSLOTH_BF16 = ("unsloth", "unsloth+gc")
 UNSLOTH_NF4 = ("unsloth+nf4", "unsloth+nf4+gc")

@@ -135,6 +135,43 @@ def assert_autocast_step_like_peft(sits, peft, ids, device_type: str, dtype) -> 
             assert rel_err(p.grad, peft_params[n].grad) < 5e-2, n
 
 
+# Each GPU test's limit: past it the test fails with its traceback (a CUDA graph that never ends, an order-dependent
+# slowdown) and the run goes on with the next test, instead of one test using the device call's whole time.
+GPU_TEST_LIMIT_S = float(os.environ.get("SITS_LORA_GPU_TEST_LIMIT", "180"))
+
+
+class GpuTestTimeout(Exception):
+    pass
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    import signal
+    import threading
+
+    timed = ("gpu" in item.keywords and torch.cuda.is_available() and GPU_TEST_LIMIT_S > 0
+             and threading.current_thread() is threading.main_thread())
+    if not timed:
+        yield
+        return
+    import faulthandler
+
+    def over(signum, frame):
+        raise GpuTestTimeout(f"{item.nodeid} ran past the GPU tests' limit of {GPU_TEST_LIMIT_S:.0f} s "
+                             "(SITS_LORA_GPU_TEST_LIMIT)")
+
+    previous = signal.signal(signal.SIGALRM, over)
+    signal.setitimer(signal.ITIMER_REAL, GPU_TEST_LIMIT_S)
+    # where every thread is, should the alarm not get through (a wait inside CUDA holds the interpreter)
+    faulthandler.dump_traceback_later(GPU_TEST_LIMIT_S + 30, exit=False)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        faulthandler.cancel_dump_traceback_later()
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU tests skip without CUDA. SITS_LORA_TEST_ORDER=reverse or shuffle:SEED runs the collected tests in that
     order: a test that leaves the process broken (a CUDA generator, the allocator, a patched module) for the ones

@@ -128,6 +128,26 @@ def test_callbacks_on_the_optimizer_step_and_gradient_hooks_are_blockers(monkeyp
     assert _decide(model).on
 
 
+def test_an_fp8_base_records_and_a_module_stepped_on_the_host_is_named(monkeypatch):
+    from peft import get_peft_model
+
+    config = SitsLoraConfig(r=4, lora_alpha=8, target_modules=LLAMA_TARGETS, fp8="hybrid", fp8_emulate=True,
+                            fp8_layers="all")
+    model = get_peft_model(tiny_llama(0, hidden_size=64, intermediate_size=128), config).train()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert _decide(model).on        # its scaling state advances inside the step (sits_advance_in_step)
+
+    class HostCounter(torch.nn.Module):
+        def sits_after_optimizer_step(self, step, skipped):
+            pass
+
+    model.base_model.model.add_module("counter", HostCounter())
+    reason = _decide(model).reason
+    assert reason.startswith("off: HostCounter: a module whose per-step state is advanced on the host")
+    assert "sits_advance_in_step" in reason
+
+
 def test_fused_loss_support_names_what_it_does_not_cover():
     assert fused_loss_support(_adapted()) == (True, "")
     model = _adapted()

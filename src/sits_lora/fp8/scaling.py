@@ -65,10 +65,16 @@ class Fp8ScalingState(nn.Module):
                                                      **f32), persistent=False)
         self.register_buffer("saturated_steps", torch.zeros(L, 2, device=device, dtype=torch.int64), persistent=False)
         self.register_buffer("nonfinite_steps", torch.zeros(L, 2, device=device, dtype=torch.int64), persistent=False)
+        # the ring buffer's next row and whether any update ran, on the device: a recorded training step advances
+        # the state inside its CUDA graph, where a Python counter would stay at its value at recording
+        self.register_buffer("position", torch.zeros((), device=device, dtype=torch.int64), persistent=False)
+        self.register_buffer("started", torch.zeros((), device=device, dtype=torch.bool), persistent=False)
         self.steps = 0
         # a bool, not steps > 0: torch.compile guards on it and compiles the delayed graph once
         self.delayed = False
-        self._position = 0
+        # set by a training step that advanced the state inside itself (sits_advance_in_step), cleared by the next
+        # update() or per-step hook, which then has nothing left to do
+        self._advanced_in_step = False
         self._logged = torch.zeros(2, dtype=torch.int64)
         self._pending: Optional[tuple[torch.Tensor, object]] = None
 
@@ -88,7 +94,9 @@ class Fp8ScalingState(nn.Module):
             for name in ("amax", "scale", "scale_inv", "saturated_steps", "nonfinite_steps"):
                 getattr(self, name)[mine] = getattr(other, name)[theirs].to(self.scale.device)
             self.amax_history[:, mine] = other.amax_history[:, theirs].to(self.scale.device)
-        self.steps, self._position, self.delayed = other.steps, other._position, other.delayed
+            self.position.copy_(other.position)
+            self.started.copy_(other.started)
+        self.steps, self.delayed = other.steps, other.delayed
 
     def scales_for(self, index: int, training: bool) -> dict:
         """The ``scales`` argument of :func:`sits_lora.ops.fp8.fp8_lora_linear` for layer ``index``.
@@ -108,16 +116,26 @@ class Fp8ScalingState(nn.Module):
 
     @torch.no_grad()
     def update(self) -> None:
-        """Advance every layer's history and scales once: a dozen tensor ops for the whole model."""
+        """Advance every layer's history and scales once: a dozen tensor ops for the whole model. Nothing to do
+        when the training step already advanced them (:meth:`sits_advance_in_step`)."""
+        if self._advanced_in_step:
+            self._advanced_in_step = False
+            return
+        self.sits_advance_in_step()
+        self._advanced()
+
+    @torch.no_grad()
+    def sits_advance_in_step(self) -> None:
+        """The update's device work alone: no host sync, no Python state, so a CUDA graph of the whole training step
+        (sits_lora.training.TrainStep) records it and every replay advances the state. The step then calls
+        :meth:`sits_note_advanced` on the host after each call."""
         new = _max_over_ranks(self.amax)                                       # (L, 2)
         finite = torch.isfinite(new)
-        if self.steps > 0:
-            saturated = finite & (new * self.scale > self.fp8_max)
-        else:
-            saturated = torch.zeros_like(finite)  # the first step used each tensor's own amax
+        # the first update's step used each tensor's own amax: nothing was clipped
+        saturated = finite & (new * self.scale > self.fp8_max) & self.started
         entry = torch.where(finite, new, 2 * self.fp8_max / self.scale)
-        self.amax_history[self._position] = entry
-        self._position = (self._position + 1) % self.history_len
+        self.amax_history.index_copy_(0, self.position.view(1), entry.unsqueeze(0))
+        self.position.copy_((self.position + 1) % self.history_len)
         amax_use = entry if self.algo == "most_recent" else self.amax_history.amax(dim=0)
         scale = fp8_ops.scale_from_amax(amax_use, self.fp8_max, self.margin, self.scale)
         self.scale.copy_(scale)
@@ -125,6 +143,16 @@ class Fp8ScalingState(nn.Module):
         self.saturated_steps += saturated
         self.nonfinite_steps += ~finite
         self.amax.zero_()
+        self.started.fill_(True)
+
+    def sits_note_advanced(self) -> None:
+        """Host bookkeeping after a training step ran :meth:`sits_advance_in_step`: the step count, the switch to
+        the delayed scales, the log of clipped and non-finite amaxes; this step's update() or per-step hook then
+        does nothing."""
+        self._advanced()
+        self._advanced_in_step = True
+
+    def _advanced(self) -> None:
         self.steps += 1
         self.delayed = True
         self._report_without_sync()
@@ -135,7 +163,7 @@ class Fp8ScalingState(nn.Module):
         """What a resumed run needs (found by SitsHardwareCallback on any module of the model, saved with
         each Trainer checkpoint): the history, scales, counts and the position in the ring buffer."""
         return {"names": list(self.names), "recipe": self.recipe, "history_len": self.history_len,
-                "steps": self.steps, "position": self._position, "delayed": self.delayed,
+                "steps": self.steps, "position": int(self.position), "delayed": self.delayed,
                 **{k: getattr(self, k).detach().cpu().clone() for k in self._CHECKPOINTED}}
 
     def sits_load_checkpoint_state(self, saved: dict) -> None:
@@ -152,7 +180,10 @@ class Fp8ScalingState(nn.Module):
         with torch.no_grad():
             for k in self._CHECKPOINTED:
                 getattr(self, k).copy_(saved[k])
-        self.steps, self._position, self.delayed = int(saved["steps"]), int(saved["position"]), bool(saved["delayed"])
+            self.position.fill_(int(saved["position"]))
+            self.started.fill_(int(saved["steps"]) > 0)
+        self.steps, self.delayed = int(saved["steps"]), bool(saved["delayed"])
+        self._advanced_in_step = False
         self._logged = torch.stack([self.saturated_steps.sum(), self.nonfinite_steps.sum()]).cpu()
 
     def sits_after_optimizer_step(self, step: int, skipped: bool) -> None:

@@ -211,8 +211,11 @@ def _blockers(model: nn.Module, args: Any, optimizer: Any, callback: Any, accele
         found.append("detect_nonfinite_activations=True (its watch reads every module's flag on the host)")
     if dynamic_rank_layers(model):
         found.append("dynamic-rank adapters (their budget is adjusted on the host between steps)")
-    if any(callable(getattr(m, "sits_after_optimizer_step", None)) for m in model.modules()):
-        found.append("an fp8 base or another module with per-step state advanced outside the step (not recorded yet)")
+    outside = [type(m).__name__ for m in model.modules() if callable(getattr(m, "sits_after_optimizer_step", None))
+               and not callable(getattr(m, "sits_advance_in_step", None))]
+    if outside:
+        found.append(f"{outside[0]}: a module whose per-step state is advanced on the host after the step (it has "
+                     "sits_after_optimizer_step but no sits_advance_in_step, which a recorded step would call)")
     if checkpointing is None:
         checkpointing = CheckpointingPlan(_checkpointing_on(model, args))
     if checkpointing.on and not checkpointing.swap:

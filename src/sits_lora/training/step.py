@@ -12,7 +12,9 @@ between the batch and the updated weights is inside the recording, with nothing 
   the guard's flags come from it;
 - the guard: a non-finite gradient sets ``found_inf``, which the fused Adam / AdamW kernels read to leave the
   weights, their moments and their step counts as they were (the update is skipped on the GPU);
-- the optimizer step and ``zero_grad(set_to_none=True)``.
+- the optimizer step and ``zero_grad(set_to_none=True)``;
+- the per-step state of modules that advance it on the device (``sits_advance_in_step``: an fp8 base's delayed
+  scaling), whose host side (``sits_note_advanced``) runs after each call.
 
 The host learns of a skipped step from the flags copied back after the replay, read one step later (reading them
 at once would make the host wait for the GPU at every step).
@@ -125,6 +127,9 @@ class TrainStep:
         device = named[0][1].device if named else torch.device("cpu")
         # read by the fused Adam / AdamW kernels (torch's GradScaler protocol): non-zero leaves the update undone
         self._found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        # modules whose per-step state the step advances itself, after the update (an fp8 base's delayed scaling):
+        # their device work is recorded with the step, their host bookkeeping runs after each call
+        self._advanced_in_step = [m for m in model.modules() if callable(getattr(m, "sits_advance_in_step", None))]
         self.recorded = None
         if record:
             self.recorded = graph_train_step(self._step, optimizer, model=model, warmup=warmup,
@@ -144,7 +149,10 @@ class TrainStep:
             num_items_in_batch = num_items_in_batch.to(self._found_inf.device, non_blocking=True)
         step = self.recorded if self.recorded is not None else self._step
         # a plain dict: collators hand over a BatchEncoding, which a recording's signature does not describe
-        return StepOutcome(*step(dict(inputs), num_items_in_batch))
+        outcome = StepOutcome(*step(dict(inputs), num_items_in_batch))
+        for module in self._advanced_in_step:
+            module.sits_note_advanced()
+        return outcome
 
     def _step(self, inputs: dict, num_items_in_batch: Any) -> tuple:
         loss = self.loss(self.model, inputs, num_items_in_batch)
@@ -178,6 +186,8 @@ class TrainStep:
             if self._guarded:
                 del self.optimizer.found_inf
         self.optimizer.zero_grad(set_to_none=True)
+        for module in self._advanced_in_step:   # a skipped update advances them too (a NaN amax backs a scale off)
+            module.sits_advance_in_step()
         return loss.detach(), total, nonfinite, None if metrics is None else metrics.detach()
 
 
