@@ -28,13 +28,14 @@ RECIPE = os.path.join(os.path.dirname(HERE), "recipes", "train.py")
 
 
 def arm_flags(arm: str) -> list[str]:
-    """--base-quant (and --int4-group-size) of an arm: "off", "nf4" (QLoRA: bitsandbytes, a CUDA GPU), "nf4+fp8" (the
-    4-bit storage with fp8 compute on every adapted layer), "int4" (the recipe's group size) or "int4:G"."""
-    if arm == "nf4+fp8":
-        return ["--base-quant", "nf4", "--fp8", "hybrid", "--fp8-layers", "all"]
+    """--base-quant (and --int4-group-size) of an arm: "off", "fp8" (the bf16 weights stored and computed in fp8 on
+    every adapted layer), "nf4" (QLoRA: bitsandbytes, a CUDA GPU), "nf4+fp8" (the 4-bit storage with fp8 compute on
+    every adapted layer), "int4" (the recipe's group size) or "int4:G"."""
+    if arm in ("fp8", "nf4+fp8"):
+        return ["--base-quant", "off" if arm == "fp8" else "nf4", "--fp8", "hybrid", "--fp8-layers", "all"]
     quant, _, group = arm.partition(":")
     if quant not in ("off", "int4", "nf4") or (group and not group.isdigit()) or (group and quant != "int4"):
-        raise ValueError(f"--arms {arm}: give off, nf4, nf4+fp8, int4 or int4:G (G a group size, e.g. int4:64)")
+        raise ValueError(f"--arms {arm}: give off, fp8, nf4, nf4+fp8, int4 or int4:G (G a group size, e.g. int4:64)")
     return ["--base-quant", quant] + (["--int4-group-size", group] if group else [])
 
 

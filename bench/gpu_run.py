@@ -33,6 +33,7 @@ from suites import summary  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SITE = "/tmp/site"
+SITE_UNSLOTH = "/tmp/site_unsloth"   # its own folder: Unsloth pins older trl and datasets than .whl/ carries
 PYTEST = ["{python}", "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rfE", "--tb=short", "--durations=15", "-m",
           "gpu"]
 # noise the benchmark scripts print on every call (torch's and transformers' warnings, glog lines), kept in the
@@ -51,6 +52,7 @@ class Part:
     env: dict = field(default_factory=dict)   # set for this part and every later one (a tuning cache it wrote)
     min_gpus: int = 0              # skipped on a machine with fewer GPUs
     max_gpus: int = 1 << 30        # skipped on a machine with more
+    unsloth: bool = False          # Unsloth's wheels (.whl_unsloth/, when carried) first on its PYTHONPATH
 
 
 @dataclass
@@ -83,6 +85,28 @@ RUNS = {
         "tests": tests("tests/training/test_trl.py", "tests/training/test_step_recording.py",
                        "tests/ops/test_cross_entropy.py", timeout=300),
         "loop": script("trl_loop", "--out", "{out}/loop", "{args}"),
+    }),
+    "8b": Run("where the GPU hours go: the 8B step (fp8 base recorded) and whole-8B QLoRA against Unsloth, fp8 and "
+              "4-bit quality, the longest 4-bit context. Carry .whl and .whl_unsloth (Unsloth, bitsandbytes)", {
+        "tests": tests("tests/fp8/test_fp8_step.py", "tests/fp8/test_fp8_gpu.py", "tests/int4/test_bnb4_fp8.py",
+                       "tests/training/test_step_recording.py", timeout=240),
+        "step": script("regress", "--out", "{out}/regress_8b", "--no-graph-breaks", "--shapes", "8b", "--repeats", "1",
+                       "--arm-timeout", "120", "--arms", "{args}", unsloth=True,
+                       doc="8B, 4 layers: the floor, the default step in bf16 and over the fp8 base, Unsloth"),
+        "qlora": script("regress", "--out", "{out}/regress_8b_full", "--no-graph-breaks", "--shapes", "8b-full",
+                        "--repeats", "1", "--arm-timeout", "140", "--arms", "sits+nf4+default", "sits+nf4+fp8+liger",
+                        "sits+nf4+fp8+default", "unsloth+nf4", unsloth=True,
+                        doc="all 32 layers, NF4 storage: bf16 and fp8 compute, recorded, against Unsloth's QLoRA"),
+        "quality": script("base_quant_quality", "--out", "{out}/quality", "--arms", "off", "fp8", "nf4", "nf4+fp8",
+                          "--seeds", "0", "1", "2", "--", "--max-steps", "200", default=False,
+                          unsloth=True, doc="SmolLM2's held-out loss after 200 steps per frozen base, 3 seeds "
+                                            "(resumable: finished runs are kept)"),
+        "unsloth-quality": script("unsloth_quality", "--out", "{out}/unsloth_quality", default=False, unsloth=True,
+                                  doc="our loss at step 50 against the spread of Unsloth's 3 seeds"),
+        "context": script("longest_context", "--measure", "--model", "8b", "--arms", "sits+nf4+liger+offload",
+                          "unsloth+nf4+gc", "--max-tokens", "491520", "--probe-timeout", "240", "--arm-timeout", "290",
+                          "--out", "{out}/context_4bit", default=False, unsloth=True,
+                          doc="the longest context at batch 1 under 80 GiB, 8B with a 4-bit base, all 32 layers"),
     }),
     "memory": Run("activation memory: GPU tests, the longest context, the gate's memory arms, the rebuild profile", {
         "tests": tests("tests/activations", timeout=120),
@@ -163,6 +187,7 @@ RUNS = {
 }
 # a part's arguments when none follow "--"
 DEFAULT_ARGS = {("fp8", "model"): ["frozen", "frozen+compile", "sits+fp8", "sits+fp8+compile"],
+                ("8b", "step"): ["frozen+liger", "sits+default", "sits+fp8+liger", "sits+fp8+default", "unsloth"],
                 ("int4", "full"): ["sits+liger", "peft+nf4", "sits+nf4+liger", "sits+nf4+bnbdq+liger",
                                    "sits+int4+liger"]}
 
@@ -206,6 +231,21 @@ def environment() -> dict:
                   flush=True)
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
+
+
+def unsloth_site() -> str:
+    """SITE_UNSLOTH with the wheels of .whl_unsloth/ installed ("" when they were not carried or did not install)."""
+    wheels = sorted(glob.glob(os.path.join(REPO, ".whl_unsloth", "*.whl")))
+    if not wheels:
+        return ""
+    if not os.path.isdir(SITE_UNSLOTH):
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                               "--no-cache-dir", "--target", SITE_UNSLOTH, *wheels])
+        if done.returncode != 0:
+            print(f"the wheels in .whl_unsloth/ did not install (pip exit {done.returncode})", flush=True)
+            shutil.rmtree(SITE_UNSLOTH, ignore_errors=True)
+            return ""
+    return SITE_UNSLOTH
 
 
 def gpu_count() -> int:
@@ -284,7 +324,10 @@ def main(argv=None) -> int:
             print(f"== {p}: skipped (for {part.min_gpus} to {part.max_gpus} GPUs; this machine has {gpus})", flush=True)
             continue
         print(f"== {p}: {' '.join(command)}", flush=True)
-        status = run_part(command, part.timeout, os.path.join(out, f"{p}.log"), env)
+        part_env = env
+        if part.unsloth and unsloth_site():
+            part_env = dict(env, PYTHONPATH=os.pathsep.join([os.path.join(REPO, "src"), SITE_UNSLOTH, env["PYTHONPATH"]]))
+        status = run_part(command, part.timeout, os.path.join(out, f"{p}.log"), part_env)
         if status:
             stopped = f" (stopped after {part.timeout} s)" if status == 124 else ""
             print(f"== {p}: exit {status}{stopped}", flush=True)
