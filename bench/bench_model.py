@@ -53,7 +53,7 @@ LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS)
 ARMS = ["frozen", "frozen+compile", "peft", "peft+compile", "sits", "sits+compile"]
 # the frozen arms whose fastest step is "the floor"
 FLOOR_ARMS = ("frozen", "frozen+compile", "frozen+liger", "frozen+liger+compile", "frozen+compile+cg",
-              "frozen+liger+nolce")
+              "frozen+liger+nolce", "frozen+liger+cudnn")
 # "+cg": torch.compile(mode="reduce-overhead"), CUDA graphs over the compiled forward and backward: the fp8
 # layers are launch-bound (bench/NOTES.md, session 3); the frozen floor is measured the same way next to them
 OPTIONAL_ARMS = ["peft+liger", "sits+liger", "sits+gc", "peft+gc", "sits+fp8", "sits+fp8+compile",
@@ -87,7 +87,9 @@ OPTIONAL_ARMS = ["peft+liger", "sits+liger", "sits+gc", "peft+gc", "sits+fp8", "
                  # CUDA graphs after warm-up) over Liger's RMSNorm, SwiGLU and RoPE; "+nf4+default" the same step
                  # over the projections as bitsandbytes NF4 layers; "+fp8+default" over the fp8 base, its delayed
                  # scaling advanced inside the recorded step ("+nf4+fp8+default": NF4 storage, fp8 compute)
-                 "sits+default", "sits+nf4+default", "sits+fp8+default", "sits+nf4+fp8+default"]
+                 "sits+default", "sits+nf4+default", "sits+fp8+default", "sits+nf4+fp8+default",
+                 # "+cudnn": cuDNN's attention first in scaled_dot_product_attention's choice
+                 "frozen+liger+cudnn", "sits+default+cudnn", "sits+fp8+default+cudnn"]
 # Unsloth's LoRA ("unsloth") and QLoRA ("+nf4": its 4-bit load, bitsandbytes NF4), with its gradient checkpointing
 # off or ("+gc") in the mode it recommends, use_gradient_checkpointing="unsloth" (offloaded to the host)
 UNSLOTH_ARMS = ["unsloth", "unsloth+gc", "unsloth+nf4", "unsloth+nf4+gc"]
@@ -299,6 +301,13 @@ def worker(args) -> None:
     vocab = MODELS[args.model]["vocab_size"]
     ids = torch.randint(0, vocab, (batch, seq), device=device, generator=gen)
 
+    if "cudnn" in parts:
+        # "+cudnn": scaled_dot_product_attention tries cuDNN's attention first (flash attention, then the others,
+        # where cuDNN refuses a call); the rest of the arm as without it
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                     SDPBackend.MATH], set_priority=True).__enter__()
     fp8 = "fp8" in args.arm.split("+")
     if fp8:
         from sits_lora.fp8 import update_scaling

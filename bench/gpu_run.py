@@ -187,7 +187,8 @@ RUNS = {
 }
 # a part's arguments when none follow "--"
 DEFAULT_ARGS = {("fp8", "model"): ["frozen", "frozen+compile", "sits+fp8", "sits+fp8+compile"],
-                ("8b", "step"): ["frozen+liger", "sits+default", "sits+fp8+liger", "sits+fp8+default", "unsloth"],
+                ("8b", "step"): ["frozen+liger", "frozen+liger+cudnn", "sits+default", "sits+default+cudnn",
+                                 "sits+fp8+liger", "sits+fp8+default", "unsloth"],
                 ("int4", "full"): ["sits+liger", "peft+nf4", "sits+nf4+liger", "sits+nf4+bnbdq+liger",
                                    "sits+int4+liger"]}
 
