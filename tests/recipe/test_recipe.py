@@ -533,6 +533,10 @@ def test_checkpoint_and_resume_repeat_the_uninterrupted_run(tiny_model_dir, tmp_
     a = json.loads((whole / "metrics.json").read_text())
     b = json.loads((interrupted / "metrics.json").read_text())
     assert b["heldout_perplexity_after"] == pytest.approx(a["heldout_perplexity_after"], rel=1e-5)
+    # the resumed run's train_loss covers the whole run, as the uninterrupted one's does (logged every 2 steps)
+    assert (a["resumed_from_step"], b["resumed_from_step"]) == (None, 4)
+    assert a["train_loss_steps"] == b["train_loss_steps"] == [1, 8]
+    assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4)
     wa = load_file(str(whole / "adapter" / "adapter_model.safetensors"))
     wb = load_file(str(interrupted / "adapter" / "adapter_model.safetensors"))
     assert wa.keys() == wb.keys() and all(rel_err(wb[k], wa[k]) < 1e-5 for k in wa)

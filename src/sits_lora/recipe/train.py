@@ -444,14 +444,37 @@ def _training_arguments(recipe: TrainRecipe, model, dtype, use_liger: bool, lige
     )
 
 
+def whole_run_loss(log_history: list, resumed_at: int, this_process_loss: float, last_step: int) -> tuple:
+    """(train_loss, [first step, last step] it averages). A run that went from step 0 to its end in this process:
+    the Trainer's own mean over every step. A resumed one: the Trainer's mean covers only the steps after the
+    checkpoint, so the mean over the whole run is taken from the logged losses (each the mean over its logging
+    interval, weighted by the interval's length), up to the last logged step."""
+    if not resumed_at:
+        return this_process_loss, [1, last_step]
+    total, previous = 0.0, 0
+    for entry in log_history:
+        if "loss" in entry and entry["step"] > previous:
+            total += entry["loss"] * (entry["step"] - previous)
+            previous = entry["step"]
+    if previous == 0:
+        return this_process_loss, [resumed_at + 1, last_step]
+    return total / previous, [1, previous]
+
+
 def _metrics(recipe: TrainRecipe, trainer, train_output, source, ppl_before: float, ppl_after: float,
              train_seconds: float, wall_seconds: float, world: int, heldout_blocks: int, adapter_dir: str,
-             use_liger: bool, fp8_layers: Optional[int]) -> dict:
-    """What metrics.json holds for a finished run."""
+             use_liger: bool, fp8_layers: Optional[int], resumed_at: int = 0) -> dict:
+    """What metrics.json holds for a finished run (``resumed_at``: the checkpoint's step it continued from, 0 for
+    none)."""
+    train_loss, covered = whole_run_loss(trainer.state.log_history, resumed_at, train_output.training_loss,
+                                         trainer.state.global_step)
     return {
         "heldout_perplexity_before": ppl_before,
         "heldout_perplexity_after": ppl_after,
-        "train_loss": train_output.training_loss,
+        # the mean training loss over the steps "train_loss_steps" names (first, last): the whole run, resumed or not
+        "train_loss": train_loss,
+        "train_loss_steps": covered,
+        "resumed_from_step": resumed_at or None,
         # (step, loss) as the Trainer logged it every logging_steps: on several processes the mean over the ranks
         "loss_curve": [[entry["step"], entry["loss"]] for entry in trainer.state.log_history if "loss" in entry],
         "train_seconds": train_seconds,
@@ -583,7 +606,8 @@ def run(recipe: TrainRecipe) -> dict:
     adapter_dir = os.path.join(recipe.output_dir, "adapter")
     _save_adapter_atomically(model, adapter_dir, main_process)
     metrics = _metrics(recipe, trainer, train_output, source, ppl_before, ppl_after, train_seconds,
-                       time.perf_counter() - t_start, world, len(heldout_blocks), adapter_dir, use_liger, fp8_layers)
+                       time.perf_counter() - t_start, world, len(heldout_blocks), adapter_dir, use_liger, fp8_layers,
+                       resumed_at=int(os.path.basename(resume_from).split("-", 1)[1]) if resume_from else 0)
     if main_process:
         write_json_atomically(os.path.join(recipe.output_dir, "metrics.json"), metrics)
     say(f"[sits_lora] held-out perplexity: {ppl_before:.3f} -> {ppl_after:.3f} "
