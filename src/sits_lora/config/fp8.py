@@ -148,8 +148,8 @@ class Fp8Fields:
         metadata={
             "help": (
                 "Which adapted layers get the fp8 base. 'auto': only those whose shape makes fp8 faster than "
-                "the bf16 fused path on this GPU (a measured crossover from `python bench/tune_kernels.py "
-                "--fp8` stored with the tuned kernel configs; without a measurement for a shape, fp8 where "
+                "the bf16 fused path on this GPU (a measured crossover from `sits-lora compile --fp8` "
+                "stored with the tuned kernel configs; without a measurement for a shape, fp8 where "
                 "in_features x out_features >= 32 Mi); the others keep the bf16 path. "
                 "sits_lora.fp8.fp8_layer_plan(model) says which layer got which, and why. With fp8_emulate "
                 "every layer is quantized (emulation has no speed to win). 'all': every adapted layer."

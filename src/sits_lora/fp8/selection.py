@@ -6,7 +6,7 @@ the W8 transpose in the backward, an expand launch for dX's LoRA term (cuBLAS's 
 GEMMs save: of the Llama 1B and 8B layer shapes, only the 8B MLP's (4096 x 14336 and 14336 x 4096) are
 large enough for fp8 to pay in a layer step (docs/fp8.md). With ``"auto"`` a layer is quantized only
 where fp8 pays: a measurement of its shape on this GPU when one is stored with the tuned kernel configs
-(:func:`measure_layer`, ``python bench/tune_kernels.py --fp8``; the package ships those of the GPU it was
+(:func:`measure_layer`, ``sits-lora compile --fp8``; the package ships those of the GPU it was
 tuned on), else the rule in_features x out_features >= MIN_ELEMENTS (32 Mi, between the largest shape
 where fp8 lost, 4096², 16 Mi, and the smallest where it won, 4096 x 14336, 56 Mi).
 """

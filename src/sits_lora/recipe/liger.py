@@ -36,7 +36,7 @@ def resolve_liger(requested, model_type: str, cuda: Optional[bool] = None) -> tu
     if types is None:
         return False, ("off: liger-kernel is not installed (pip install 'sits-lora[gpu]'); without it the norms, "
                        "SwiGLU and the cross-entropy over the full logits stay unfused: a LoRA step runs slower and its "
-                       "peak memory is much higher (bench/regress.py; docs/performance.md)")
+                       "peak memory is much higher (docs/performance.md)")
     if model_type not in types:
         if requested is True:
             raise ValueError(f"liger=true: Liger-Kernel has no kernels for model type {model_type!r} (it patches "

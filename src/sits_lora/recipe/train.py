@@ -77,7 +77,7 @@ class TrainRecipe:
         "help": "auto | true | false: Liger-Kernel's fused RMSNorm / RoPE / SwiGLU / linear cross-entropy around "
                 "the adapter, applied by the Trainer (TrainingArguments.use_liger_kernel) for every model type "
                 "Liger supports. auto: on with a CUDA GPU, liger-kernel installed (pip install 'sits-lora[gpu]') "
-                "and a supported model; it gives the fastest frozen step (bench/regress.py; docs/performance.md)"})
+                "and a supported model; it gives the fastest frozen step (docs/performance.md)"})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16"})
     seed: int = field(default=0, metadata={"help": "random seed"})
     logging_steps: int = field(default=5, metadata={"help": "log every N steps"})
@@ -189,7 +189,7 @@ class TrainRecipe:
                 raise ValueError(f"fp8={self.fp8!r} under accelerate's FSDP plugin needs a torch whose FSDP2 shards "
                                  f"integer parameters (the fp8 codes are then stored as bytes, which its bf16 "
                                  f"policy leaves alone); torch {torch.__version__} does not (torch 2.13 does): "
-                                 f"upgrade torch, use DDP (recipes/configs/accelerate/ddp.yaml), or fp8: off")
+                                 f"upgrade torch, use DDP (accelerate launch --multi_gpu; docs/multi-gpu.md), or fp8: off")
         if self.fp8 != "off" and not self.fp8_emulate:
             from ..bases.fp8 import Fp8UnsupportedError, check_fp8_hardware
 
