@@ -4,6 +4,7 @@
     python -m bench gate --shapes 1b ...     # a suite's first script (here regress.py) with these arguments
     python -m bench memory memory_plan ...   # another script of the suite
     python -m bench run gate OUT -- ...      # a device call: a suite's GPU tests, then its scripts (gpu_run.py)
+    python -m bench tools archive FOLDER     # a raw results folder back from git history (archive.py)
 
 Each script still runs on its own (``python bench/regress.py ...``); this entry finds it by what it measures.
 """

@@ -17,7 +17,7 @@ SUITES = {
     "diffusion": ["diffusion", "profile_diffusion", "diffusion_graph_breaks"],
     "quality": ["unsloth_quality", "dynamic_rank_eval", "rank_budget_trace"],
     "multi-gpu": ["multi_gpu"],
-    "tools": ["report", "gpu_run", "peft_suite", "cli_suite", "carry_unsloth"],
+    "tools": ["report", "archive", "gpu_run", "peft_suite", "cli_suite", "carry_unsloth"],
 }
 # modules the scripts import, not run on their own
 LIBRARIES = ("harness", "dynamic_rank_harness", "suites")
